@@ -1,0 +1,142 @@
+"""The control plane: start a hivemind DHT peer, announce node records, read them back.
+
+hivemind runs its DHT in a child process; `run_coroutine` pickles the function it is given,
+so the coroutines here are module-level functions bound with functools.partial.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from swarm.records import MODELS_KEY, ModelRecord, NodeRecord, block_key
+
+log = logging.getLogger(__name__)
+
+
+def start_dht(
+    initial_peers: Sequence[str] = (), host: str = "127.0.0.1", client_mode: bool = False
+):
+    """Start a DHT peer with signed-record validation. No initial peers: a new swarm."""
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    return hivemind.DHT(
+        initial_peers=list(initial_peers),
+        host_maddrs=[f"/ip4/{host}/tcp/0"],
+        client_mode=client_mode,
+        record_validators=[RSASignatureValidator()],
+        start=True,
+    )
+
+
+def owner_subkey(dht) -> bytes:
+    """Our public-key marker; a subkey holding it can only be written with our private key."""
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    # RSAPrivateKey.process_wide() is shared by every validator in this process, the DHT's too
+    return RSASignatureValidator().local_public_key
+
+
+def visible_maddrs(dht) -> list[str]:
+    return [str(m) for m in dht.get_visible_maddrs()]
+
+
+async def _store_records(_dht, node, keys, values, expiration, subkey):
+    result = await node.store_many(
+        keys, values, expiration_time=expiration, subkeys=[subkey] * len(keys)
+    )
+    return sum(bool(v) for v in result.values())
+
+
+def announce(dht, records: Sequence[NodeRecord], ttl: float) -> int:
+    """Store one record per block plus a model index entry. Returns how many stores succeeded."""
+    from hivemind.utils import get_dht_time
+
+    if not records:
+        return 0
+    subkey = owner_subkey(dht)
+    first = records[0]
+    keys = [block_key(r.model, b) for r in records for b in range(r.start, r.end)]
+    values = [r.to_wire() for r in records for _ in range(r.start, r.end)]
+    keys.append(MODELS_KEY)
+    values.append(ModelRecord(first.model, first.num_layers, first.fingerprint).to_wire())
+    expiration = get_dht_time() + ttl
+    return dht.run_coroutine(
+        functools.partial(
+            _store_records, keys=keys, values=values, expiration=expiration, subkey=subkey
+        )
+    )
+
+
+async def _get_many(_dht, node, keys):
+    found = await node.get_many(keys)
+    out = {}
+    for key, item in found.items():
+        if item is None or not isinstance(item.value, dict):
+            continue
+        out[key] = {sub: (entry.value, entry.expiration_time) for sub, entry in item.value.items()}
+    return out
+
+
+@dataclass
+class SwarmView:
+    """Everything read from the DHT in one pass, with a count of records that failed validation."""
+
+    models: dict[str, ModelRecord] = field(default_factory=dict)
+    nodes: dict[str, list[NodeRecord]] = field(default_factory=dict)  # model -> records
+    expirations: dict[tuple[str, str], float] = field(default_factory=dict)  # (model, peer)
+    malformed: int = 0
+
+
+def read_models(dht) -> tuple[dict[str, ModelRecord], int]:
+    raw = dht.run_coroutine(functools.partial(_get_many, keys=[MODELS_KEY]))
+    models, malformed = {}, 0
+    for value, _exp in raw.get(MODELS_KEY, {}).values():
+        try:
+            m = ModelRecord.from_wire(value)
+        except ValueError:
+            malformed += 1
+            continue
+        models.setdefault(m.model, m)
+    return models, malformed
+
+
+def read_nodes(dht, model: str, num_layers: int) -> tuple[list[NodeRecord], dict[str, float], int]:
+    """All distinct node records for a model; one node appears once even though it is stored per block."""
+    keys = [block_key(model, b) for b in range(num_layers)]
+    raw = dht.run_coroutine(functools.partial(_get_many, keys=keys))
+    by_peer: dict[str, NodeRecord] = {}
+    expirations: dict[str, float] = {}
+    malformed = 0
+    for key, entries in raw.items():
+        block = int(key.rsplit(".", 1)[1])
+        for value, exp in entries.values():
+            try:
+                rec = NodeRecord.from_wire(value)
+            except ValueError as exc:
+                log.debug("skipping malformed record under %s: %s", key, exc)
+                malformed += 1
+                continue
+            if rec.model != model or not rec.start <= block < rec.end:
+                malformed += 1
+                continue
+            old = by_peer.get(rec.peer)
+            if old is None or rec.updated > old.updated:
+                by_peer[rec.peer] = rec
+                expirations[rec.peer] = exp
+    return list(by_peer.values()), expirations, malformed
+
+
+def read_swarm(dht) -> SwarmView:
+    view = SwarmView()
+    view.models, view.malformed = read_models(dht)
+    for name, m in view.models.items():
+        nodes, exps, bad = read_nodes(dht, name, m.num_layers)
+        view.nodes[name] = nodes
+        view.malformed += bad
+        for peer, exp in exps.items():
+            view.expirations[(name, peer)] = exp
+    return view

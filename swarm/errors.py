@@ -1,0 +1,96 @@
+"""Errors a caller can catch. Each has a wire code so a node can send it back along a route."""
+
+from __future__ import annotations
+
+
+class SwarmError(Exception):
+    """Base of every error this package raises on purpose."""
+
+    code = "error"
+    retry_elsewhere = False  # True: another route may succeed (busy, dead peer)
+
+
+class ProtocolError(SwarmError):
+    """A frame or message that does not follow the wire protocol."""
+
+    code = "protocol"
+
+
+class FrameTooLarge(ProtocolError):
+    code = "frame_too_large"
+
+
+class ShapeMismatch(ProtocolError):
+    """A tensor whose dtype, shape or size does not fit where it was sent."""
+
+    code = "shape_mismatch"
+
+
+class SessionNotFound(SwarmError):
+    code = "session_not_found"
+
+
+class FingerprintMismatch(SwarmError):
+    """Client and node disagree on which weights "the model" is."""
+
+    code = "fingerprint_mismatch"
+
+
+class SpanError(SwarmError):
+    """A layer range that is empty, out of order or beyond the model."""
+
+    code = "span"
+
+
+class RouteUnavailable(SwarmError):
+    """No chain of online nodes covers every block of the model."""
+
+    code = "route_unavailable"
+    retry_elsewhere = True
+
+
+class NodeBusy(SwarmError):
+    """The node is at its session or cache limit, or shutting down. Try another route."""
+
+    code = "busy"
+    retry_elsewhere = True
+
+
+class CacheFull(SwarmError):
+    """The sequence would exceed the session's or node's cache budget. Shorten the request."""
+
+    code = "cache_full"
+
+
+class PeerFailed(SwarmError):
+    """A node on the route died, hung or dropped the connection."""
+
+    code = "peer_failed"
+    retry_elsewhere = True
+
+    def __init__(self, message: str, hop: int | None = None, peer: str | None = None):
+        super().__init__(message)
+        self.hop = hop
+        self.peer = peer
+
+
+ERRORS_BY_CODE: dict[str, type[SwarmError]] = {
+    cls.code: cls
+    for cls in (
+        SwarmError,
+        ProtocolError,
+        FrameTooLarge,
+        ShapeMismatch,
+        SessionNotFound,
+        FingerprintMismatch,
+        SpanError,
+        RouteUnavailable,
+        NodeBusy,
+        CacheFull,
+        PeerFailed,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> SwarmError:
+    return ERRORS_BY_CODE.get(code, SwarmError)(message)

@@ -1,0 +1,204 @@
+"""Typed data-plane messages. `parse_message` validates a decoded frame at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarm.errors import ProtocolError, SwarmError, error_from_code
+
+PREFILL = "prefill"
+DECODE = "decode"
+PHASES = (PREFILL, DECODE)
+
+
+@dataclass(frozen=True)
+class Hop:
+    host: str
+    port: int
+    start: int
+    end: int
+    peer: str = ""
+
+    def to_wire(self) -> list:
+        return [self.host, self.port, self.start, self.end, self.peer]
+
+
+@dataclass(frozen=True)
+class Open:
+    """Open a session on this node for blocks route[hop], then forward along the route."""
+
+    sid: str
+    route: tuple[Hop, ...]
+    hop: int
+    fingerprint: str
+    wire_dtype: str
+    max_length: int
+    sink_token: str
+    t: str = field(default="open", init=False)
+
+
+@dataclass(frozen=True)
+class Opened:
+    sid: str
+    t: str = field(default="opened", init=False)
+
+
+@dataclass(frozen=True)
+class Attach:
+    """The client's claim on the last node's output, proven by the token sent in Open."""
+
+    sid: str
+    sink_token: str
+    t: str = field(default="attach", init=False)
+
+
+@dataclass(frozen=True)
+class Attached:
+    sid: str
+    t: str = field(default="attached", init=False)
+
+
+@dataclass(frozen=True)
+class Step:
+    """Activations for tokens [pos, pos + n) of a phase whose input ends at `end`."""
+
+    sid: str
+    phase: str
+    pos: int
+    end: int
+    hidden: Any  # wire tensor map; decoded by the receiver, which knows the expected shape
+    t: str = field(default="step", init=False)
+
+
+@dataclass(frozen=True)
+class Result:
+    """Last node -> client: hidden state of token end-1 after the final block."""
+
+    sid: str
+    end: int
+    hidden: Any
+    t: str = field(default="result", init=False)
+
+
+@dataclass(frozen=True)
+class Close:
+    sid: str
+    t: str = field(default="close", init=False)
+
+
+@dataclass(frozen=True)
+class Ping:
+    nonce: int
+    t: str = field(default="ping", init=False)
+
+
+@dataclass(frozen=True)
+class Pong:
+    nonce: int
+    t: str = field(default="pong", init=False)
+
+
+@dataclass(frozen=True)
+class Error:
+    code: str
+    message: str
+    sid: str = ""
+    hop: int = -1
+    t: str = field(default="error", init=False)
+
+    @classmethod
+    def of(cls, exc: SwarmError, sid: str = "", hop: int = -1) -> Error:
+        return cls(code=exc.code, message=str(exc), sid=sid, hop=hop)
+
+    def exception(self) -> SwarmError:
+        exc = error_from_code(self.code, self.message)
+        exc.hop = self.hop  # type: ignore[attr-defined]
+        return exc
+
+
+Message = Open | Opened | Attach | Attached | Step | Result | Close | Ping | Pong | Error
+
+
+def to_wire(message: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"t": message.t}
+    for name in message.__dataclass_fields__:
+        if name == "t":
+            continue
+        value = getattr(message, name)
+        out[name] = [h.to_wire() for h in value] if name == "route" else value
+    return out
+
+
+def _str(d: dict, key: str, max_len: int = 256) -> str:
+    v = d.get(key)
+    if not isinstance(v, str) or len(v) > max_len:
+        raise ProtocolError(f"field {key!r} must be a string of at most {max_len} characters")
+    return v
+
+
+def _int(d: dict, key: str, lo: int = 0, hi: int = 2**31) -> int:
+    v = d.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ProtocolError(f"field {key!r} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _hop(raw: Any) -> Hop:
+    if (
+        not isinstance(raw, list)
+        or len(raw) != 5
+        or not isinstance(raw[0], str)
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw[1:4])
+        or not isinstance(raw[4], str)
+    ):
+        raise ProtocolError(f"route hop must be [host, port, start, end, peer], got {raw!r}")
+    return Hop(*raw)
+
+
+def parse_message(d: dict[str, Any]) -> Message:
+    kind = d.get("t")
+    if kind == "open":
+        route = d.get("route")
+        if not isinstance(route, list) or not 1 <= len(route) <= 64:
+            raise ProtocolError("field 'route' must be a list of 1..64 hops")
+        hops = tuple(_hop(h) for h in route)
+        hop = _int(d, "hop", 0, len(hops) - 1)
+        return Open(
+            sid=_str(d, "sid", 64),
+            route=hops,
+            hop=hop,
+            fingerprint=_str(d, "fingerprint", 128),
+            wire_dtype=_str(d, "wire_dtype", 16),
+            max_length=_int(d, "max_length", 1, 1 << 20),
+            sink_token=_str(d, "sink_token", 64),
+        )
+    if kind == "step":
+        phase = d.get("phase")
+        if phase not in PHASES:
+            raise ProtocolError(f"field 'phase' must be one of {PHASES}, got {phase!r}")
+        return Step(
+            sid=_str(d, "sid", 64),
+            phase=phase,
+            pos=_int(d, "pos"),
+            end=_int(d, "end", 1),
+            hidden=d.get("hidden"),
+        )
+    if kind == "result":
+        return Result(sid=_str(d, "sid", 64), end=_int(d, "end", 1), hidden=d.get("hidden"))
+    if kind == "attach":
+        return Attach(sid=_str(d, "sid", 64), sink_token=_str(d, "sink_token", 64))
+    if kind in ("opened", "attached", "close"):
+        cls = {"opened": Opened, "attached": Attached, "close": Close}[kind]
+        return cls(sid=_str(d, "sid", 64))
+    if kind in ("ping", "pong"):
+        cls = Ping if kind == "ping" else Pong
+        return cls(nonce=_int(d, "nonce", 0, 2**63))
+    if kind == "error":
+        return Error(
+            code=_str(d, "code", 64),
+            message=_str(d, "message", 4096),
+            sid=_str(d, "sid", 64) if "sid" in d else "",
+            hop=_int(d, "hop", -1, 1024) if "hop" in d else -1,
+        )
+    raise ProtocolError(f"unknown message type {kind!r}")

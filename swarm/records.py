@@ -1,0 +1,109 @@
+"""DHT records: what a node announces about itself, one record per served block.
+
+Each record sits under key `<model>.block.<i>` with the owner's public key as subkey, so
+hivemind's RSASignatureValidator lets only that owner change it. `swarm.models` lists models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+JOINING, ONLINE, OFFLINE = "joining", "online", "offline"
+STATES = (JOINING, ONLINE, OFFLINE)
+MODELS_KEY = "swarm.models"
+
+
+def block_key(model: str, block: int) -> str:
+    return f"{model}.block.{block}"
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    peer: str  # hivemind peer id, printable
+    addr: str  # data-plane "host:port" clients and upstream nodes connect to
+    model: str
+    start: int
+    end: int
+    state: str
+    fingerprint: str
+    version: str
+    num_layers: int
+    free_cache_tokens: int = 0
+    throughput: float = 0.0  # tokens/s this node sustains through its whole span
+    link: dict[str, float] = field(default_factory=dict)  # scheduler / estimator figures
+    updated: float = 0.0  # DHT time of this announcement
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.addr.rpartition(":")
+        return host, int(port)
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> NodeRecord:
+        """Validate a record read from the DHT; raise ValueError on anything malformed."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"record is {type(raw).__name__}, not a map")
+        try:
+            rec = cls(
+                peer=_typed(raw, "peer", str),
+                addr=_typed(raw, "addr", str),
+                model=_typed(raw, "model", str),
+                start=_typed(raw, "start", int),
+                end=_typed(raw, "end", int),
+                state=_typed(raw, "state", str),
+                fingerprint=_typed(raw, "fingerprint", str),
+                version=_typed(raw, "version", str),
+                num_layers=_typed(raw, "num_layers", int),
+                free_cache_tokens=_typed(raw, "free_cache_tokens", int),
+                throughput=float(_typed(raw, "throughput", (int, float))),
+                link={
+                    str(k): float(v)
+                    for k, v in _typed(raw, "link", dict).items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)
+                },
+                updated=float(_typed(raw, "updated", (int, float))),
+            )
+        except KeyError as exc:
+            raise ValueError(f"record lacks field {exc}") from None
+        if rec.state not in STATES:
+            raise ValueError(f"record state {rec.state!r} is not one of {STATES}")
+        if not 0 <= rec.start < rec.end <= rec.num_layers:
+            raise ValueError(f"record span {rec.start}:{rec.end} is not inside 0:{rec.num_layers}")
+        host, sep, port = rec.addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"record address {rec.addr!r} is not host:port")
+        return rec
+
+
+def _typed(raw: dict, key: str, kind: type | tuple[type, ...]) -> Any:
+    value = raw[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ValueError(f"record field {key!r} has type {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    model: str
+    num_layers: int
+    fingerprint: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> ModelRecord:
+        if not isinstance(raw, dict):
+            raise ValueError("model record is not a map")
+        try:
+            return cls(
+                model=_typed(raw, "model", str),
+                num_layers=_typed(raw, "num_layers", int),
+                fingerprint=_typed(raw, "fingerprint", str),
+            )
+        except KeyError as exc:
+            raise ValueError(f"model record lacks field {exc}") from None
