@@ -1,0 +1,57 @@
+"""The swarm client: `generate()` for text, `Client` and `InferenceSession` for more control."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+
+from swarm.client.client import Client, InferenceSession, Sampler
+
+__all__ = ["Client", "InferenceSession", "Sampler", "generate", "stream", "get_client"]
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_client(peers: tuple[str, ...], model: str | None, wire_dtype: str | None) -> Client:
+    return Client(list(peers), model=model, wire_dtype=wire_dtype)
+
+
+def get_client(
+    initial_peers: Sequence[str], model: str | None = None, wire_dtype: str | None = None
+) -> Client:
+    """One Client per (peers, model, wire dtype) per process: the DHT and head load once."""
+    return _cached_client(tuple(initial_peers), model, wire_dtype)
+
+
+def stream(
+    prompt: str | list[dict[str, str]],
+    max_new_tokens: int = 64,
+    *,
+    initial_peers: Sequence[str],
+    model: str | None = None,
+    wire_dtype: str | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+) -> Iterator[str]:
+    """Yield the reply as text pieces while tokens arrive. Greedy unless temperature > 0."""
+    client = get_client(initial_peers, model, wire_dtype)
+    return client.stream(
+        prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=stop,
+    )
+
+
+def generate(
+    prompt: str | list[dict[str, str]],
+    max_new_tokens: int = 64,
+    **kwargs,
+) -> str:
+    """The reply to a prompt (a string, or chat messages [{"role", "content"}]) as text."""
+    return "".join(stream(prompt, max_new_tokens, **kwargs))

@@ -105,7 +105,7 @@ def read_models(dht) -> tuple[dict[str, ModelRecord], int]:
 
 
 def read_nodes(dht, model: str, num_layers: int) -> tuple[list[NodeRecord], dict[str, float], int]:
-    """All distinct node records for a model; one node appears once even though it is stored per block."""
+    """Distinct node records of a model (a node is stored once per block, returned once)."""
     keys = [block_key(model, b) for b in range(num_layers)]
     raw = dht.run_coroutine(functools.partial(_get_many, keys=keys))
     by_peer: dict[str, NodeRecord] = {}

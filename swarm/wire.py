@@ -63,7 +63,7 @@ class FrameDecoder:
         body = bytes(self._buffer[_PREFIX.size : end])
         del self._buffer[:end]
         try:
-            message = msgpack.unpackb(body, raw=False, strict_map_key=True, max_buffer_size=length)
+            message = msgpack.unpackb(body, raw=False, strict_map_key=True)
         except Exception as exc:  # msgpack raises several unrelated types on garbage
             raise ProtocolError(f"frame is not valid msgpack: {type(exc).__name__}") from None
         if not isinstance(message, dict):

@@ -122,7 +122,10 @@ class GGUFSource:
             heads = self.config.heads if "attn_q" in name else self.config.kv_heads
             dim = arr.shape[0] // heads // 2
             arr = arr.reshape(heads, dim, 2, *arr.shape[1:]).swapaxes(2, 1).reshape(arr.shape)
-        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if not arr.flags.writeable:  # float32 tensors come straight from the read-only mmap
+            arr = arr.copy()
+        return torch.from_numpy(arr)
 
     def block_tensors(self, block: int) -> dict[str, torch.Tensor]:
         out = {}

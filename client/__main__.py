@@ -1,0 +1,71 @@
+"""python -m swarm.client "prompt" --initial-peers MULTIADDR ..."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from swarm.client.client import Client
+
+from swarm.errors import SwarmError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m swarm.client", description="Ask the swarm.")
+    p.add_argument("prompt")
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR")
+    p.add_argument("--model", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--wire-dtype", default=None, choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--raw", action="store_true", help="no chat template")
+    p.add_argument("-v", "--verbose", action="store_true")
+    a = p.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if a.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    client = Client(a.initial_peers, model=a.model, wire_dtype=a.wire_dtype)
+    prompt = a.prompt if a.raw else [{"role": "user", "content": a.prompt}]
+    try:
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        for piece in client.stream(
+            prompt,
+            max_new_tokens=a.max_new_tokens,
+            temperature=a.temperature,
+            top_p=a.top_p,
+            top_k=a.top_k,
+            seed=a.seed,
+        ):
+            first = first or time.perf_counter()
+            n += 1
+            print(piece, end="", flush=True)
+        print()
+        total = time.perf_counter() - t0
+        tokens = len(getattr(client, "last_tokens", []))
+        if first and tokens > 1:
+            print(
+                f"[{tokens} tokens; first after {first - t0:.2f} s;"
+                f" {(tokens - 1) / (time.perf_counter() - first):.1f} tokens/s after]",
+                file=sys.stderr,
+            )
+        else:
+            print(f"[{tokens} tokens in {total:.2f} s]", file=sys.stderr)
+    except SwarmError as exc:
+        print(f"\nerror: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

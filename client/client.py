@@ -1,0 +1,280 @@
+"""The client: DHT discovery, routing, the model head, sessions that survive node failures."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+import trio
+from swarm.client.routing import find_route, missing_blocks, usable
+from swarm.client.runtime import TrioThread
+from swarm.client.session import RemoteSession
+
+from swarm.dht import read_nodes, start_dht
+from swarm.errors import RouteUnavailable, SwarmError
+from swarm.model.blocks import Head
+from swarm.model.source import open_model
+from swarm.protocol import Hop, Ping, Pong
+from swarm.records import NodeRecord
+from swarm.transport import connect
+
+log = logging.getLogger("swarm.client")
+
+
+class Client:
+    """Connects to a swarm serving one model. Reuse one per process: it holds the DHT and head."""
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str],
+        model: str | None = None,
+        wire_dtype: str | None = None,
+        step_timeout: float = 30.0,
+        max_retries: int = 4,
+    ):
+        if not initial_peers:
+            raise ValueError("initial_peers is empty: pass the multiaddr a node printed")
+        self.source = open_model(model)
+        self.config = self.source.config
+        self.fingerprint = self.source.fingerprint()
+        self.head = Head(self.config, self.source.head_tensors())
+        self.wire_dtype = wire_dtype
+        self.step_timeout = step_timeout
+        self.max_retries = max_retries
+        self._tokenizer = None
+        self.dht = start_dht(initial_peers, client_mode=True)
+        self.loop = TrioThread()
+        self._rtts: dict[str, float] = {}
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = self.source.tokenizer()
+        return self._tokenizer
+
+    def close(self) -> None:
+        self.loop.close()
+        self.dht.shutdown()
+
+    # ---- routing ----------------------------------------------------------------------------
+
+    def nodes(self) -> list[NodeRecord]:
+        records, _exp, _bad = read_nodes(self.dht, self.config.name, self.config.num_layers)
+        return records
+
+    def route(self, exclude: set[str] = frozenset()) -> list[Hop]:
+        records = usable(self.nodes(), self.fingerprint, exclude)
+        if missing_blocks(records, self.config.num_layers):
+            find_route(records, self.config.num_layers, self.fingerprint, model=self.config.name)
+        rtts = self.loop.run(ping_all, {r.peer: r.host_port for r in records}, 2.0)
+        self._rtts.update(rtts)
+        reachable = [r for r in records if r.peer in rtts]
+        return find_route(
+            reachable,
+            self.config.num_layers,
+            self.fingerprint,
+            self._rtts,
+            exclude,
+            model=self.config.name,
+        )
+
+    # ---- sessions ----------------------------------------------------------------------------
+
+    def session(self, max_length: int) -> InferenceSession:
+        return InferenceSession(self, max_length)
+
+    def stream(
+        self,
+        prompt: str | list[dict[str, str]],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+    ) -> Iterator[str]:
+        """Yield the reply's text piece by piece as tokens arrive."""
+        ids = self.encode(prompt)
+        sampler = Sampler(temperature, top_p, top_k, seed)
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        generated: list[int] = []
+        emitted = ""
+        with self.session(len(ids) + max_new_tokens) as session:
+            logits = session.feed(ids)
+            for i in range(max_new_tokens):
+                token = sampler(logits)
+                if token in eos:
+                    break
+                generated.append(token)
+                text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                hit = [text.index(s) for s in stop if s and s in text]
+                if hit:
+                    text = text[: min(hit)]
+                if len(text) > len(emitted) and not text.endswith("\ufffd"):
+                    yield text[len(emitted) :]
+                    emitted = text
+                if hit:
+                    return
+                if i + 1 < max_new_tokens:
+                    logits = session.feed([token])
+        self.last_tokens = generated
+
+    def generate(self, prompt: str | list[dict[str, str]], **kwargs) -> str:
+        return "".join(self.stream(prompt, **kwargs))
+
+    def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        if isinstance(prompt, list):
+            enc = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            if hasattr(enc, "keys"):
+                enc = enc["input_ids"]
+            return list(enc)
+        return self.tokenizer.encode(prompt)
+
+
+class InferenceSession:
+    """Token ids in, next-token logits out. Survives node failures by rerouting and replaying."""
+
+    def __init__(self, client: Client, max_length: int):
+        if max_length > client.config.max_position:
+            raise ValueError(
+                f"{max_length} tokens exceed the model's context of {client.config.max_position}"
+            )
+        self.client = client
+        self.max_length = max_length
+        self.history: list[int] = []
+        self.remote: RemoteSession | None = None
+        self.excluded: set[str] = set()
+        self.recoveries: list[float] = []  # seconds each failure took to recover from
+
+    def __enter__(self) -> InferenceSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.remote is not None:
+            self.client.loop.run(self.remote.aclose)
+            self.remote = None
+
+    def _open(self) -> None:
+        route = self.client.route(self.excluded)
+        remote = RemoteSession(
+            route,
+            self.client.fingerprint,
+            self.client.config.hidden,
+            self.max_length,
+            self.client.wire_dtype,
+            self.client.step_timeout,
+        )
+        try:
+            self.client.loop.run(remote.open)
+        except BaseException:
+            self.client.loop.run(remote.aclose)
+            raise
+        self.remote = remote
+        log.info("route: %s", " -> ".join(f"{h.host}:{h.port}[{h.start}:{h.end}]" for h in route))
+
+    def feed(self, ids: list[int]) -> torch.Tensor:
+        """Append tokens; return logits [vocab] for the next one."""
+        failed_at = None
+        for attempt in range(self.client.max_retries + 1):
+            try:
+                if self.remote is None:
+                    self._open()
+                    if self.history:  # a new route: rebuild its caches from the tokens so far
+                        ids_now = self.history + ids
+                    else:
+                        ids_now = ids
+                else:
+                    ids_now = ids
+                hidden = self.client.head.embed_tokens(ids_now)
+                out = self.client.loop.run(self.remote.step, hidden)
+                self.history += ids
+                if failed_at is not None:
+                    self.recoveries.append(time.monotonic() - failed_at)
+                return self.client.head.logits(out)
+            except SwarmError as exc:
+                if not exc.retry_elsewhere or attempt == self.client.max_retries:
+                    raise
+                failed_at = failed_at or time.monotonic()
+                self._blame(exc)
+                log.warning("route failed (%s); rerouting, attempt %d", exc, attempt + 1)
+                if self.remote is not None:
+                    self.client.loop.run(self.remote.aclose)
+                    self.remote = None
+                time.sleep(min(0.25 * 2**attempt, 4.0))
+        raise RouteUnavailable("unreachable")
+
+    def _blame(self, exc: SwarmError) -> None:
+        peer = getattr(exc, "peer", None)
+        if peer:
+            self.excluded.add(peer)
+            return
+        if self.remote is None:
+            return
+        # nobody named: a hop hung. Ping each; exclude the silent ones.
+        hops = {h.peer: (h.host, h.port) for h in self.remote.route}
+        alive = self.client.loop.run(ping_all, hops, 2.0)
+        self.excluded.update(p for p in hops if p not in alive)
+
+
+class Sampler:
+    def __init__(self, temperature: float, top_p: float, top_k: int, seed: int | None):
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.generator = torch.Generator().manual_seed(
+            seed if seed is not None else random.randrange(2**63)
+        )
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self.temperature <= 0:
+            return int(logits.argmax())
+        logits = logits / self.temperature
+        if self.top_k > 0:
+            kth = torch.topk(logits, min(self.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < self.top_p
+            mask = torch.zeros_like(probs, dtype=torch.bool)
+            mask[order[keep]] = True
+            probs = probs.masked_fill(~mask, 0.0)
+            probs = probs / probs.sum()
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+async def ping(host: str, port: int, timeout: float) -> float | None:
+    try:
+        with trio.fail_after(timeout):
+            conn = await connect(host, port, max_frame=4096)
+            try:
+                t = time.perf_counter()
+                await conn.send(Ping(nonce=1))
+                msg = await conn.receive()
+                if isinstance(msg, Pong):
+                    return time.perf_counter() - t
+            finally:
+                await conn.aclose()
+    except (OSError, trio.TooSlowError, SwarmError, trio.BrokenResourceError):
+        return None
+    return None
+
+
+async def ping_all(addrs: dict[str, tuple[str, int]], timeout: float) -> dict[str, float]:
+    out: dict[str, float] = {}
+
+    async def one(peer, host, port):
+        rtt = await ping(host, port, timeout)
+        if rtt is not None:
+            out[peer] = rtt
+
+    async with trio.open_nursery() as nursery:
+        for peer, (host, port) in addrs.items():
+            nursery.start_soon(one, peer, host, port)
+    return out

@@ -1,0 +1,87 @@
+"""Choosing a chain of nodes that covers every block, lowest estimated latency first."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+from swarm.errors import RouteUnavailable
+from swarm.protocol import Hop
+from swarm.records import ONLINE, NodeRecord
+
+DEFAULT_RTT = 0.05  # seconds, for nodes not pinged yet
+DEFAULT_BLOCK_TIME = 0.005  # seconds per block per token, for nodes without a throughput figure
+
+
+def usable(records: Iterable[NodeRecord], fingerprint: str, exclude: set[str] = frozenset()):
+    return [
+        r
+        for r in records
+        if r.state == ONLINE and r.fingerprint == fingerprint and r.peer not in exclude
+    ]
+
+
+def missing_blocks(records: Iterable[NodeRecord], num_layers: int) -> list[tuple[int, int]]:
+    covered = [False] * num_layers
+    for r in records:
+        for b in range(r.start, min(r.end, num_layers)):
+            covered[b] = True
+    gaps, b = [], 0
+    while b < num_layers:
+        if covered[b]:
+            b += 1
+            continue
+        e = b
+        while e < num_layers and not covered[e]:
+            e += 1
+        gaps.append((b, e))
+        b = e
+    return gaps
+
+
+def hop_cost(r: NodeRecord, start: int, end: int, rtts: dict[str, float]) -> float:
+    """Estimated seconds one decode token spends on this hop: the link in, then the blocks."""
+    per_block = 1.0 / (r.throughput * (r.end - r.start)) if r.throughput > 0 else DEFAULT_BLOCK_TIME
+    return rtts.get(r.peer, DEFAULT_RTT) / 2 + (end - start) * per_block
+
+
+def find_route(
+    records: Iterable[NodeRecord],
+    num_layers: int,
+    fingerprint: str,
+    rtts: dict[str, float] | None = None,
+    exclude: set[str] = frozenset(),
+    model: str = "the model",
+) -> list[Hop]:
+    """Shortest path over block boundaries 0..num_layers; a hop may use part of a node's span."""
+    rtts = rtts or {}
+    nodes = usable(records, fingerprint, exclude)
+    gaps = missing_blocks(nodes, num_layers)
+    if gaps:
+        text = ", ".join(f"{a}:{b}" for a, b in gaps)
+        raise RouteUnavailable(f"no online node serves blocks {text} of {model}")
+    best = {0: 0.0}
+    prev: dict[int, tuple[int, NodeRecord]] = {}
+    queue = [(0.0, 0)]
+    while queue:
+        cost, pos = heapq.heappop(queue)
+        if pos == num_layers:
+            break
+        if cost > best.get(pos, float("inf")):
+            continue
+        for r in nodes:
+            if not r.start <= pos < r.end:
+                continue
+            for stop in range(pos + 1, r.end + 1):
+                c = cost + hop_cost(r, pos, stop, rtts)
+                if c < best.get(stop, float("inf")):
+                    best[stop] = c
+                    prev[stop] = (pos, r)
+                    heapq.heappush(queue, (c, stop))
+    route, pos = [], num_layers
+    while pos > 0:
+        start, r = prev[pos]
+        host, port = r.host_port
+        route.append(Hop(host, port, start, pos, r.peer))
+        pos = start
+    return route[::-1]

@@ -1,0 +1,179 @@
+"""One inference session through a fixed route: open it, push steps, read the last hidden state."""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+import trio
+
+from swarm.errors import PeerFailed, ProtocolError, SwarmError
+from swarm.protocol import (
+    DECODE,
+    PREFILL,
+    Attach,
+    Attached,
+    Close,
+    Error,
+    Hop,
+    Open,
+    Opened,
+    Result,
+    Step,
+)
+from swarm.transport import FramedStream, connect
+from swarm.wire import DEFAULT_MAX_FRAME, pack_tensor, unpack_tensor
+
+
+class RemoteSession:
+    """Async session over a route. Not thread-safe; the client runtime drives it from one task."""
+
+    def __init__(
+        self,
+        route: list[Hop],
+        fingerprint: str,
+        hidden: int,
+        max_length: int,
+        wire_dtype: str | None = None,
+        step_timeout: float = 30.0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ):
+        self.route = route
+        self.fingerprint = fingerprint
+        self.hidden = hidden
+        self.max_length = max_length
+        self.wire_dtype = wire_dtype or ""
+        self.step_timeout = step_timeout
+        self.max_frame = max_frame
+        self.sid = secrets.token_hex(16)
+        self.position = 0
+        self.first: FramedStream | None = None
+        self.last: FramedStream | None = None
+
+    async def open(self) -> None:
+        first, last = self.route[0], self.route[-1]
+        self.first = await self._connect(0, first)
+        token = secrets.token_hex(16)
+        await self.first.send(
+            Open(
+                sid=self.sid,
+                route=tuple(self.route),
+                hop=0,
+                fingerprint=self.fingerprint,
+                wire_dtype=self.wire_dtype,
+                max_length=self.max_length,
+                sink_token=token,
+            )
+        )
+        await self._expect(self.first, Opened, 0, timeout=60 + 5 * len(self.route))
+        if len(self.route) == 1:
+            self.last = self.first
+        else:
+            self.last = await self._connect(len(self.route) - 1, last)
+        await self.last.send(Attach(sid=self.sid, sink_token=token))
+        await self._expect(self.last, Attached, len(self.route) - 1, timeout=30)
+
+    async def _connect(self, hop: int, h: Hop) -> FramedStream:
+        try:
+            with trio.fail_after(10):
+                return await connect(h.host, h.port, self.max_frame)
+        except (OSError, trio.TooSlowError) as exc:
+            raise self._failed(hop, f"cannot connect: {exc}") from None
+
+    def _failed(self, hop: int, why: str) -> PeerFailed:
+        h = self.route[hop]
+        return PeerFailed(
+            f"hop {hop} ({h.host}:{h.port}, blocks {h.start}:{h.end}) failed: {why}",
+            hop=hop,
+            peer=h.peer,
+        )
+
+    def _raise_error(self, msg: Error, default_hop: int):
+        hop = msg.hop if 0 <= msg.hop < len(self.route) else default_hop
+        raise _with_hop(msg.exception(), hop, self.route[hop].peer)
+
+    async def _receive(self, conn: FramedStream, hop: int):
+        try:
+            msg = await conn.receive()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise self._failed(hop, f"connection lost: {exc}") from None
+        if msg is None:
+            raise self._failed(hop, "connection closed")
+        return msg
+
+    async def _expect(self, conn: FramedStream, kind: type, hop: int, timeout: float):
+        with trio.move_on_after(timeout):
+            while True:
+                msg = await self._receive(conn, hop)
+                if isinstance(msg, Error):
+                    self._raise_error(msg, hop)
+                if isinstance(msg, kind) and getattr(msg, "sid", None) == self.sid:
+                    return msg
+        raise self._failed(hop, f"no {kind.__name__.lower()} within {timeout:.0f} s")
+
+    async def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Activations [1, tokens, hidden] in; the last token's final hidden [1, hidden] out."""
+        n = hidden.shape[1]
+        if self.position + n > self.max_length:
+            raise ProtocolError(
+                f"session holds {self.max_length} tokens; {self.position + n} requested"
+            )
+        phase = DECODE if n == 1 and self.position > 0 else PREFILL
+        end = self.position + n
+        await self._send_first(
+            Step(
+                sid=self.sid,
+                phase=phase,
+                pos=self.position,
+                end=end,
+                hidden=pack_tensor(hidden, self.wire_dtype or "float16"),
+            )
+        )
+        timeout = self.step_timeout + 0.05 * n
+        result: Result | None = None
+        async with trio.open_nursery() as nursery:
+            if self.first is not self.last:
+                nursery.start_soon(self._watch_first)
+            with trio.move_on_after(timeout):
+                while True:
+                    msg = await self._receive(self.last, len(self.route) - 1)
+                    if isinstance(msg, Error):
+                        self._raise_error(msg, len(self.route) - 1)
+                    if isinstance(msg, Result) and msg.sid == self.sid and msg.end == end:
+                        result = msg
+                        break
+            nursery.cancel_scope.cancel()
+        if result is None:
+            raise PeerFailed(f"no result within {timeout:.0f} s", hop=None)
+        self.position = end
+        out = unpack_tensor(result.hidden, hidden=self.hidden, max_tokens=1)
+        return out[:, -1]
+
+    async def _send_first(self, msg) -> None:
+        try:
+            await self.first.send(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise self._failed(0, f"connection lost: {exc}") from None
+
+    async def _watch_first(self) -> None:
+        """Errors travel back hop by hop to the first node's connection."""
+        while True:
+            msg = await self._receive(self.first, 0)
+            if isinstance(msg, Error):
+                self._raise_error(msg, 0)
+
+    async def aclose(self) -> None:
+        for conn in {id(c): c for c in (self.first, self.last) if c is not None}.values():
+            if conn is self.first:
+                with trio.move_on_after(1):
+                    try:
+                        await conn.send(Close(sid=self.sid))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        pass
+            await conn.aclose()
+
+
+def _with_hop(exc: SwarmError, hop: int, peer: str) -> SwarmError:
+    exc.hop = hop  # type: ignore[attr-defined]
+    exc.peer = peer  # type: ignore[attr-defined]
+    return exc

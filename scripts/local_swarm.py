@@ -1,0 +1,55 @@
+"""Start a DHT and a few nodes splitting the model, stream one reply, shut everything down."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from swarm.launch import even_spans, start_swarm, stop_all
+from swarm.model.source import open_model
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("prompt", nargs="?", default="Why is the sky blue? Answer in two sentences.")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--model", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--wire-dtype", default="float16")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    num_layers = open_model(a.model).config.num_layers
+    spans = even_spans(num_layers, a.nodes)
+    print(f"starting {a.nodes} nodes serving {spans} ...", flush=True)
+    t = time.perf_counter()
+    nodes = start_swarm(spans, model=a.model, extra=["--wire-dtype", a.wire_dtype])
+    try:
+        for n in nodes:
+            print(f"  node {n.layers[0]}:{n.layers[1]} at {n.addr} peer {n.peer[:12]}...")
+        print(f"swarm up in {time.perf_counter() - t:.1f} s; initial peer {nodes[0].maddrs[0]}")
+        from swarm.client.client import Client
+
+        client = Client(nodes[0].maddrs[:1], model=a.model)
+        print(f"\n> {a.prompt}\n", flush=True)
+        t = time.perf_counter()
+        first = None
+        for piece in client.stream(
+            [{"role": "user", "content": a.prompt}], max_new_tokens=a.max_new_tokens
+        ):
+            first = first or time.perf_counter()
+            print(piece, end="", flush=True)
+        n = len(client.last_tokens)
+        done = time.perf_counter()
+        rate = (n - 1) / (done - first) if first and n > 1 else 0.0
+        print(f"\n\n[{n} tokens, first after {(first or done) - t:.2f} s, {rate:.1f} tokens/s]")
+        client.close()
+    finally:
+        print("stopping nodes ...", flush=True)
+        stop_all(nodes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

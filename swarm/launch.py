@@ -1,0 +1,128 @@
+"""Start and stop node processes on this machine: the local swarm script and the tests use it."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+_MADDR = re.compile(r"--initial-peers (/\S+)")
+_SERVING = re.compile(r"serving blocks (\d+):(\d+) on (\S+) \(peer (\S+)\)")
+
+
+@dataclass
+class NodeProcess:
+    proc: subprocess.Popen
+    layers: tuple[int, int]
+    lines: list[str] = field(default_factory=list)
+    maddrs: list[str] = field(default_factory=list)
+    addr: str = ""
+    peer: str = ""
+    _queue: queue.Queue = field(default_factory=queue.Queue)
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_serving(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                raise RuntimeError(
+                    f"node {self.layers} exited with {self.proc.wait()}:\n" + "\n".join(self.lines)
+                )
+            if m := _MADDR.search(line):
+                self.maddrs.append(m.group(1))
+            if m := _SERVING.search(line):
+                self.addr, self.peer = m.group(3), m.group(4)
+                return
+        raise TimeoutError(
+            f"node {self.layers} not serving after {timeout} s:\n" + "\n".join(self.lines)
+        )
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def start_node(
+    layers: tuple[int, int],
+    initial_peers: Sequence[str] = (),
+    model: str | None = None,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    stderr=subprocess.DEVNULL,
+) -> NodeProcess:
+    """Start `python -m swarm.node` in a new process; call wait_serving() before using it."""
+    cmd = [sys.executable, "-m", "swarm.node", "--layers", f"{layers[0]}:{layers[1]}"]
+    if model:
+        cmd += ["--model", str(model)]
+    if initial_peers:
+        cmd += ["--initial-peers", *initial_peers]
+    cmd += list(extra)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    node = NodeProcess(proc, layers)
+    threading.Thread(target=node._pump, daemon=True).start()
+    return node
+
+
+def start_swarm(
+    spans: Sequence[tuple[int, int]],
+    model: str | None = None,
+    extra: Sequence[str] = (),
+    stderr=subprocess.DEVNULL,
+) -> list[NodeProcess]:
+    """The first node starts a new DHT; the others join it. Returns once all serve."""
+    nodes = [start_node(spans[0], model=model, extra=extra, stderr=stderr)]
+    try:
+        nodes[0].wait_serving()
+        peers = nodes[0].maddrs[:1]
+        for span in spans[1:]:
+            nodes.append(start_node(span, peers, model=model, extra=extra, stderr=stderr))
+        for n in nodes[1:]:
+            n.wait_serving()
+    except BaseException:
+        stop_all(nodes)
+        raise
+    return nodes
+
+
+def stop_all(nodes: Sequence[NodeProcess], sig: int = signal.SIGTERM) -> None:
+    for n in nodes:
+        if n.proc.poll() is None:
+            n.proc.send_signal(sig)
+    for n in nodes:
+        n.stop(sig)
+
+
+def even_spans(num_layers: int, parts: int) -> list[tuple[int, int]]:
+    bounds = [round(i * num_layers / parts) for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
