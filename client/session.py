@@ -131,18 +131,21 @@ class RemoteSession:
         )
         timeout = self.step_timeout + 0.05 * n
         result: Result | None = None
-        async with trio.open_nursery() as nursery:
-            if self.first is not self.last:
-                nursery.start_soon(self._watch_first)
-            with trio.move_on_after(timeout):
-                while True:
-                    msg = await self._receive(self.last, len(self.route) - 1)
-                    if isinstance(msg, Error):
-                        self._raise_error(msg, len(self.route) - 1)
-                    if isinstance(msg, Result) and msg.sid == self.sid and msg.end == end:
-                        result = msg
-                        break
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                if self.first is not self.last:
+                    nursery.start_soon(self._watch_first)
+                with trio.move_on_after(timeout):
+                    while True:
+                        msg = await self._receive(self.last, len(self.route) - 1)
+                        if isinstance(msg, Error):
+                            self._raise_error(msg, len(self.route) - 1)
+                        if isinstance(msg, Result) and msg.sid == self.sid and msg.end == end:
+                            result = msg
+                            break
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            raise _first_swarm_error(group) from None
         if result is None:
             raise PeerFailed(f"no result within {timeout:.0f} s", hop=None)
         self.position = end
@@ -177,3 +180,13 @@ def _with_hop(exc: SwarmError, hop: int, peer: str) -> SwarmError:
     exc.hop = hop  # type: ignore[attr-defined]
     exc.peer = peer  # type: ignore[attr-defined]
     return exc
+
+
+def _first_swarm_error(group: BaseExceptionGroup) -> BaseException:
+    """The error a caller can act on: the first SwarmError inside a nursery's group."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            exc = _first_swarm_error(exc)
+        if isinstance(exc, SwarmError):
+            return exc
+    return group
