@@ -8,7 +8,6 @@ import sys
 import time
 
 from swarm.client.client import Client
-
 from swarm.errors import SwarmError
 
 

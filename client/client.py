@@ -9,10 +9,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import trio
+
 from swarm.client.routing import find_route, missing_blocks, usable
 from swarm.client.runtime import TrioThread
 from swarm.client.session import RemoteSession
-
 from swarm.dht import read_nodes, start_dht
 from swarm.errors import RouteUnavailable, SwarmError
 from swarm.model.blocks import Head

@@ -9,14 +9,14 @@ import time
 
 import torch
 import trio
-from swarm.node.announce import Announcer
-from swarm.node.config import NodeConfig, parse_args
-from swarm.node.server import Node
 
 from swarm.dht import start_dht, visible_maddrs
 from swarm.errors import SwarmError
 from swarm.model.blocks import KVCache, Span
 from swarm.model.source import open_model
+from swarm.node.announce import Announcer
+from swarm.node.config import NodeConfig, parse_args
+from swarm.node.server import Node
 
 log = logging.getLogger("swarm.node")
 

@@ -7,10 +7,6 @@ import secrets
 import time
 
 import trio
-from swarm.node.compute import ComputeQueue
-from swarm.node.config import NodeConfig
-from swarm.node.sessions import Session, SessionTable
-from swarm.node.uplink import Payload, Uplink
 
 from swarm.errors import (
     FingerprintMismatch,
@@ -23,6 +19,10 @@ from swarm.errors import (
     SwarmError,
 )
 from swarm.model.blocks import KVCache, Span
+from swarm.node.compute import ComputeQueue
+from swarm.node.config import NodeConfig
+from swarm.node.sessions import Session, SessionTable
+from swarm.node.uplink import Payload, Uplink
 from swarm.protocol import (
     DECODE,
     Attach,

@@ -1,4 +1,4 @@
-"""Nodes die, hang or leave mid-generation; the client reroutes, replays, and its text is unchanged."""
+"""Nodes die, hang or leave mid-generation; the client reroutes, replays; the text is unchanged."""
 
 from __future__ import annotations
 

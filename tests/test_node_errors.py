@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 import trio
-from swarm.client.client import Client
 
+from swarm.client.client import Client
 from swarm.errors import RouteUnavailable
 from swarm.protocol import Error, Hop, Open, Opened, Step
 from swarm.transport import connect

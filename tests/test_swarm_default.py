@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from swarm.client.client import Client
 
+from swarm.client.client import Client
 from swarm.launch import start_node, start_swarm, stop_all
 from tests.conftest import reference_greedy
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from swarm.client.client import Client
 
+from swarm.client.client import Client
 from tests.conftest import reference_greedy
 
 
