@@ -72,7 +72,8 @@ def announce(dht, records: Sequence[NodeRecord], ttl: float) -> int:
 
 
 async def _get_many(_dht, node, keys):
-    found = await node.get_many(keys)
+    # latest: without it a cached, unexpired copy satisfies the search and newcomers stay unseen
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
     out = {}
     for key, item in found.items():
         if item is None or not isinstance(item.value, dict):
