@@ -344,6 +344,7 @@ class Node:
         if self.sessions.remove(s.sid) is None:
             return
         log.info("session %s... closed", s.sid[:8])
+        self.uplink.end_session(s.sid)
         if notify_downstream and s.downstream in self._downstream:
             self.uplink.send_control(self._downstream[s.downstream], Close(sid=s.sid))
 

@@ -1,14 +1,15 @@
 """The node's outbound link: every byte sent downstream leaves through here.
 
-Control frames (open, close, errors) are tiny and go first. Activations are queued as volumes in
-the sans-IO LinkScheduler, which decides what goes next and how many tokens of it; this driver
-slices the activation on those token boundaries, writes one send at a time, and feeds the
-scheduler with the link measurements it takes along the way.
+Control frames (open, close, errors, pings) are tiny and go first. Activations are queued as
+volumes in the sans-IO LinkScheduler, which decides what goes next and how many tokens of it;
+this driver slices the activation on those token boundaries, writes one send at a time, and
+feeds the scheduler the link measurements it takes along the way (TCP_INFO, timed writes,
+pings). TCP_NOTSENT_LOWAT keeps waiting bytes here, where a decode step can still pass them,
+rather than in a multi-megabyte kernel send buffer.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
@@ -18,61 +19,16 @@ from dataclasses import dataclass
 import torch
 import trio
 
+from swarm.link.estimator import LinkEstimator
+from swarm.link.scheduler import LinkScheduler, Volume
+from swarm.link.tcpinfo import read_tcp_info, set_notsent_lowat
 from swarm.protocol import Message, Result, Step, to_wire
 from swarm.transport import FramedStream
-from swarm.wire import encode_frame, pack_tensor
+from swarm.wire import encode_frame, pack_tensor, tensor_nbytes
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Volume:
-    """What the scheduler knows of a queued activation: enough to order and cut it."""
-
-    session: str
-    dest: str
-    phase: str
-    tokens: int
-    bytes_per_token: int
-
-
-@dataclass(frozen=True)
-class Send:
-    vid: int
-    session: str
-    dest: str
-    phase: str
-    offset: int  # first token of the volume this send carries
-    tokens: int
-    nbytes: int
-    last: bool  # the volume is finished by this send
-
-
-class FifoQueue:
-    """Whole volumes in arrival order: what concurrent socket sends amount to."""
-
-    def __init__(self, policy: str = "fifo"):
-        self._queue: deque[tuple[int, Volume]] = deque()
-        self._ids = itertools.count()
-
-    def enqueue(self, volume: Volume, now: float) -> int:
-        vid = next(self._ids)
-        self._queue.append((vid, volume))
-        return vid
-
-    def next_send(self, now: float) -> Send | None:
-        if not self._queue:
-            return None
-        vid, v = self._queue.popleft()
-        return Send(
-            vid, v.session, v.dest, v.phase, 0, v.tokens, v.tokens * v.bytes_per_token, True
-        )
-
-    def sent(self, send: Send, started: float, finished: float) -> None:
-        pass
-
-    def stats(self) -> dict[str, float]:
-        return {"queued_volumes": float(len(self._queue))}
+NOTSENT_LOWAT = 16 * 1024
 
 
 @dataclass
@@ -94,53 +50,76 @@ class Uplink:
         policy: str,
         on_broken: Callable[[FramedStream, Exception], Awaitable[None]],
         send_timeout: float = 60.0,
+        max_wait: int = 30,
     ):
-        self.scheduler = FifoQueue(policy)
+        self.scheduler = LinkScheduler(policy=policy, max_wait=max_wait)
         self._on_broken = on_broken
         self._send_timeout = send_timeout
         self._control: deque[tuple[FramedStream, bytes]] = deque()
         self._payloads: dict[int, Payload] = {}
+        self._estimators: dict[str, LinkEstimator] = {}
+        self._lowat_set: set[int] = set()
         self._wake = trio.Event()
         self._clock0 = time.monotonic()
-        self._ids = itertools.count()
         self.bytes_sent = 0
 
     def now(self) -> float:
         return time.monotonic() - self._clock0
+
+    def estimator(self, dest: str) -> LinkEstimator:
+        if dest not in self._estimators:
+            self._estimators[dest] = LinkEstimator()
+        return self._estimators[dest]
 
     def send_control(self, stream: FramedStream, message: Message) -> None:
         self._control.append((stream, encode_frame(to_wire(message))))
         self._wake.set()
 
     def send_activations(self, payload: Payload) -> None:
-        tokens = payload.hidden.shape[1]
-        per_token = payload.hidden.shape[2] * (4 if payload.wire_dtype == "float32" else 2)
+        tokens, hidden = payload.hidden.shape[1], payload.hidden.shape[2]
         vid = self.scheduler.enqueue(
             Volume(
                 session=payload.sid,
                 dest=payload.dest,
                 phase=payload.phase,
                 tokens=tokens,
-                bytes_per_token=per_token,
+                bytes_per_token=tensor_nbytes(1, hidden, payload.wire_dtype),
             ),
             self.now(),
         )
         self._payloads[vid] = payload
         self._wake.set()
 
+    def end_session(self, sid: str) -> None:
+        self.scheduler.end_session(sid)
+        for vid in [v for v, p in self._payloads.items() if p.sid == sid]:
+            del self._payloads[vid]
+
     def observe_decode_arrival(self, sid: str) -> None:
-        pass
+        self.scheduler.observe_decode_arrival(sid, self.now())
 
     def observe_compute(self, phase: str, tokens: int, seconds: float) -> None:
-        pass
+        self.scheduler.observe_compute(phase, tokens, seconds)
 
     def on_ping(self, dest: str, rtt: float) -> None:
-        pass
+        est = self.estimator(dest)
+        est.on_ping(rtt, self.now())
+        self._push_estimate(dest, est)
+
+    def _push_estimate(self, dest: str, est: LinkEstimator) -> None:
+        self.scheduler.update_link(dest, rtt=est.rtt, bandwidth=est.bandwidth, now=self.now())
 
     def stats(self) -> dict[str, float]:
-        return self.scheduler.stats()
+        return {k: float(v) for k, v in self.scheduler.stats().items()}
 
     async def _write(self, stream: FramedStream, frame: bytes) -> bool:
+        sock = stream.socket
+        if sock is not None and id(sock) not in self._lowat_set:
+            try:
+                set_notsent_lowat(sock, NOTSENT_LOWAT)
+            except OSError:
+                pass
+            self._lowat_set.add(id(sock))
         try:
             with trio.fail_after(self._send_timeout):
                 await stream.send_raw(frame)
@@ -168,17 +147,19 @@ class Uplink:
                 if not self._control:
                     await self._wake.wait()
                 continue
-            p = self._payloads[send.vid]
-            if send.last:
+            p = self._payloads.get(send.vid)
+            if p is not None and send.last:
                 del self._payloads[send.vid]
             started = self.now()
-            if not p.stream.closed:
-                frame = self._frame(p, send.offset, send.tokens)
-                await self._write(p.stream, frame)
-                finished = self.now()
-                self.scheduler.sent(send, started=started, finished=finished)
-            else:
+            if p is None or p.stream.closed:
                 self.scheduler.sent(send, started=started, finished=started)
+                continue
+            frame = self._frame(p, send.offset, send.tokens)
+            ok = await self._write(p.stream, frame)
+            finished = self.now()
+            self.scheduler.sent(send, started=started, finished=finished)
+            if ok:
+                self._measure(p, len(frame), started, finished)
 
     def _frame(self, p: Payload, offset: int, tokens: int) -> bytes:
         hidden = pack_tensor(p.hidden[:, offset : offset + tokens], p.wire_dtype)
@@ -187,3 +168,15 @@ class Uplink:
         else:
             msg = Step(sid=p.sid, phase=p.phase, pos=p.pos + offset, end=p.end, hidden=hidden)
         return encode_frame(to_wire(msg))
+
+    def _measure(self, p: Payload, nbytes: int, started: float, finished: float) -> None:
+        est = self.estimator(p.dest)
+        est.on_delivery(nbytes, started, finished, finished)
+        sock = p.stream.socket
+        if sock is not None:
+            info = read_tcp_info(sock)
+            if info is not None:
+                est.on_tcp_info(
+                    info.rtt_s, info.delivery_rate_Bps, finished, info.delivery_rate_app_limited
+                )
+        self._push_estimate(p.dest, est)

@@ -67,6 +67,16 @@ class NodeProcess:
         return self.proc.pid
 
 
+def _die_with_parent() -> None:
+    """In the child: the kernel sends SIGTERM when the parent dies, so nodes never outlive it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def start_node(
     layers: tuple[int, int],
     initial_peers: Sequence[str] = (),
@@ -84,6 +94,7 @@ def start_node(
     cmd += list(extra)
     proc = subprocess.Popen(
         cmd,
+        preexec_fn=_die_with_parent,
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,

@@ -1,0 +1,129 @@
+"""Sans-IO estimate of one outbound connection's bandwidth and round-trip time.
+
+Bandwidth: the `quantile` (0.8) of the delivery-rate samples of the last `window_s` seconds.
+Delivery rate reads low whenever the sender had nothing to send, so the truth is near the top of
+the samples: that is why BBR keeps a windowed max (quantile 1.0 here). A max also keeps any
+spike (ACK compression, a write that landed in a buffer) for a whole window, and an estimate
+too high is the costly error for the scheduler: its chunks then overrun the gap before the next
+decode step. The 0.8 quantile ignores spikes as long as they are under a fifth of the window's
+samples, and low samples as long as they are under four fifths. It follows a faster link once a
+fifth of the window's samples are new, and a slower one within `window_s` while samples flow.
+Without samples the estimate holds: an idle link has not become slower.
+
+Samples that carry no bandwidth information are refused at the door:
+- TCP_INFO delivery rates flagged app-limited (the kernel says the sender ran dry);
+- timed writes that are small, or that did not start right after a previous blocking write. With
+  TCP_NOTSENT_LOWAT a write returns once its bytes are nearly out of the host, so a chain of
+  back-to-back blocking writes drains at link rate; the first write after an idle spell fills
+  the empty socket buffer and congestion window at memory speed and would read as a fast link.
+
+RTT: an EWMA of kernel smoothed RTTs and application pings, plus a windowed minimum (the
+propagation delay; the difference is queueing).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class LinkEstimator:
+    """Bandwidth (bytes/s) and RTT (s) of one connection, from samples fed with their time."""
+
+    def __init__(
+        self,
+        *,
+        window_s: float = 1.0,
+        quantile: float = 0.8,
+        max_window_samples: int = 512,
+        rtt_gain: float = 0.25,
+        min_rtt_window_s: float = 10.0,
+        min_delivery_bytes: int = 64 * 1024,
+        min_delivery_s: float = 0.002,
+        max_gap_s: float = 0.002,
+    ):
+        if window_s <= 0 or not 0 < quantile <= 1:
+            raise ValueError(f"need window_s > 0 and 0 < quantile <= 1, got {window_s}, {quantile}")
+        self.window_s = window_s
+        self.quantile = quantile
+        self.rtt_gain = rtt_gain
+        self.min_rtt_window_s = min_rtt_window_s
+        self.min_delivery_bytes = min_delivery_bytes
+        self.min_delivery_s = min_delivery_s
+        self.max_gap_s = max_gap_s
+        self.rtt: float | None = None
+        self.samples = 0  # accepted samples of either kind
+        self.bandwidth_samples = 0
+        self.rtt_samples = 0
+        self._rates: deque[tuple[float, float]] = deque(maxlen=max_window_samples)  # (time, B/s)
+        self._bandwidth: float | None = None
+        self._min_rtts: deque[tuple[float, float]] = deque()  # (time, rtt), increasing rtt
+        self._last_write_end: float | None = None
+        self._last_write_blocked = False
+
+    @property
+    def bandwidth(self) -> float | None:
+        """Bytes per second the link carries, or None before the first usable sample."""
+        return self._bandwidth
+
+    @property
+    def min_rtt(self) -> float | None:
+        """Lowest RTT seen within `min_rtt_window_s` of the latest RTT sample."""
+        return self._min_rtts[0][1] if self._min_rtts else None
+
+    def on_tcp_info(
+        self,
+        rtt_s: float | None,
+        delivery_rate_Bps: float | None,
+        now: float,
+        app_limited: bool = False,
+    ) -> None:
+        """A TCP_INFO reading: the kernel's smoothed RTT and latest per-ACK delivery rate."""
+        if rtt_s is not None and rtt_s > 0:
+            self._add_rtt(rtt_s, now)
+        if delivery_rate_Bps and delivery_rate_Bps > 0 and not app_limited:
+            self._add_rate(float(delivery_rate_Bps), now)
+
+    def on_ping(self, rtt_s: float, now: float) -> None:
+        """An application-level round trip."""
+        if rtt_s > 0:
+            self._add_rtt(rtt_s, now)
+
+    def on_delivery(self, nbytes: int, started: float, finished: float, now: float) -> bool:
+        """A timed write of `nbytes`. True if it counted as a bandwidth sample."""
+        duration = finished - started
+        back_to_back = (
+            self._last_write_end is not None
+            and self._last_write_blocked
+            and started - self._last_write_end <= self.max_gap_s
+        )
+        blocked = duration >= self.min_delivery_s
+        self._last_write_end = finished
+        self._last_write_blocked = blocked
+        if nbytes < self.min_delivery_bytes or not blocked or not back_to_back:
+            return False
+        self._add_rate(nbytes / duration, now)
+        return True
+
+    def _add_rate(self, rate: float, now: float) -> None:
+        rates = self._rates
+        rates.append((now, rate))
+        while rates[0][0] < now - self.window_s:
+            rates.popleft()
+        ordered = sorted(r for _, r in rates)
+        rank = self.quantile * (len(ordered) - 1)
+        lo = int(rank)
+        hi = min(lo + 1, len(ordered) - 1)
+        self._bandwidth = ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+        self.samples += 1
+        self.bandwidth_samples += 1
+
+    def _add_rtt(self, rtt: float, now: float) -> None:
+        self.rtt = rtt if self.rtt is None else self.rtt + self.rtt_gain * (rtt - self.rtt)
+        # monotonic deque: the front is the minimum of the window
+        while self._min_rtts and self._min_rtts[-1][1] >= rtt:
+            self._min_rtts.pop()
+        self._min_rtts.append((now, rtt))
+        while self._min_rtts[0][0] < now - self.min_rtt_window_s:
+            self._min_rtts.popleft()
+        self.samples += 1
+        self.rtt_samples += 1

@@ -1,0 +1,428 @@
+"""Sans-IO outbound link scheduler: what goes next on a node's uplink, and how many tokens of it.
+
+Policy "molink" is MoLink's Algorithm 1 (seeds/DIGEST.md, section 000). Decode volumes queue in
+one FIFO, prefill volumes in another; a waiting weight W counts decisions at which both held
+work. While W < max_wait a decode volume goes whole; otherwise a prefill volume goes, whole if
+W >= max_wait (so prefill cannot starve), else as a chunk sized just in time, and W resets.
+
+A chunk is as many tokens as the link carries (at `margin` of its estimated bandwidth) in T_a,
+the time until the next decode volume is ready here, predicted per active decode session:
+- case 1/2, a decode step has arrived and is computing since t_s: T_a = t_s + T_d - t_c;
+- case 3, none is computing: the step comes back around the pipeline ring, one period after the
+  last one. MoLink models that ring (T_o + T_m) from per-server profiles; a node here knows only
+  its own, so it measures the ring instead: the period is the minimum of the session's recent
+  arrival intervals. The minimum, because an interval stretched by our own prefill chunks would
+  otherwise predict a longer gap, allow a bigger chunk, and stretch the next interval further.
+  The step also cannot return sooner than half an RTT after its last decode left on this link.
+T_d is this node's decode step time (EWMA of `observe_compute`), t_c is now. The smallest T_a over
+sessions wins. With no decode session active a prefill goes whole: there is nothing to protect.
+
+Policy "fifo" sends whole volumes in arrival order: what concurrent socket sends amount to.
+
+Both keep each session's bytes in order: a volume is eligible only once every earlier volume of
+its session has gone, so a decode step never overtakes its own session's prefill.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from swarm.protocol import DECODE, PHASES, PREFILL
+
+POLICIES = ("molink", "fifo")
+
+
+@dataclass(frozen=True)
+class Volume:
+    """An activation waiting to leave: enough to order it and cut it on token boundaries."""
+
+    session: str
+    dest: str
+    phase: str
+    tokens: int
+    bytes_per_token: int
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"volume phase must be one of {PHASES}, got {self.phase!r}")
+        if self.tokens < 1 or self.bytes_per_token < 1:
+            raise ValueError(
+                f"volume needs tokens >= 1 and bytes_per_token >= 1, got {self.tokens} and"
+                f" {self.bytes_per_token}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens * self.bytes_per_token
+
+
+@dataclass(frozen=True)
+class Send:
+    """Tokens [offset, offset + tokens) of volume `vid`; `last` when that finishes the volume."""
+
+    vid: int
+    session: str
+    dest: str
+    phase: str
+    offset: int
+    tokens: int
+    nbytes: int
+    last: bool
+
+
+@dataclass(frozen=True)
+class Window:
+    """T_a: how long the link is free before the next decode volume is ready to send."""
+
+    t_a: float
+    case: int  # MoLink's case: 1 starts now, 2 is computing, 3 is on its way around the ring
+    session: str
+    t_f: float  # when that decode volume is predicted ready
+
+
+@dataclass
+class _Queued:
+    vid: int
+    volume: Volume
+    enqueued: float
+    sent: int = 0  # tokens already handed out
+
+    @property
+    def left(self) -> int:
+        return self.volume.tokens - self.sent
+
+
+@dataclass
+class _DecodeTrack:
+    """What this node saw of one session's decode steps, to predict the next one."""
+
+    intervals: deque[float]
+    enqueue_intervals: deque[float]
+    last_arrival: float | None = None
+    last_enqueue: float | None = None
+    last_sent: float | None = None
+    computing: bool = False  # arrived, its volume not yet queued
+    dest: str | None = None
+
+    @property
+    def period(self) -> float | None:
+        return min(self.intervals) if self.intervals else None
+
+    @property
+    def enqueue_period(self) -> float | None:
+        return min(self.enqueue_intervals) if self.enqueue_intervals else None
+
+
+@dataclass
+class _Link:
+    rtt: float | None = None
+    bandwidth: float | None = None
+
+
+class LinkScheduler:
+    """One per node uplink. Feed it volumes and observations; ask it what to send next.
+
+    max_wait: N, decode sends that may pass a waiting prefill before it goes whole (MoLink: 30).
+    min_chunk_tokens: floor on a chunk, so a prefill advances even when T_a <= 0 and each chunk
+        is worth its frame and the downstream step it becomes.
+    margin: fraction of bandwidth x T_a to fill; a chunk too small costs one more frame, one too
+        large delays a decode step, so err small.
+    session_idle_s: a decode session silent for max(this, 4 periods) no longer holds prefill back.
+    """
+
+    def __init__(
+        self,
+        policy: str = "molink",
+        *,
+        max_wait: int = 30,
+        min_chunk_tokens: int = 8,
+        margin: float = 0.8,
+        session_idle_s: float = 2.0,
+        period_samples: int = 8,
+        compute_gain: float = 0.25,
+        delay_samples: int = 1024,
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown link policy {policy!r}; choose from {POLICIES}")
+        if max_wait < 1:
+            raise ValueError(f"max_wait must be at least 1, got {max_wait}")
+        if min_chunk_tokens < 1:
+            raise ValueError(f"min_chunk_tokens must be at least 1, got {min_chunk_tokens}")
+        if not 0 < margin <= 1:
+            raise ValueError(f"margin must be in (0, 1], got {margin}")
+        self.policy = policy
+        self.max_wait = max_wait
+        self.min_chunk_tokens = min_chunk_tokens
+        self.margin = margin
+        self.session_idle_s = session_idle_s
+        self._period_samples = period_samples
+        self._compute_gain = compute_gain
+        self._ids = itertools.count()
+        self._queues: dict[str, list[_Queued]] = {DECODE: [], PREFILL: []}
+        self._chains: dict[str, deque[int]] = {}  # session -> unfinished vids, oldest first
+        self._tracks: dict[str, _DecodeTrack] = {}
+        self._links: dict[str, _Link] = {}
+        self._compute: dict[str, float] = {}  # phase -> EWMA seconds per step
+        self._w = 0
+        self._last_window: Window | None = None
+        self._decode_delays: deque[float] = deque(maxlen=delay_samples)
+        self._counts = {
+            "sends": 0,
+            "chunks_sent": 0,
+            "chunk_tokens_total": 0,
+            "chunk_tokens_last": 0,
+            "w_resets": 0,
+            "prefill_whole_idle": 0,
+            "bytes_sent_decode": 0,
+            "bytes_sent_prefill": 0,
+        }
+
+    @property
+    def waiting_weight(self) -> int:
+        return self._w
+
+    @property
+    def queued(self) -> int:
+        """Volumes not yet completely handed out."""
+        return len(self._queues[DECODE]) + len(self._queues[PREFILL])
+
+    def enqueue(self, volume: Volume, now: float) -> int:
+        """Queue a volume; returns its id, which every Send cut from it carries."""
+        vid = next(self._ids)
+        self._queues[volume.phase].append(_Queued(vid, volume, now))
+        self._chains.setdefault(volume.session, deque()).append(vid)
+        if volume.phase == DECODE:
+            track = self._track(volume.session)
+            if track.last_enqueue is not None and now > track.last_enqueue:
+                track.enqueue_intervals.append(now - track.last_enqueue)
+            track.last_enqueue = now
+            track.computing = False
+            track.dest = volume.dest
+        return vid
+
+    def next_send(self, now: float) -> Send | None:
+        """Decide the next send on the uplink, or None if nothing is queued."""
+        decode = self._first_eligible(DECODE)
+        prefill = self._first_eligible(PREFILL)
+        if self.policy == "fifo":
+            pick = min((q for q in (decode, prefill) if q), key=lambda q: q.vid, default=None)
+            return None if pick is None else self._hand_out(pick, pick.left, now)
+        if decode and prefill:
+            self._w += 1
+        if decode and self._w < self.max_wait:
+            return self._hand_out(decode, decode.left, now)
+        if prefill is None:
+            return None
+        if decode:  # W reached N: the prefill has waited long enough
+            tokens = prefill.left
+            self._counts["w_resets"] += 1
+        else:
+            tokens = self._chunk_tokens(prefill, now)
+        self._w = 0
+        return self._hand_out(prefill, tokens, now)
+
+    def sent(self, send: Send, started: float, finished: float) -> None:
+        """The driver finished writing `send` (started and finished on the same clock as now)."""
+        self._counts["sends"] += 1
+        self._counts[f"bytes_sent_{send.phase}"] += send.nbytes
+        if send.phase == DECODE and send.last and send.session in self._tracks:
+            self._tracks[send.session].last_sent = finished
+
+    def observe_decode_arrival(self, session: str, now: float) -> None:
+        """A decode step for `session` arrived at this node and will be computed."""
+        track = self._track(session)
+        if track.last_arrival is not None and now > track.last_arrival:
+            track.intervals.append(now - track.last_arrival)
+        track.last_arrival = now
+        track.computing = True
+
+    def observe_compute(self, phase: str, tokens: int, seconds: float) -> None:
+        """This node's compute time for one step of `phase` (T_d for decode)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        old = self._compute.get(phase)
+        self._compute[phase] = (
+            seconds if old is None else old + self._compute_gain * (seconds - old)
+        )
+
+    def update_link(
+        self,
+        dest: str,
+        rtt: float | None = None,
+        bandwidth: float | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Latest estimates for the connection to `dest` (bandwidth in bytes per second)."""
+        link = self._links.setdefault(dest, _Link())
+        if rtt is not None and rtt > 0:
+            link.rtt = rtt
+        if bandwidth is not None and bandwidth > 0:
+            link.bandwidth = bandwidth
+
+    def end_session(self, session: str) -> int:
+        """Forget a session: drop its queued volumes (returns how many) and its decode history."""
+        dropped = 0
+        for phase, queue in self._queues.items():
+            kept = [q for q in queue if q.volume.session != session]
+            dropped += len(queue) - len(kept)
+            self._queues[phase] = kept
+        self._chains.pop(session, None)
+        self._tracks.pop(session, None)
+        return dropped
+
+    def available_time(self, now: float) -> Window | None:
+        """T_a until the soonest predicted decode volume, or None if no decode session is active."""
+        decode_s = self._compute.get(DECODE, 0.0)
+        queued_decode = {q.volume.session for q in self._queues[DECODE]}
+        best: Window | None = None
+        for session, track in list(self._tracks.items()):
+            if session in queued_decode:
+                continue
+            if not self._active(track, now):
+                # it may resume; then it relearns its period, predicting conservatively meanwhile
+                del self._tracks[session]
+                continue
+            if track.computing and track.last_arrival is not None:
+                t_s = track.last_arrival
+                case = 1 if t_s == now else 2
+                t_f = t_s + decode_s
+            else:
+                # the earliest the step can be back: now, one ring period after the last
+                # arrival, half an RTT after its volume left
+                t_f = now + decode_s
+                if track.last_arrival is not None and track.period is not None:
+                    t_f = max(t_f, track.last_arrival + track.period + decode_s)
+                elif track.last_enqueue is not None and track.enqueue_period is not None:
+                    t_f = max(t_f, track.last_enqueue + track.enqueue_period)
+                rtt = self._links.get(track.dest or "", _Link()).rtt
+                if rtt is not None and track.last_sent is not None:
+                    t_f = max(t_f, track.last_sent + rtt / 2 + decode_s)
+                case = 3 if t_f > now + decode_s else 1
+            window = Window(t_a=t_f - now, case=case, session=session, t_f=t_f)
+            if best is None or window.t_a < best.t_a:
+                best = window
+        return best
+
+    def chunk_tokens(self, volume: Volume, left: int, now: float) -> int:
+        """How many of the `left` tokens of a prefill `volume` to send now (molink, W < N)."""
+        window = self.available_time(now)
+        self._last_window = window
+        if window is None:
+            return left
+        bandwidth = self._bandwidth(volume.dest)
+        tokens = 0
+        if bandwidth is not None and window.t_a > 0:
+            # the epsilon keeps 24.0 from flooring to 23 after float rounding
+            fit = self.margin * bandwidth * window.t_a / volume.bytes_per_token
+            tokens = math.floor(fit + 1e-9)
+        return min(left, max(self.min_chunk_tokens, tokens))
+
+    def stats(self) -> dict[str, float]:
+        """Flat numeric counters and gauges for logs and the health page."""
+        c = self._counts
+        delays = sorted(self._decode_delays)
+        bandwidths = [lk.bandwidth for lk in self._links.values() if lk.bandwidth is not None]
+        rtts = [lk.rtt for lk in self._links.values() if lk.rtt is not None]
+        window = self._last_window
+        out: dict[str, float] = {
+            "waiting_weight": float(self._w),
+            "sends": float(c["sends"]),
+            "chunks_sent": float(c["chunks_sent"]),
+            "chunk_tokens_mean": c["chunk_tokens_total"] / c["chunks_sent"]
+            if c["chunks_sent"]
+            else 0.0,
+            "chunk_tokens_last": float(c["chunk_tokens_last"]),
+            "w_resets": float(c["w_resets"]),
+            "prefill_whole_idle": float(c["prefill_whole_idle"]),
+            "bytes_sent_decode": float(c["bytes_sent_decode"]),
+            "bytes_sent_prefill": float(c["bytes_sent_prefill"]),
+            "decode_delay_p50_s": _percentile(delays, 0.50),
+            "decode_delay_p99_s": _percentile(delays, 0.99),
+            "decode_delay_max_s": delays[-1] if delays else 0.0,
+            "bandwidth_Bps": min(bandwidths) if bandwidths else 0.0,
+            "rtt_s": max(rtts) if rtts else 0.0,
+            "decode_compute_s": self._compute.get(DECODE, 0.0),
+            "decode_sessions_tracked": float(len(self._tracks)),
+            "last_t_a_s": window.t_a if window else 0.0,
+            "last_t_a_case": float(window.case) if window else 0.0,
+        }
+        for phase in PHASES:
+            queue = self._queues[phase]
+            out[f"{phase}_queued_volumes"] = float(len(queue))
+            out[f"{phase}_queued_bytes"] = float(
+                sum(q.left * q.volume.bytes_per_token for q in queue)
+            )
+        return out
+
+    def _track(self, session: str) -> _DecodeTrack:
+        track = self._tracks.get(session)
+        if track is None:
+            n = self._period_samples
+            track = self._tracks[session] = _DecodeTrack(deque(maxlen=n), deque(maxlen=n))
+        return track
+
+    def _active(self, track: _DecodeTrack, now: float) -> bool:
+        seen = [t for t in (track.last_arrival, track.last_enqueue) if t is not None]
+        if not seen:
+            return False
+        period = track.period or track.enqueue_period or 0.0
+        return now - max(seen) <= max(self.session_idle_s, 4 * period)
+
+    def _first_eligible(self, phase: str) -> _Queued | None:
+        for q in self._queues[phase]:
+            if self._chains[q.volume.session][0] == q.vid:
+                return q
+        return None
+
+    def _chunk_tokens(self, prefill: _Queued, now: float) -> int:
+        tokens = self.chunk_tokens(prefill.volume, prefill.left, now)
+        if self._last_window is None:
+            self._counts["prefill_whole_idle"] += 1
+        else:
+            self._counts["chunks_sent"] += 1
+            self._counts["chunk_tokens_total"] += tokens
+            self._counts["chunk_tokens_last"] = tokens
+        return tokens
+
+    def _bandwidth(self, dest: str) -> float | None:
+        link = self._links.get(dest)
+        if link is not None and link.bandwidth is not None:
+            return link.bandwidth
+        # connections of one uplink share its bottleneck: borrow the most cautious estimate
+        known = [lk.bandwidth for lk in self._links.values() if lk.bandwidth is not None]
+        return min(known) if known else None
+
+    def _hand_out(self, q: _Queued, tokens: int, now: float) -> Send:
+        v = q.volume
+        if q.sent == 0 and v.phase == DECODE:
+            self._decode_delays.append(now - q.enqueued)
+        send = Send(
+            vid=q.vid,
+            session=v.session,
+            dest=v.dest,
+            phase=v.phase,
+            offset=q.sent,
+            tokens=tokens,
+            nbytes=tokens * v.bytes_per_token,
+            last=tokens == q.left,
+        )
+        q.sent += tokens
+        if q.left == 0:
+            self._queues[v.phase].remove(q)
+            chain = self._chains[v.session]
+            chain.popleft()
+            if not chain:
+                del self._chains[v.session]
+        return send
+
+
+def _percentile(sorted_values: list[float], p: float) -> float:
+    if not sorted_values:
+        return 0.0
+    rank = p * (len(sorted_values) - 1)
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (rank - lo)

@@ -1,0 +1,172 @@
+"""Virtual-time harness: one node's uplink driven by the very same LinkScheduler as production.
+
+The link carries one send at a time at `bandwidth` bytes/s; a byte reaches the next node
+`latency` seconds after it left. A decode session is a closed loop: its step arrives, computes
+for `compute_s`, its volume queues on the link, and the next step arrives `ring_s` after that
+volume reached the next node (ring_s is the rest of the pipeline and the client), so delaying a
+decode volume here slows its session, as it would in a swarm. Prefill volumes appear at given
+times. Events at the same instant are all applied before the link picks its next send.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from swarm.link.scheduler import LinkScheduler, Send, Volume
+from swarm.protocol import DECODE, PREFILL
+
+
+@dataclass(frozen=True)
+class SimLink:
+    bandwidth: float  # bytes per second
+    latency: float = 0.0  # one-way, seconds
+    believed_bandwidth: float | None = None  # what the scheduler is told, if not the truth
+
+
+@dataclass(frozen=True)
+class DecodeStream:
+    session: str
+    start: float  # first step arrives here
+    steps: int
+    compute_s: float  # this node's decode step time, T_d
+    ring_s: float  # from reaching the next node until the next step arrives here
+    bytes_per_token: int
+    dest: str = "next"
+
+
+@dataclass(frozen=True)
+class PrefillArrival:
+    session: str
+    at: float  # when its volume is queued (this node's compute is done)
+    tokens: int
+    bytes_per_token: int
+    dest: str = "next"
+
+
+@dataclass
+class VolumeTrace:
+    vid: int
+    session: str
+    phase: str
+    tokens: int
+    enqueued: float
+    first_start: float | None = None
+    finished: float | None = None  # last byte left this node
+    sends: int = 0
+
+    @property
+    def send_delay(self) -> float:
+        """Queueing before the first byte went out."""
+        if self.first_start is None:
+            raise ValueError(f"volume {self.vid} was never sent")
+        return self.first_start - self.enqueued
+
+
+@dataclass
+class SimResult:
+    link: SimLink
+    volumes: list[VolumeTrace]
+    sends: list[tuple[float, float, Send]] = field(default_factory=list)  # (start, end, send)
+    end: float = 0.0
+
+    def of_phase(self, phase: str) -> list[VolumeTrace]:
+        return [v for v in self.volumes if v.phase == phase]
+
+    def decode_delays(self) -> list[float]:
+        return [v.send_delay for v in self.of_phase(DECODE) if v.first_start is not None]
+
+    def prefill_completion(self) -> float:
+        """Time from the first prefill queued to the last prefill byte reaching the next node."""
+        prefills = self.of_phase(PREFILL)
+        finished = [v.finished for v in prefills if v.finished is not None]
+        if not prefills or len(finished) < len(prefills):
+            raise ValueError("the run has no prefill, or one it did not finish")
+        return max(finished) + self.link.latency - min(v.enqueued for v in prefills)
+
+
+def simulate(
+    scheduler: LinkScheduler,
+    link: SimLink,
+    decodes: Iterable[DecodeStream] = (),
+    prefills: Iterable[PrefillArrival] = (),
+    until: float = math.inf,
+) -> SimResult:
+    """Run until every volume has been sent (or `until`); the scheduler is used as given."""
+    decodes = list(decodes)
+    prefills = list(prefills)
+    seq = itertools.count()
+    events: list[tuple[float, int, Callable[[float], None]]] = []
+    traces: dict[int, VolumeTrace] = {}
+    steps: dict[int, tuple[DecodeStream, int]] = {}  # decode vid -> its stream and step number
+    result = SimResult(link, [])
+    wire: list[tuple[float, Send]] = []  # at most one (start, send) in flight
+
+    def at(time: float, event: Callable[[float], None]) -> None:
+        heapq.heappush(events, (time, next(seq), event))
+
+    def queue(volume: Volume, now: float) -> int:
+        vid = scheduler.enqueue(volume, now)
+        traces[vid] = VolumeTrace(vid, volume.session, volume.phase, volume.tokens, now)
+        return vid
+
+    def arrive(stream: DecodeStream, step: int) -> Callable[[float], None]:
+        def event(now: float) -> None:
+            scheduler.observe_decode_arrival(stream.session, now)
+            at(now + stream.compute_s, computed(stream, step))
+
+        return event
+
+    def computed(stream: DecodeStream, step: int) -> Callable[[float], None]:
+        def event(now: float) -> None:
+            scheduler.observe_compute(DECODE, 1, stream.compute_s)
+            volume = Volume(stream.session, stream.dest, DECODE, 1, stream.bytes_per_token)
+            steps[queue(volume, now)] = (stream, step)
+
+        return event
+
+    def prefill(p: PrefillArrival) -> Callable[[float], None]:
+        volume = Volume(p.session, p.dest, PREFILL, p.tokens, p.bytes_per_token)
+        return lambda now: queue(volume, now)
+
+    def free(now: float) -> None:
+        start, send = wire.pop()
+        scheduler.sent(send, start, now)
+        result.sends.append((start, now, send))
+        if not send.last:
+            return
+        traces[send.vid].finished = now
+        if send.vid in steps:
+            stream, step = steps[send.vid]
+            if step < stream.steps:
+                at(now + link.latency + stream.ring_s, arrive(stream, step + 1))
+
+    told = link.believed_bandwidth or link.bandwidth
+    for dest in sorted({d.dest for d in decodes} | {p.dest for p in prefills}):
+        scheduler.update_link(dest, rtt=2 * link.latency, bandwidth=told, now=0.0)
+    for d in decodes:
+        if d.steps > 0:
+            at(d.start, arrive(d, 1))
+    for p in prefills:
+        at(p.at, prefill(p))
+
+    now = 0.0
+    while events and events[0][0] <= until:
+        now = events[0][0]
+        while events and events[0][0] == now:
+            heapq.heappop(events)[2](now)
+        if not wire:
+            send = scheduler.next_send(now)
+            if send is not None:
+                trace = traces[send.vid]
+                if trace.first_start is None:
+                    trace.first_start = now
+                trace.sends += 1
+                wire.append((now, send))
+                at(now + send.nbytes / link.bandwidth, free)
+    result.volumes = sorted(traces.values(), key=lambda v: v.vid)
+    result.end = now
+    return result

@@ -1,0 +1,514 @@
+"""The outbound link scheduler: MoLink's Algorithm 1, just-in-time chunks, and the simulator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.link.scheduler import LinkScheduler, Send, Volume
+from swarm.link.sim import DecodeStream, PrefillArrival, SimLink, simulate
+
+DEST = "127.0.0.1:7001"
+BW = 1_000_000.0  # bytes/s: 1000 tokens/s at 1000 bytes per token
+TD = 0.05  # this node's decode step time
+
+
+def prefill(session: str = "p", tokens: int = 1000, bytes_per_token: int = 1000) -> Volume:
+    return Volume(session, DEST, "prefill", tokens, bytes_per_token)
+
+
+def decode(session: str = "d", bytes_per_token: int = 1000) -> Volume:
+    return Volume(session, DEST, "decode", 1, bytes_per_token)
+
+
+def scheduler(**kwargs) -> LinkScheduler:
+    """A molink scheduler that knows its link (1 MB/s, 30 ms RTT) and T_d = 50 ms."""
+    sched = LinkScheduler("molink", **kwargs)
+    sched.update_link(DEST, rtt=0.03, bandwidth=BW, now=0.0)
+    sched.observe_compute("decode", 1, TD)
+    return sched
+
+
+def send_now(sched: LinkScheduler, now: float, duration: float = 0.0) -> Send:
+    send = sched.next_send(now)
+    assert send is not None
+    sched.sent(send, now, now + duration)
+    return send
+
+
+# --- volumes --------------------------------------------------------------------------------
+
+
+def test_a_volume_must_name_a_known_phase():
+    with pytest.raises(ValueError, match="phase"):
+        Volume("s", DEST, "warmup", 1, 1)
+
+
+def test_a_volume_must_carry_at_least_one_token():
+    with pytest.raises(ValueError, match="tokens"):
+        Volume("s", DEST, "prefill", 0, 1)
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="policy"):
+        LinkScheduler("lifo")
+
+
+def test_max_wait_below_one_is_refused():
+    # with N = 0 a lone decode volume could never be sent (W < N never holds)
+    with pytest.raises(ValueError, match="max_wait"):
+        LinkScheduler(max_wait=0)
+
+
+# --- Algorithm 1 on hand-made timelines ------------------------------------------------------
+
+
+def test_an_empty_scheduler_has_nothing_to_send():
+    assert LinkScheduler().next_send(0.0) is None
+
+
+def test_decode_goes_whole_before_a_prefill_queued_earlier():
+    sched = scheduler()
+    sched.enqueue(prefill(), 0.0)
+    vid = sched.enqueue(decode(), 0.0)
+    send = send_now(sched, 0.0)
+    assert (send.vid, send.phase, send.offset, send.tokens, send.last) == (
+        vid,
+        "decode",
+        0,
+        1,
+        True,
+    )
+
+
+def test_prefill_goes_whole_once_max_wait_decode_sends_have_passed_it():
+    sched = scheduler(max_wait=3)
+    p = sched.enqueue(prefill(tokens=500), 0.0)
+    for i in range(5):
+        sched.enqueue(decode(f"d{i}"), 0.0)
+    sends = [send_now(sched, 0.0) for _ in range(3)]
+    assert [s.phase for s in sends] == ["decode", "decode", "prefill"]  # W = N = 3 at the third
+    assert (sends[2].vid, sends[2].tokens, sends[2].last) == (p, 500, True)
+    assert sched.stats()["w_resets"] == 1
+    assert sched.waiting_weight == 0
+
+
+def test_prefill_goes_whole_when_no_decode_session_is_active():
+    sched = scheduler()
+    sched.enqueue(prefill(tokens=700), 0.0)
+    send = send_now(sched, 0.0)
+    assert (send.tokens, send.nbytes, send.last) == (700, 700_000, True)
+    assert sched.stats()["prefill_whole_idle"] == 1
+
+
+def test_a_decode_session_silent_past_its_idle_time_no_longer_holds_prefill_back():
+    sched = scheduler(session_idle_s=2.0)
+    sched.observe_decode_arrival("d", 0.0)
+    sched.enqueue(decode(), 0.05)
+    send_now(sched, 0.05)
+    sched.enqueue(prefill(tokens=700), 3.0)
+    assert send_now(sched, 3.0).tokens == 700
+
+
+def test_decode_never_overtakes_its_own_sessions_prefill():
+    sched = scheduler()
+    p = sched.enqueue(prefill("s", tokens=300), 0.0)
+    sched.observe_decode_arrival("other", 0.0)  # an active session, so the prefill is chunked
+    first = send_now(sched, 0.0)
+    assert first.vid == p and not first.last
+    d = sched.enqueue(decode("s"), 0.01)
+    sends = [first]
+    while sched.queued:
+        sends.append(send_now(sched, 0.01))
+    vids = [s.vid for s in sends]
+    assert vids.index(d) > max(i for i, v in enumerate(vids) if v == p)
+
+
+def test_end_session_drops_its_queued_volumes():
+    sched = scheduler()
+    sched.enqueue(prefill("a"), 0.0)
+    sched.enqueue(decode("a"), 0.0)
+    kept = sched.enqueue(prefill("b"), 0.0)
+    assert sched.end_session("a") == 2
+    assert send_now(sched, 0.0).vid == kept
+
+
+# --- just-in-time chunk size: MoLink's three cases --------------------------------------------
+# margin 0.8, 1 MB/s, 1000 bytes/token: a chunk is 800 tokens per second of T_a.
+
+
+def test_case_1_decode_starts_with_the_chunk_so_t_a_is_t_d():
+    sched = scheduler()
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(), 10.0)
+    window = sched.available_time(10.0)
+    assert window is not None and window.case == 1
+    assert window.t_a == pytest.approx(TD)
+    assert send_now(sched, 10.0).tokens == 40  # 0.8 * 1e6 B/s * 0.05 s / 1000 B
+
+
+def test_case_2_decode_already_running_shortens_t_a_by_its_elapsed_time():
+    sched = scheduler()
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(), 10.02)
+    window = sched.available_time(10.02)
+    assert window is not None and window.case == 2
+    assert window.t_a == pytest.approx(TD - 0.02)
+    assert send_now(sched, 10.02).tokens == 24  # 0.8 * 1e6 * 0.03 / 1000
+
+
+def test_case_3_next_decode_comes_one_ring_period_after_the_last():
+    sched = scheduler()
+    sched.observe_decode_arrival("d", 9.5)
+    sched.observe_decode_arrival("d", 10.0)  # period 0.5 s
+    sched.enqueue(decode(), 10.05)
+    send_now(sched, 10.05, duration=0.001)
+    sched.enqueue(prefill(), 10.1)
+    window = sched.available_time(10.1)
+    # t_f = t_p + ring = (10.0 + T_d) + 0.5; T_a = t_f - t_c
+    assert window is not None and window.case == 3
+    assert window.t_a == pytest.approx(10.0 + 0.5 + TD - 10.1)
+    assert send_now(sched, 10.1).tokens == 360  # 0.8 * 1e6 * 0.45 / 1000
+
+
+def test_case_3_period_is_the_shortest_recent_interval_so_our_own_delays_do_not_grow_chunks():
+    sched = scheduler()
+    for t in (0.0, 0.5, 1.5, 2.0):  # the 1.0 s interval was stretched by a big send
+        sched.observe_decode_arrival("d", t)
+    sched.enqueue(decode(), 2.05)
+    send_now(sched, 2.05)
+    window = sched.available_time(2.1)
+    assert window is not None and window.t_f == pytest.approx(2.0 + 0.5 + TD)
+
+
+def test_case_3_without_a_period_the_step_cannot_return_before_half_an_rtt():
+    sched = scheduler()
+    sched.update_link(DEST, rtt=0.2)
+    sched.observe_decode_arrival("d", 10.0)  # first step: no period yet
+    sched.enqueue(decode(), 10.05)
+    send_now(sched, 10.05, duration=0.01)  # left at 10.06
+    window = sched.available_time(10.06)
+    assert window is not None and window.case == 3
+    assert window.t_a == pytest.approx(0.2 / 2 + TD)  # back at 10.16 earliest, then T_d
+
+
+def test_an_overdue_step_predicts_it_any_moment_so_t_a_is_t_d():
+    sched = scheduler()
+    sched.observe_decode_arrival("d", 9.5)
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(decode(), 10.05)
+    send_now(sched, 10.05)
+    window = sched.available_time(10.7)  # expected back at 10.5: late
+    assert window is not None and window.t_a == pytest.approx(TD)
+
+
+def test_the_soonest_decode_session_sets_t_a():
+    sched = scheduler()
+    sched.observe_decode_arrival("slow", 7.0)
+    sched.observe_decode_arrival("slow", 9.0)  # period 2 s: back at 11.0
+    sched.enqueue(decode("slow"), 9.05)
+    send_now(sched, 9.05)
+    sched.observe_decode_arrival("fast", 10.0)  # computing: done at 10.05
+    window = sched.available_time(10.01)
+    assert window is not None and window.session == "fast"
+
+
+def test_a_chunk_never_falls_below_the_floor_even_when_decode_is_overdue():
+    sched = scheduler(min_chunk_tokens=8)
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(), 10.2)  # decode should have finished at 10.05
+    assert send_now(sched, 10.2).tokens == 8
+
+
+def test_the_floor_never_exceeds_what_is_left():
+    sched = scheduler(min_chunk_tokens=8)
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(tokens=5), 10.2)
+    send = send_now(sched, 10.2)
+    assert (send.tokens, send.last) == (5, True)
+
+
+def test_without_a_bandwidth_estimate_chunks_are_the_floor():
+    sched = LinkScheduler(min_chunk_tokens=8)
+    sched.observe_compute("decode", 1, TD)
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(), 10.0)
+    assert send_now(sched, 10.0).tokens == 8
+
+
+def test_a_connection_without_estimate_borrows_the_most_cautious_one_on_the_uplink():
+    sched = scheduler()
+    sched.update_link("other:1", bandwidth=4 * BW)
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(Volume("p", "new:2", "prefill", 1000, 1000), 10.0)
+    assert send_now(sched, 10.0).tokens == 40
+
+
+def test_chunks_follow_the_prefill_across_cases_until_it_is_done():
+    sched = scheduler()
+    sched.observe_decode_arrival("d", 10.0)
+    vid = sched.enqueue(prefill(tokens=100), 10.0)
+    sends = [send_now(sched, 10.0 + 0.01 * i) for i in range(4)]
+    assert [s.vid for s in sends] == [vid] * 4
+    assert [s.offset for s in sends] == [0, 40, 72, 96]  # T_a 50, 40, 30 ms; then 4 left
+    assert sends[-1].last and sends[-1].tokens == 4
+
+
+# --- stats ------------------------------------------------------------------------------------
+
+
+def test_stats_is_a_flat_dict_of_numbers():
+    sched = scheduler()
+    sched.enqueue(prefill(), 0.0)
+    stats = sched.stats()
+    assert stats and all(isinstance(v, float) for v in stats.values())
+    assert stats["prefill_queued_volumes"] == 1 and stats["prefill_queued_bytes"] == 1_000_000
+    assert stats["bandwidth_Bps"] == BW and stats["rtt_s"] == 0.03
+
+
+def test_stats_report_decode_queueing_delay_percentiles():
+    sched = scheduler()
+    for i in range(100):
+        sched.enqueue(decode(), float(i))
+        send_now(sched, i + i / 1000)  # delays 0, 1, ..., 99 ms
+    stats = sched.stats()
+    assert stats["decode_delay_p50_s"] == pytest.approx(0.0495)
+    assert stats["decode_delay_p99_s"] == pytest.approx(0.09801)
+    assert stats["bytes_sent_decode"] == 100_000
+
+
+# --- Algorithm 1 as properties over random interleavings --------------------------------------
+
+SESSIONS = ("a", "b", "c")
+op = st.one_of(
+    st.tuples(
+        st.just("enqueue"),
+        st.sampled_from(SESSIONS),
+        st.sampled_from(("prefill", "decode")),
+        st.integers(1, 120),
+        st.sampled_from((1, 3, 1152)),
+    ),
+    st.tuples(st.just("send"), st.floats(0.0, 0.05)),
+    st.tuples(st.just("arrive"), st.sampled_from(SESSIONS)),
+    st.tuples(st.just("advance"), st.floats(0.0, 0.5)),
+    st.tuples(st.just("link"), st.floats(1e3, 1e8)),
+    st.tuples(st.just("compute"), st.floats(0.0, 0.2)),
+)
+
+
+@dataclass
+class Decision:
+    send: Send | None
+    eligible_decode: list[int]  # vids, oldest first
+    eligible_prefill: list[int]
+    left: dict[int, int]  # tokens each eligible volume had left
+
+
+@dataclass
+class Run:
+    volumes: dict[int, Volume] = field(default_factory=dict)
+    decisions: list[Decision] = field(default_factory=list)
+
+    @property
+    def sends(self) -> list[Send]:
+        return [d.send for d in self.decisions if d.send is not None]
+
+
+def drive(sched: LinkScheduler, ops: list[tuple]) -> Run:
+    """Apply ops, then drain; record what was eligible at every decision (a volume is eligible
+    when every earlier volume of its session has been handed out)."""
+    run = Run()
+    left: dict[int, int] = {}
+    now = 0.0
+
+    def decide() -> Send | None:
+        unfinished = [v for v in sorted(left) if left[v] > 0]
+        heads = {}
+        for vid in unfinished:
+            heads.setdefault(run.volumes[vid].session, vid)
+        eligible = sorted(heads.values())
+        send = sched.next_send(now)
+        run.decisions.append(
+            Decision(
+                send,
+                [v for v in eligible if run.volumes[v].phase == "decode"],
+                [v for v in eligible if run.volumes[v].phase == "prefill"],
+                {v: left[v] for v in eligible},
+            )
+        )
+        if send is not None:
+            left[send.vid] -= send.tokens
+        return send
+
+    for o in ops:
+        if o[0] == "enqueue":
+            volume = Volume(o[1], DEST, o[2], o[3] if o[2] == "prefill" else 1, o[4])
+            vid = sched.enqueue(volume, now)
+            run.volumes[vid] = volume
+            left[vid] = volume.tokens
+        elif o[0] == "send":
+            send = decide()
+            if send is not None:
+                sched.sent(send, now, now + o[1])
+                now += o[1]
+        elif o[0] == "arrive":
+            sched.observe_decode_arrival(o[1], now)
+        elif o[0] == "advance":
+            now += o[1]
+        elif o[0] == "link":
+            sched.update_link(DEST, rtt=0.03, bandwidth=o[1], now=now)
+        elif o[0] == "compute":
+            sched.observe_compute("decode", 1, o[1])
+    for _ in range(10_000):
+        send = decide()
+        if send is None:
+            break
+        sched.sent(send, now, now)
+    return run
+
+
+ops_lists = st.lists(op, max_size=80)
+waits = st.integers(1, 5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops_lists, waits)
+def test_decode_goes_first_while_the_waiting_weight_is_below_max_wait(ops, n):
+    run = drive(LinkScheduler("molink", max_wait=n), ops)
+    w = 0
+    for d in run.decisions:
+        if d.eligible_decode and d.eligible_prefill:
+            w += 1
+        if d.eligible_decode and w < n:
+            assert d.send is not None and d.send.vid == d.eligible_decode[0]
+            assert d.send.tokens == d.left[d.send.vid]
+        elif d.eligible_prefill:
+            assert d.send is not None and d.send.vid == d.eligible_prefill[0]
+            w = 0
+        else:
+            assert d.send is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops_lists, waits)
+def test_no_prefill_waits_behind_more_than_max_wait_decode_sends(ops, n):
+    run = drive(LinkScheduler("molink", max_wait=n), ops)
+    passed = 0  # decode sends made while a prefill was waiting, since the last prefill send
+    for d in run.decisions:
+        if d.send is None:
+            continue
+        if d.send.phase == "prefill":
+            if d.eligible_decode:  # forced by W >= N: the rest of the prefill goes whole
+                assert passed == n - 1 and d.send.last
+            passed = 0
+        elif d.eligible_prefill:
+            passed += 1
+            assert passed <= n - 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops_lists, waits, st.sampled_from(("molink", "fifo")))
+def test_every_token_of_every_volume_is_sent_exactly_once_in_order_per_session(ops, n, policy):
+    run = drive(LinkScheduler(policy, max_wait=n), ops)
+    next_token = {vid: 0 for vid in run.volumes}
+    last_vid: dict[str, int] = {}
+    for s in run.sends:
+        assert s.offset == next_token[s.vid], "a gap or a repeat inside a volume"
+        assert last_vid.get(s.session, -1) <= s.vid, "a later volume overtook an earlier one"
+        next_token[s.vid] += s.tokens
+        assert s.last == (next_token[s.vid] == run.volumes[s.vid].tokens)
+        last_vid[s.session] = s.vid
+    assert next_token == {vid: v.tokens for vid, v in run.volumes.items()}
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops_lists, waits)
+def test_chunks_are_whole_tokens_of_their_volume(ops, n):
+    run = drive(LinkScheduler("molink", max_wait=n, min_chunk_tokens=4), ops)
+    for s in run.sends:
+        volume = run.volumes[s.vid]
+        assert s.tokens >= 1
+        assert s.nbytes == s.tokens * volume.bytes_per_token
+        assert (s.session, s.dest, s.phase) == (volume.session, volume.dest, volume.phase)
+        assert s.last or s.tokens >= 4
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops_lists)
+def test_fifo_sends_whole_volumes_in_arrival_order(ops):
+    run = drive(LinkScheduler("fifo"), ops)
+    assert [s.vid for s in run.sends] == sorted(run.volumes)
+    assert all(s.offset == 0 and s.last for s in run.sends)
+
+
+# --- the simulator ----------------------------------------------------------------------------
+
+SLOW = SimLink(bandwidth=625_000, latency=0.015)  # 5 Mbit/s, 30 ms RTT
+STEADY = DecodeStream(
+    "chat", start=0.0, steps=200, compute_s=0.02, ring_s=0.1, bytes_per_token=1152
+)
+LONG_PROMPTS = [PrefillArrival(f"prompt{i}", 1.0 + 5 * i, 2000, 1152) for i in range(5)]
+
+
+def p99(values: list[float]) -> float:
+    values = sorted(values)
+    return values[round(0.99 * (len(values) - 1))]
+
+
+def test_sim_molink_cuts_decode_send_delay_far_below_fifo():
+    fifo = simulate(LinkScheduler("fifo"), SLOW, [STEADY], LONG_PROMPTS)
+    molink = simulate(LinkScheduler("molink"), SLOW, [STEADY], LONG_PROMPTS)
+    # fifo: a decode step queued behind a 2.3 MB prompt waits its ~3.7 s on the wire
+    assert p99(fifo.decode_delays()) > 1.0
+    assert p99(molink.decode_delays()) < 0.5 * p99(fifo.decode_delays())
+    assert p99(molink.decode_delays()) < 0.02  # at most one floor chunk: 8 x 1152 B = 15 ms
+
+
+def test_sim_molink_finishes_prefill_nearly_as_soon_as_fifo():
+    fifo = simulate(LinkScheduler("fifo"), SLOW, [STEADY], LONG_PROMPTS)
+    molink = simulate(LinkScheduler("molink"), SLOW, [STEADY], LONG_PROMPTS)
+    assert molink.prefill_completion() <= 1.1 * fifo.prefill_completion()
+
+
+def test_sim_molink_sends_prompts_in_chunks_between_decode_steps():
+    sched = LinkScheduler("molink")
+    result = simulate(sched, SLOW, [STEADY], LONG_PROMPTS)
+    prompt = result.of_phase("prefill")[0]
+    assert prompt.sends > 10
+    assert sched.stats()["w_resets"] == 0  # chunks leave the decode queue empty: W never builds
+
+
+def test_sim_is_deterministic():
+    runs = [simulate(LinkScheduler("molink"), SLOW, [STEADY], LONG_PROMPTS) for _ in range(2)]
+    assert runs[0].sends == runs[1].sends
+
+
+def test_sim_decode_session_is_a_closed_loop_slowed_by_fifo():
+    fifo = simulate(LinkScheduler("fifo"), SLOW, [STEADY], LONG_PROMPTS)
+    molink = simulate(LinkScheduler("molink"), SLOW, [STEADY], LONG_PROMPTS)
+    fifo_done, molink_done = (
+        max(v.finished or 0 for v in r.of_phase("decode")) for r in (fifo, molink)
+    )
+    assert molink_done < fifo_done - 10  # five ~3.7 s stalls are gone
+
+
+def test_sim_a_bandwidth_overestimate_costs_decode_delay_an_underestimate_only_chunks():
+    def run(believed: float) -> tuple[float, float, float]:
+        sched = LinkScheduler("molink")
+        link = SimLink(SLOW.bandwidth, SLOW.latency, believed_bandwidth=believed)
+        result = simulate(sched, link, [STEADY], LONG_PROMPTS)
+        return (
+            p99(result.decode_delays()),
+            result.prefill_completion(),
+            sched.stats()["chunks_sent"],
+        )
+
+    true_delay, true_completion, true_chunks = run(SLOW.bandwidth)
+    high_delay, _, _ = run(2 * SLOW.bandwidth)
+    low_delay, low_completion, low_chunks = run(0.5 * SLOW.bandwidth)
+    assert high_delay > 4 * true_delay  # chunks overrun the gap before the next decode step
+    assert low_delay <= true_delay and low_chunks > 1.5 * true_chunks
+    assert low_completion <= 1.01 * true_completion  # the link stays busy either way
