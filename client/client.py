@@ -12,7 +12,7 @@ import trio
 
 from swarm.client.routing import find_route, missing_blocks, usable
 from swarm.client.runtime import TrioThread
-from swarm.client.session import RemoteSession
+from swarm.client.session import PREFILL_CHUNK, RemoteSession
 from swarm.dht import read_nodes, start_dht
 from swarm.errors import RouteUnavailable, SwarmError
 from swarm.model.blocks import Head
@@ -34,6 +34,7 @@ class Client:
         wire_dtype: str | None = None,
         step_timeout: float = 30.0,
         max_retries: int = 4,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         if not initial_peers:
             raise ValueError("initial_peers is empty: pass the multiaddr a node printed")
@@ -44,6 +45,7 @@ class Client:
         self.wire_dtype = wire_dtype
         self.step_timeout = step_timeout
         self.max_retries = max_retries
+        self.prefill_chunk = prefill_chunk
         self._tokenizer = None
         self.dht = start_dht(initial_peers, client_mode=True)
         self.loop = TrioThread()
@@ -171,6 +173,7 @@ class InferenceSession:
             self.max_length,
             self.client.wire_dtype,
             self.client.step_timeout,
+            prefill_chunk=self.client.prefill_chunk,
         )
         try:
             self.client.loop.run(remote.open)

@@ -24,6 +24,8 @@ from swarm.protocol import (
 from swarm.transport import FramedStream, connect
 from swarm.wire import DEFAULT_MAX_FRAME, pack_tensor, unpack_tensor
 
+PREFILL_CHUNK = 256  # tokens per prefill step the client sends
+
 
 class RemoteSession:
     """Async session over a route. Not thread-safe; the client runtime drives it from one task."""
@@ -37,8 +39,10 @@ class RemoteSession:
         wire_dtype: str | None = None,
         step_timeout: float = 30.0,
         max_frame: int = DEFAULT_MAX_FRAME,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         self.route = route
+        self.prefill_chunk = max(1, prefill_chunk)
         self.fingerprint = fingerprint
         self.hidden = hidden
         self.max_length = max_length
@@ -120,15 +124,20 @@ class RemoteSession:
             )
         phase = DECODE if n == 1 and self.position > 0 else PREFILL
         end = self.position + n
-        await self._send_first(
-            Step(
-                sid=self.sid,
-                phase=phase,
-                pos=self.position,
-                end=end,
-                hidden=pack_tensor(hidden, self.wire_dtype or "float16"),
+        # A long prompt goes as several steps of one phase, so the first node computes it in
+        # pieces and other sessions' decode steps run in between (the nodes' queues put decode
+        # first); only the step reaching `end` comes back as a Result.
+        for lo in range(0, n, self.prefill_chunk):
+            piece = hidden[:, lo : lo + self.prefill_chunk]
+            await self._send_first(
+                Step(
+                    sid=self.sid,
+                    phase=phase,
+                    pos=self.position + lo,
+                    end=end,
+                    hidden=pack_tensor(piece, self.wire_dtype or "float16"),
+                )
             )
-        )
         timeout = self.step_timeout + 0.05 * n
         result: Result | None = None
         try:

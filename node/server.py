@@ -115,8 +115,22 @@ class Node:
                     await self._reply_error(conn, exc, sid=getattr(msg, "sid", ""))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
+        except Exception:
+            # a bug must cost one connection, never the node and everyone else's sessions
+            log.exception("closing connection from %s after an internal error", conn.peer())
+            await self._send_quietly(conn, Error.of(SwarmError("internal error"), sid="", hop=-1))
         finally:
             await self._connection_gone(conn)
+            await conn.aclose()
+
+    async def _guarded(self, fn, conn: FramedStream, *args) -> None:
+        """Run a background handler for `conn`; an unexpected error closes that connection only."""
+        try:
+            await fn(conn, *args)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        except Exception:
+            log.exception("closing connection from %s after an internal error", conn.peer())
             await conn.aclose()
 
     def _owns_sessions(self, conn: FramedStream) -> bool:
@@ -136,7 +150,7 @@ class Node:
         elif isinstance(msg, Ping):
             await conn.send(Pong(nonce=msg.nonce))
         elif isinstance(msg, Open):
-            self.nursery.start_soon(self._open, conn, msg)
+            self.nursery.start_soon(self._guarded, self._open, conn, msg)
         elif isinstance(msg, Attach):
             await self._attach(conn, msg)
         elif isinstance(msg, Close):
@@ -151,13 +165,14 @@ class Node:
         log.info("error to %s: %s: %s", conn.peer(), exc.code, exc)
         try:
             with trio.move_on_after(5):
-                await conn.send(Error.of(exc, sid=sid, hop=self._hop_of(sid)))
+                await conn.send(Error.of(exc, sid=sid, hop=self._hop_of(sid, conn)))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
 
-    def _hop_of(self, sid: str) -> int:
+    def _hop_of(self, sid: str, conn: FramedStream) -> int:
+        """The session's hop, told only to a connection holding it: a guessed id learns nothing."""
         s = self.sessions.lookup(sid) if sid else None
-        return s.hop if s is not None else -1
+        return s.hop if s is not None and conn in (s.owner, s.sink) else -1
 
     # ---- sessions -------------------------------------------------------------------------
 
@@ -173,7 +188,8 @@ class Node:
             dest = f"{nxt.host}:{nxt.port}"
             try:
                 ds = await self._get_downstream(dest)
-            except OSError as exc:
+            except (OSError, UnicodeError, ValueError, trio.TooSlowError) as exc:
+                # unreachable, unresolvable, or not even a valid host name
                 self._close_session(s, notify_downstream=False)
                 err = PeerFailed(f"cannot reach hop {msg.hop + 1} at {dest}: {exc}")
                 await self._send_quietly(conn, Error.of(err, sid=msg.sid, hop=msg.hop + 1))
@@ -244,7 +260,7 @@ class Node:
             s is None
             or not s.is_last
             or s.sink is not None
-            or not secrets.compare_digest(s.sink_token, msg.sink_token)
+            or not secrets.compare_digest(s.sink_token.encode(), msg.sink_token.encode())
         ):
             raise SessionNotFound(f"no session {msg.sid[:8]}... to attach to here")
         s.sink = conn

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from swarm.records import MODELS_KEY, ModelRecord, NodeRecord, block_key
+from swarm.records import MAX_MODELS, MODELS_KEY, ModelRecord, NodeRecord, block_key
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,9 @@ def read_models(dht) -> tuple[dict[str, ModelRecord], int]:
             m = ModelRecord.from_wire(value)
         except ValueError:
             malformed += 1
+            continue
+        if m.model not in models and len(models) >= MAX_MODELS:
+            malformed += 1  # a flood of made-up models must not make every reader scan them all
             continue
         models.setdefault(m.model, m)
     return models, malformed

@@ -12,6 +12,10 @@ from typing import Any
 JOINING, ONLINE, OFFLINE = "joining", "online", "offline"
 STATES = (JOINING, ONLINE, OFFLINE)
 MODELS_KEY = "swarm.models"
+# bounds on what a reader accepts from the DHT, which anyone can write to
+MAX_LAYERS = 4096
+MAX_NAME = 200
+MAX_MODELS = 32
 
 
 def block_key(model: str, block: int) -> str:
@@ -100,10 +104,13 @@ class ModelRecord:
         if not isinstance(raw, dict):
             raise ValueError("model record is not a map")
         try:
-            return cls(
+            rec = cls(
                 model=_typed(raw, "model", str),
                 num_layers=_typed(raw, "num_layers", int),
                 fingerprint=_typed(raw, "fingerprint", str),
             )
         except KeyError as exc:
             raise ValueError(f"model record lacks field {exc}") from None
+        if not 1 <= rec.num_layers <= MAX_LAYERS or not 0 < len(rec.model) <= MAX_NAME:
+            raise ValueError(f"model record {rec.model[:40]!r} with {rec.num_layers} layers")
+        return rec

@@ -87,7 +87,7 @@ def unpack_tensor(
     if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
         raise ShapeMismatch("tensor must be a map with exactly dtype, shape and data")
     dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
-    if dtype not in WIRE_DTYPES:
+    if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
         raise ShapeMismatch(
             f"unsupported tensor dtype {dtype!r}; expected one of {sorted(WIRE_DTYPES)}"
         )

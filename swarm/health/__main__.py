@@ -1,0 +1,111 @@
+"""python -m swarm.health --initial-peers MULTIADDR... [--host 0.0.0.0] [--port 8080]"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from swarm.health.app import create_app
+from swarm.health.state import Collector, CollectorConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m swarm.health",
+        description="Serve the public swarm health page: joins the DHT as a client, pings nodes.",
+    )
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        metavar="MULTIADDR",
+        help="DHT peers of the swarm to watch",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
+    p.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free port)")
+    p.add_argument("--dht-host", default="127.0.0.1", help="address the DHT peer listens on")
+    p.add_argument(
+        "--interval", type=float, default=5.0, help="seconds between DHT reads and pings"
+    )
+    p.add_argument(
+        "--refresh", type=int, default=10, help="seconds after which the page reloads itself"
+    )
+    p.add_argument(
+        "--dht-timeout",
+        type=float,
+        default=15.0,
+        help="give up on one DHT read after this many seconds",
+    )
+    p.add_argument(
+        "--ping-timeout",
+        type=float,
+        default=3.0,
+        help="mark a node unreachable if it does not answer within this many seconds",
+    )
+    p.add_argument(
+        "--forget-after", type=float, default=600.0, help="seconds an expired node stays listed"
+    )
+    p.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    return p
+
+
+def hypercorn_config(host: str, port: int, access_log: bool) -> Config:
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    # a burst of page loads must queue in the kernel, not be refused at the default 100
+    config.backlog = 2048
+    config.graceful_timeout = 2.0
+    config.include_server_header = False
+    config.accesslog = "-" if access_log else None
+    return config
+
+
+async def run(args: argparse.Namespace) -> None:
+    collector = Collector(
+        CollectorConfig(
+            initial_peers=tuple(args.initial_peers),
+            dht_host=args.dht_host,
+            interval=args.interval,
+            dht_timeout=args.dht_timeout,
+            ping_timeout=args.ping_timeout,
+            forget_after=args.forget_after,
+        )
+    )
+    app = create_app(
+        lambda: collector.snapshot,
+        refresh_seconds=args.refresh,
+        stale_after=collector.config.stale_after,
+    )
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(
+            serve, app, hypercorn_config(args.host, args.port, args.access_log)
+        )
+        for url in binds:
+            print(f"health page on {url}/", flush=True)
+        await nursery.start(collector.run)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                break
+        nursery.cancel_scope.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    trio.run(run, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""What the health page shows, computed from records and pings without touching the network.
+
+`build_model_view` is pure: the collector feeds it what it last read and measured, tests feed
+it records they made up, and both get the same coverage, gaps and route verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from swarm.health.probe import Reach
+from swarm.records import ONLINE, ModelRecord, NodeRecord
+
+EXPIRED = "expired"  # shown for a node whose records left the DHT; never announced by a node
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Known:
+    """A node as last read from the DHT, and when (DHT time) its records expire."""
+
+    record: NodeRecord
+    expires: float
+
+
+@dataclass(frozen=True)
+class NodeView:
+    record: NodeRecord
+    state: str  # the record's state, or EXPIRED
+    reach: Reach | None  # None: not pinged (expired, or never probed)
+    fingerprint_ok: bool
+    usable: bool  # counted in coverage: online, current, same weights, not unreachable
+    updated_ago_s: float
+    expires_in_s: float
+
+    @property
+    def short_peer(self) -> str:
+        return short_peer(self.record.peer)
+
+    def to_json(self) -> dict[str, Any]:
+        r = self.record
+        return {
+            "peer": r.peer,
+            "peer_short": self.short_peer,
+            "addr": r.addr,
+            "start": r.start,
+            "end": r.end,
+            "state": self.state,
+            "version": r.version,
+            "fingerprint": r.fingerprint,
+            "fingerprint_ok": self.fingerprint_ok,
+            "usable": self.usable,
+            "throughput": r.throughput,
+            "free_cache_tokens": r.free_cache_tokens,
+            "link": dict(r.link),
+            "reachable": None if self.reach is None else self.reach.reachable,
+            "rtt_ms": None if self.reach is None else _round(self.reach.rtt_ms, 3),
+            "ping_error": None if self.reach is None else self.reach.error,
+            "updated": r.updated,
+            "updated_ago_s": round(self.updated_ago_s, 1),
+            "expires_in_s": round(self.expires_in_s, 1),
+        }
+
+
+@dataclass(frozen=True)
+class ModelView:
+    model: ModelRecord
+    coverage: tuple[int, ...]  # usable nodes serving each block
+    nodes: tuple[NodeView, ...]
+
+    @property
+    def gaps(self) -> list[tuple[int, int]]:
+        """Half-open block ranges no usable node serves."""
+        out: list[tuple[int, int]] = []
+        for b, n in enumerate(self.coverage):
+            if n:
+                continue
+            if out and out[-1][1] == b:
+                out[-1] = (out[-1][0], b + 1)
+            else:
+                out.append((b, b + 1))
+        return out
+
+    @property
+    def full_route(self) -> bool:
+        # a hop may use part of a node's span (client.routing), so covering every block suffices
+        return bool(self.coverage) and all(self.coverage)
+
+    @property
+    def throughput(self) -> float:
+        """Tokens/s the swarm can push through the whole model: its weakest block's capacity.
+
+        Each block's capacity is the summed throughput of the usable nodes serving it; a token
+        crosses every block once, so the least of those bounds the swarm. Zero with a gap.
+        """
+        if not self.full_route:
+            return 0.0
+        per_block = [0.0] * len(self.coverage)
+        for n in self.nodes:
+            if n.usable:
+                for b in range(n.record.start, n.record.end):
+                    per_block[b] += n.record.throughput
+        return min(per_block)
+
+    def count(self, state: str) -> int:
+        return sum(1 for n in self.nodes if n.state == state)
+
+    @property
+    def unreachable(self) -> int:
+        return sum(1 for n in self.nodes if n.reach is not None and not n.reach.reachable)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model.model,
+            "num_layers": self.model.num_layers,
+            "fingerprint": self.model.fingerprint,
+            "coverage": list(self.coverage),
+            "gaps": [list(g) for g in self.gaps],
+            "full_route": self.full_route,
+            "throughput": round(self.throughput, 3),
+            "nodes_online": sum(1 for n in self.nodes if n.usable),
+            "nodes": [n.to_json() for n in self.nodes],
+        }
+
+
+@dataclass(frozen=True)
+class DhtStatus:
+    state: str  # "starting" (no read yet), "ok", or "failing" (last read failed)
+    last_ok: float | None = None  # wall-clock time of the last good read
+    read_seconds: float | None = None  # how long the last good read took
+    error: str | None = None  # why the last attempt failed
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything one refresh found; immutable, so a request can hold it while the next is built."""
+
+    taken_at: float  # wall-clock time
+    dht: DhtStatus
+    skipped_records: int = 0  # malformed or foreign entries in the last good read
+    models: tuple[ModelView, ...] = ()
+    refresh_interval: float = 0.0
+    version: str = ""
+    serial: int = 0  # increases with every snapshot; lets a renderer cache its output
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.dht
+        return {
+            "schema": SCHEMA_VERSION,
+            "version": self.version,
+            "generated_at": self.taken_at,
+            "refresh_interval_s": self.refresh_interval,
+            "dht": {
+                "state": d.state,
+                "last_ok": d.last_ok,
+                "last_ok_age_s": None if d.last_ok is None else round(self.taken_at - d.last_ok, 1),
+                "read_seconds": _round(d.read_seconds, 4),
+                "error": d.error,
+            },
+            "skipped_records": self.skipped_records,
+            "models": [m.to_json() for m in self.models],
+        }
+
+
+def short_peer(peer: str) -> str:
+    # hivemind peer ids share the "12D3KooW" prefix; the tail tells them apart
+    return peer if len(peer) <= 10 else "…" + peer[-8:]
+
+
+def build_model_view(
+    model: ModelRecord, known: list[Known], reach: dict[str, Reach], now: float
+) -> ModelView:
+    """Coverage and node rows for one model; `reach` maps a node address to its last ping."""
+    coverage = [0] * model.num_layers
+    views = []
+    for k in known:
+        r = k.record
+        expired = k.expires <= now
+        ping = None if expired else reach.get(r.addr)
+        fingerprint_ok = r.fingerprint == model.fingerprint and r.num_layers == model.num_layers
+        usable = (
+            not expired
+            and r.state == ONLINE
+            and fingerprint_ok
+            and (ping is None or ping.reachable)
+            and r.end <= model.num_layers
+        )
+        if usable:
+            for b in range(r.start, r.end):
+                coverage[b] += 1
+        views.append(
+            NodeView(
+                record=r,
+                state=EXPIRED if expired else r.state,
+                reach=ping,
+                fingerprint_ok=fingerprint_ok,
+                usable=usable,
+                updated_ago_s=max(0.0, now - r.updated),
+                expires_in_s=k.expires - now,
+            )
+        )
+    views.sort(key=lambda v: (v.state == EXPIRED, v.record.start, v.record.end, v.record.peer))
+    return ModelView(model=model, coverage=tuple(coverage), nodes=tuple(views))
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)

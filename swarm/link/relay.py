@@ -1,0 +1,537 @@
+"""A shaped TCP link on loopback: bandwidth, one-way delay and a bounded bottleneck buffer.
+
+This kernel has no netem, so tests and benchmarks put this user-space relay between peers. Every
+connection through one relay shares the same two links (one per direction), the way every
+connection of a node shares its access link. Per direction, bytes read from a sender wait in a
+FIFO bottleneck buffer; when it is full the relay stops reading, so the sender's TCP backs off.
+The buffer drains at `rate` in small pieces, and each piece reaches the receiver `delay` after
+its last bit left the bottleneck.
+
+`ShapedLink` is the sans-IO model of one direction; `Relay` is the trio shell around two of them.
+
+    python -m swarm.link.relay --listen 127.0.0.1:9000 --target 127.0.0.1:7000 \\
+        --rate-mbps 5 --delay-ms 15 --buffer-kb 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import socket
+import struct
+import time
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import trio
+
+log = logging.getLogger(__name__)
+
+MSS = 1448
+MAX_PIECE = 64 * 1024
+PIECE_TIME_S = 0.002  # ~2 ms per piece: about the timer resolution, few wakeups for Python
+READ_MAX = 64 * 1024
+# A sender blocked on a full bottleneck is let in again once this much room is free, not for
+# every piece: a Python relay pays ~100 us per wakeup, and TCP refills in bursts anyway.
+REFILL_BYTES = 8 * 1024
+# A small receive buffer on the relay's sockets keeps the bytes a sender has pushed but the link
+# has not taken to ~30 KiB (measured; autotuned it grows to hundreds of KiB), so backpressure
+# reaches the sender. 8 KiB stalls on 40 ms delayed ACKs against loopback's 64 KiB MSS, and so
+# does a small send buffer, which is why the send side keeps the kernel's autotuning.
+RELAY_RECEIVE_BUFFER = 32 * 1024
+MIN_FLOW_WINDOW = 4 * 1024 * 1024
+# epoll rounds timeouts up to whole milliseconds, so trio wakes 0.4-1.4 ms late here, more on a
+# busy machine. The driver tracks the median of its lateness, wakes that much early and delivers
+# what is due within it, so half the pieces arrive a little early and half a little late.
+INITIAL_TIMER_SLACK_S = 0.0009
+MAX_TIMER_SLACK_S = 0.003
+SLACK_STEP_S = 0.00002
+CONNECT_TIMEOUT_S = 10.0
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux's number; Python does not name it
+TIMESTAMP_SPACE = socket.CMSG_SPACE(16)  # one struct timespec
+MAX_TIMESTAMP_AGE_S = 1.0  # beyond this, a wall-clock step is likelier than a stalled relay
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """One direction of a link.
+
+    rate_bps: serialization rate in bits per second; 0 or None means unlimited.
+    delay_s: one-way propagation delay, added after a piece leaves the bottleneck.
+    buffer_bytes: bottleneck buffer; when full, the relay stops reading from the sender.
+    """
+
+    rate_bps: float | None = None
+    delay_s: float = 0.0
+    buffer_bytes: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        if self.rate_bps is not None and self.rate_bps < 0:
+            raise ValueError(f"rate_bps must be >= 0 (0 = unlimited), got {self.rate_bps}")
+        if self.delay_s < 0:
+            raise ValueError(f"delay_s must be >= 0, got {self.delay_s}")
+        if self.buffer_bytes < 1:
+            raise ValueError(f"buffer_bytes must be >= 1, got {self.buffer_bytes}")
+
+    def serialization_s(self, nbytes: int) -> float:
+        """Seconds `nbytes` occupy the link."""
+        return nbytes * 8 / self.rate_bps if self.rate_bps else 0.0
+
+    def piece_bytes(self) -> int:
+        """Largest piece the bottleneck sends at once."""
+        if not self.rate_bps:
+            return MAX_PIECE
+        return int(min(MAX_PIECE, max(MSS, self.rate_bps / 8 * PIECE_TIME_S)))
+
+    def refill_bytes(self) -> int:
+        """Room the bottleneck needs before the relay reads from a sender again."""
+        return max(
+            min(REFILL_BYTES, self.buffer_bytes // 4), min(self.piece_bytes(), self.buffer_bytes)
+        )
+
+    def window_bytes(self) -> int:
+        """Bytes one flow may have inside the relay: bounds memory if a receiver stops reading."""
+        if not self.rate_bps:
+            return MIN_FLOW_WINDOW
+        bdp = self.rate_bps / 8 * self.delay_s
+        return int(max(MIN_FLOW_WINDOW, 2 * (bdp + self.buffer_bytes)))
+
+
+@dataclass
+class _Piece:
+    flow: Hashable
+    data: bytes | None  # None: the sender closed (its FIN rides the link like data)
+    enqueued: float
+
+    @property
+    def size(self) -> int:
+        return len(self.data) if self.data is not None else 0
+
+
+class ShapedLink:
+    """One direction of a shaped link, sans-IO: the caller passes the time in.
+
+    Pieces of all flows share one FIFO bottleneck and one delay line, so they leave in the order
+    they were sent. Times are absolute, so late callers never make the link drift: a piece starts
+    serializing when the previous one finished (or when it was sent, if the link was idle), not
+    when `advance` happens to run.
+    """
+
+    def __init__(self, shape: LinkShape):
+        self.shape = shape
+        self._queue: deque[_Piece] = deque()
+        self._queued = 0
+        self._head_done: float | None = None  # fixed once the head piece starts serializing
+        self._link_free = -math.inf
+        self._line: deque[tuple[float, Hashable, bytes | None]] = deque()
+        self._last_arrival = -math.inf
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes in the bottleneck buffer, including the piece on the wire."""
+        return self._queued
+
+    def room(self) -> int:
+        """Free bytes in the bottleneck buffer."""
+        return max(0, self.shape.buffer_bytes - self._queued)
+
+    def send(self, now: float, flow: Hashable, data: bytes) -> None:
+        """Put bytes of `flow` into the bottleneck; the caller keeps within `room()`."""
+        step = self.shape.piece_bytes()
+        for i in range(0, len(data), step):
+            piece = data[i : i + step]
+            self._queue.append(_Piece(flow, piece, now))
+            self._queued += len(piece)
+
+    def close(self, now: float, flow: Hashable) -> None:
+        """The sender of `flow` closed; its end reaches the receiver after its last byte."""
+        self._queue.append(_Piece(flow, None, now))
+
+    def set_shape(self, now: float, shape: LinkShape) -> None:
+        """Change the shape from `now` on; a piece already on the wire keeps its old timing."""
+        self._serialize(now)
+        self.shape = shape
+
+    def advance(self, now: float) -> list[tuple[Hashable, bytes | None]]:
+        """Pieces that have reached the receiver by `now`, in order; None marks a flow's end."""
+        self._serialize(now)
+        out = []
+        while self._line and self._line[0][0] <= now:
+            _, flow, data = self._line.popleft()
+            out.append((flow, data))
+        return out
+
+    def next_arrival(self) -> float:
+        """When the next piece reaches its receiver, if nothing more is sent; inf if none."""
+        if self._line:
+            return self._line[0][0]
+        if self._queue:
+            return max(self._head_finish() + self.shape.delay_s, self._last_arrival)
+        return math.inf
+
+    def when_room(self, nbytes: int) -> float:
+        """When `room()` reaches `nbytes`, if nothing more is sent; inf if it never will."""
+        need = nbytes - self.room()
+        if need <= 0:
+            return -math.inf
+        t = freed = 0
+        for i, piece in enumerate(self._queue):
+            if i == 0:
+                t = self._head_finish()
+            else:
+                t = max(t, piece.enqueued) + self.shape.serialization_s(piece.size)
+            freed += piece.size
+            if freed >= need:
+                return t
+        return math.inf
+
+    def _head_finish(self) -> float:
+        if self._head_done is None:
+            head = self._queue[0]
+            start = max(self._link_free, head.enqueued)
+            self._head_done = start + self.shape.serialization_s(head.size)
+        return self._head_done
+
+    def _serialize(self, now: float) -> None:
+        while self._queue and self._head_finish() <= now:
+            piece = self._queue.popleft()
+            self._link_free = self._head_done
+            self._head_done = None
+            self._queued -= piece.size
+            # a delay that shrank mid-run must not let a piece overtake the one before it
+            arrival = max(self._link_free + self.shape.delay_s, self._last_arrival)
+            self._last_arrival = arrival
+            self._line.append((arrival, piece.flow, piece.data))
+
+
+# Wakes every task waiting on it; a wait started after `fire` waits for the next one.
+class _Signal:
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait(self, deadline: float = math.inf) -> bool:  # False: the deadline passed
+        event = self._event
+        with trio.move_on_at(deadline):
+            await event.wait()
+            return True
+        return False
+
+
+class _Direction:
+    def __init__(self, shape: LinkShape):
+        self.link = ShapedLink(shape)
+        self.wake_driver = _Signal()
+        self.room = _Signal()  # bottleneck room or a flow's window opened
+        self.readers_waiting = 0
+        self.slack = INITIAL_TIMER_SLACK_S
+
+    async def drive(self) -> None:
+        while True:
+            now = trio.current_time()
+            for flow, data in self.link.advance(now + self.slack):
+                flow.deliver(data)
+            wake_at = self.link.next_arrival()
+            if self.readers_waiting:
+                refill = self.link.shape.refill_bytes()
+                if self.link.room() >= refill:
+                    self.room.fire()
+                else:
+                    wake_at = min(wake_at, self.link.when_room(refill))
+            wake_at -= self.slack
+            if not await self.wake_driver.wait(wake_at):
+                late = trio.current_time() - wake_at
+                step = SLACK_STEP_S if late > self.slack else -SLACK_STEP_S
+                self.slack = min(max(self.slack + step, 0.0), MAX_TIMER_SLACK_S)
+
+
+# Bytes of one connection in one direction, between the link and the receiving socket.
+class _Flow:
+    def __init__(self) -> None:
+        self.outbox: list[bytes] = []
+        self.ended = False
+        self.dead = False  # the receiver is gone; drop what still arrives
+        self.inside = 0  # bytes read from the sender and not yet written to the receiver
+        self.ready = _Signal()
+
+    def deliver(self, data: bytes | None) -> None:
+        if self.dead:
+            return
+        if data is None:
+            self.ended = True
+        else:
+            self.outbox.append(data)
+        self.ready.fire()
+
+
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+class Relay:
+    """A shaped TCP relay to one target; every connection through it shares the two links.
+
+    `up` shapes bytes from connecting peers to the target, `down` bytes from the target back to
+    them. When the target is a node announcing the relay as its public address, `down` is the
+    node's upload and `up` its download.
+    """
+
+    def __init__(self, target_host: str, target_port: int, up: LinkShape, down: LinkShape):
+        self.target = (target_host, target_port)
+        self._up = _Direction(up)
+        self._down = _Direction(down)
+        self.port: int | None = None
+        self.connections = 0  # open right now
+        self.served = 0  # accepted since start
+
+    @property
+    def up(self) -> LinkShape:
+        return self._up.link.shape
+
+    @property
+    def down(self) -> LinkShape:
+        return self._down.link.shape
+
+    def set_shape(self, up: LinkShape | None = None, down: LinkShape | None = None) -> None:
+        """Change either direction's shape from now on. Call from the relay's trio run."""
+        now = trio.current_time()
+        for direction, shape in ((self._up, up), (self._down, down)):
+            if shape is not None:
+                direction.link.set_shape(now, shape)
+                direction.wake_driver.fire()
+                direction.room.fire()
+
+    async def serve(
+        self,
+        listen_host: str,
+        listen_port: int,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept connections until cancelled; `task_status.started` gets the listening port."""
+        listeners = await trio.open_tcp_listeners(listen_port, host=listen_host)
+        listeners = listeners[:1]  # port 0 on a name with several addresses gives several ports
+        sock = listeners[0].socket
+        _tune(sock)  # accepted sockets inherit it all, and the window scale with the buffer
+        self.port = sock.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._up.drive)
+            nursery.start_soon(self._down.drive)
+            await nursery.start(trio.serve_listeners, self._serve_one, listeners)
+            task_status.started(self.port)
+
+    async def _serve_one(self, client: trio.SocketStream) -> None:
+        self.connections += 1
+        self.served += 1
+        try:
+            await self._relay(client)
+        except Exception:
+            log.exception("relay: connection failed; the relay keeps serving")
+        finally:
+            self.connections -= 1
+            await client.aclose()
+
+    async def _relay(self, client: trio.SocketStream) -> None:
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT_S):
+                server = await _connect(*self.target)
+        except (OSError, trio.TooSlowError) as e:
+            log.warning("relay: cannot reach target %s:%d: %r", *self.target, e)
+            return
+        up, down = _Flow(), _Flow()
+        writers_left = 2
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def write(dst: trio.SocketStream, flow: _Flow, d: _Direction) -> None:
+                    nonlocal writers_left
+                    try:
+                        await _pump_out(dst, flow, d)
+                    except _GONE:
+                        flow.dead = True
+                        d.room.fire()
+                        # closing it ends the reader on the same socket, which sends our end
+                        # (after whatever is still in flight) to the other side
+                        await dst.aclose()
+                    writers_left -= 1
+                    if writers_left == 0:
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(_pump_in, client, up, self._up)
+                nursery.start_soon(write, server, up, self._up)
+                nursery.start_soon(_pump_in, server, down, self._down)
+                nursery.start_soon(write, client, down, self._down)
+        finally:
+            await server.aclose()
+
+
+async def _pump_in(src: trio.SocketStream, flow: _Flow, d: _Direction) -> None:
+    link = d.link
+    try:
+        while not flow.dead:
+            shape = link.shape
+            want = min(link.room(), READ_MAX, shape.window_bytes() - flow.inside)
+            if want < shape.refill_bytes():
+                d.readers_waiting += 1
+                try:
+                    await d.room.wait()
+                finally:
+                    d.readers_waiting -= 1
+                continue
+            try:
+                data, arrived = await _receive(src.socket, want)
+            except _GONE:
+                return
+            if not data:
+                return
+            flow.inside += len(data)
+            idle = link.queued_bytes == 0
+            link.send(arrived, flow, data)
+            if idle:  # behind other pieces, it changes none of the driver's deadlines
+                d.wake_driver.fire()
+    finally:
+        link.close(trio.current_time(), flow)
+        d.wake_driver.fire()
+
+
+async def _pump_out(dst: trio.SocketStream, flow: _Flow, d: _Direction) -> None:
+    while True:
+        if flow.outbox:
+            data = b"".join(flow.outbox)
+            flow.outbox.clear()
+            await dst.send_all(data)
+            flow.inside -= len(data)
+            d.room.fire()
+        elif flow.ended:
+            try:
+                await dst.send_eof()
+            except _GONE:
+                pass
+            return
+        else:
+            await flow.ready.wait()
+
+
+def _tune(sock: trio.socket.SocketType) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RELAY_RECEIVE_BUFFER)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, True)
+    except OSError:
+        pass  # not Linux: bytes count as arriving when the relay reads them
+
+
+# Bytes from `sock`, and when the kernel received them, on trio's clock. A piece enters the
+# bottleneck when it reached the relay, not when the relay got round to reading it: that takes
+# out the relay's wakeup latency and, when the relay stalls on a busy machine, keeps the bytes
+# already waiting in its kernel buffer from finding an idle link.
+async def _receive(sock: trio.socket.SocketType, nbytes: int) -> tuple[bytes, float]:
+    data, ancillary, _, _ = await sock.recvmsg(nbytes, TIMESTAMP_SPACE)
+    now = trio.current_time()
+    for level, kind, value in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(value) >= 16:
+            seconds, nanoseconds = struct.unpack("qq", value[:16])
+            age = time.time() - (seconds + nanoseconds * 1e-9)
+            return data, now - min(max(age, 0.0), MAX_TIMESTAMP_AGE_S)
+    return data, now
+
+
+async def _connect(host: str, port: int) -> trio.SocketStream:
+    family, type_, proto, _, addr = (
+        await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    )[0]
+    sock = trio.socket.socket(family, type_, proto)
+    try:
+        _tune(sock)  # before connect, so the window scale matches the buffer
+        await sock.connect(addr)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketStream(sock)
+
+
+async def run_relay(
+    listen_host: str,
+    listen_port: int,
+    target_host: str,
+    target_port: int,
+    up: LinkShape,
+    down: LinkShape,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve a shaped relay until cancelled; `task_status.started` gets the listening port.
+
+    Use `Relay` directly to change the shape while it runs.
+    """
+    relay = Relay(target_host, target_port, up, down)
+    await relay.serve(listen_host, listen_port, task_status=task_status)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m swarm.link.relay",
+        description="A shaped TCP relay: bandwidth, one-way delay and a bottleneck buffer, "
+        "the same both ways unless --down-* (target -> peers) says otherwise.",
+    )
+    p.add_argument("--listen", type=_host_port, required=True, help="HOST:PORT (port 0: any)")
+    p.add_argument("--target", type=_host_port, required=True, help="HOST:PORT to relay to")
+    p.add_argument("--rate-mbps", type=float, default=0.0, help="bandwidth; 0 = unlimited")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay")
+    p.add_argument("--buffer-kb", type=float, default=64.0, help="bottleneck buffer in KiB")
+    for name in ("rate-mbps", "delay-ms", "buffer-kb"):
+        p.add_argument(
+            f"--down-{name}",
+            type=float,
+            default=None,
+            help=f"the same for target -> peers (default: --{name})",
+        )
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+def _shape(rate_mbps: float, delay_ms: float, buffer_kb: float) -> LinkShape:
+    return LinkShape(rate_mbps * 1e6, delay_ms / 1e3, int(buffer_kb * 1024))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: relay --listen to --target, shaped the same both ways unless --down-*."""
+    a = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING)
+    up = _shape(a.rate_mbps, a.delay_ms, a.buffer_kb)
+    down = _shape(
+        a.rate_mbps if a.down_rate_mbps is None else a.down_rate_mbps,
+        a.delay_ms if a.down_delay_ms is None else a.down_delay_ms,
+        a.buffer_kb if a.down_buffer_kb is None else a.down_buffer_kb,
+    )
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(
+                run_relay, a.listen[0], a.listen[1], a.target[0], a.target[1], up, down
+            )
+            print(
+                f"relay {a.listen[0]}:{port} -> {a.target[0]}:{a.target[1]}  up {up}  down {down}",
+                flush=True,
+            )
+
+    try:
+        trio.run(run)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
