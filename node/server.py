@@ -414,6 +414,8 @@ class Node:
                     reason = ConnectionError("connection closed")
                     break
                 if isinstance(msg, Pong):
+                    if self.uplink.on_pong(dest, msg.nonce):
+                        continue
                     sent = self._pings.pop((dest, msg.nonce), None)
                     if sent is not None:
                         self.uplink.on_ping(dest, time.monotonic() - sent)
@@ -441,6 +443,7 @@ class Node:
         for dest, ds in list(self._downstream.items()):
             if ds is stream:
                 del self._downstream[dest]
+                self.uplink.forget_dest(dest)
                 log.warning("lost downstream %s: %s", dest, reason)
                 for s in self.sessions:
                     if s.downstream == dest:

@@ -19,16 +19,18 @@ from dataclasses import dataclass
 import torch
 import trio
 
-from swarm.link.estimator import LinkEstimator
+from swarm.link.estimator import LinkEstimator, SentFrame
 from swarm.link.scheduler import LinkScheduler, Volume
 from swarm.link.tcpinfo import read_tcp_info, set_notsent_lowat
-from swarm.protocol import Message, Result, Step, to_wire
+from swarm.protocol import Message, Ping, Result, Step, to_wire
 from swarm.transport import FramedStream
 from swarm.wire import encode_frame, pack_tensor, tensor_nbytes
 
 log = logging.getLogger(__name__)
 
 NOTSENT_LOWAT = 16 * 1024
+ACK_NONCE_BASE = 1 << 40  # pings that acknowledge delivery; the node's own RTT pings count from 1
+MAX_UNACKED = 4096
 
 
 @dataclass
@@ -62,6 +64,8 @@ class Uplink:
         self._wake = trio.Event()
         self._clock0 = time.monotonic()
         self.bytes_sent = 0
+        self._acks: dict[str, deque[tuple[int, SentFrame]]] = {}  # dest -> (nonce, frame), in order
+        self._ack_nonce = ACK_NONCE_BASE
 
     def now(self) -> float:
         return time.monotonic() - self._clock0
@@ -101,16 +105,48 @@ class Uplink:
     def observe_compute(self, phase: str, tokens: int, seconds: float) -> None:
         self.scheduler.observe_compute(phase, tokens, seconds)
 
+    def on_pong(self, dest: str, nonce: int) -> bool:
+        """A pong from `dest`; True if it acknowledged an activation frame (and was used here)."""
+        if nonce < ACK_NONCE_BASE:
+            return False
+        waiting = self._acks.get(dest)
+        est = self.estimator(dest)
+        while waiting:
+            n, frame = waiting.popleft()
+            if n == nonce:
+                est.on_acked(frame, self.now())
+                self._push_estimate(dest, est)
+                break
+            est.on_ack_lost(frame)  # pongs come in order: an earlier one will not come now
+        return True
+
+    def forget_dest(self, dest: str) -> None:
+        """The connection to `dest` is gone: its outstanding acknowledgements will not come."""
+        est = self._estimators.get(dest)
+        for _, frame in self._acks.pop(dest, ()):
+            if est is not None:
+                est.on_ack_lost(frame)
+
     def on_ping(self, dest: str, rtt: float) -> None:
         est = self.estimator(dest)
         est.on_ping(rtt, self.now())
         self._push_estimate(dest, est)
 
     def _push_estimate(self, dest: str, est: LinkEstimator) -> None:
-        self.scheduler.update_link(dest, rtt=est.rtt, bandwidth=est.bandwidth, now=self.now())
+        self.scheduler.update_link(
+            dest,
+            rtt=est.rtt,
+            bandwidth=est.bandwidth,
+            now=self.now(),
+            forget_bandwidth=est.bandwidth is None,
+        )
 
     def stats(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.scheduler.stats().items()}
+        out = {k: float(v) for k, v in self.scheduler.stats().items()}
+        ests = self._estimators.values()
+        out["tcp_info_blind"] = float(any(e.tcp_blind for e in ests))
+        out["ack_rate_samples"] = float(sum(e.ack_samples for e in ests))
+        return out
 
     async def _write(self, stream: FramedStream, frame: bytes) -> bool:
         sock = stream.socket
@@ -155,11 +191,24 @@ class Uplink:
                 self.scheduler.sent(send, started=started, finished=started)
                 continue
             frame = self._frame(p, send.offset, send.tokens)
+            sent = None if p.result else self.estimator(p.dest).on_frame_sent(len(frame))
             ok = await self._write(p.stream, frame)
             finished = self.now()
             self.scheduler.sent(send, started=started, finished=finished)
             if ok:
                 self._measure(p, len(frame), started, finished)
+            if sent is not None:
+                await self._ask_ack(p, sent, ok)
+
+    async def _ask_ack(self, p: Payload, sent: SentFrame, written: bool) -> None:
+        """A ping right behind the frame: its pong means the next hop has read the frame."""
+        waiting = self._acks.setdefault(p.dest, deque())
+        if not written or len(waiting) >= MAX_UNACKED:
+            self.estimator(p.dest).on_ack_lost(sent)
+            return
+        self._ack_nonce += 1
+        waiting.append((self._ack_nonce, sent))
+        await self._write(p.stream, encode_frame(to_wire(Ping(nonce=self._ack_nonce))))
 
     def _frame(self, p: Payload, offset: int, tokens: int) -> bytes:
         hidden = pack_tensor(p.hidden[:, offset : offset + tokens], p.wire_dtype)

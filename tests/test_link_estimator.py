@@ -144,3 +144,48 @@ def test_samples_counts_each_accepted_reading():
     est.on_ping(0.03, 0.1)
     est.on_tcp_info(0.03, 1 * MBPS, 0.2, app_limited=True)
     assert (est.samples, est.rtt_samples, est.bandwidth_samples) == (4, 3, 1)
+
+
+def test_delivery_acks_measure_the_path_rate_when_the_pipe_stays_busy():
+    """Frames of 16 KiB every 10 ms into a 1 MB/s path: acknowledgements pace at the path's rate."""
+    est = LinkEstimator()
+    rate, size = 1_000_000, 16 * 1024
+    sent = []
+    for i in range(40):  # the sender fills a buffer ahead of the path: always 4 frames unacked
+        sent.append(est.on_frame_sent(size))
+        if i >= 3:
+            est.on_acked(sent[i - 3], (i - 3 + 1) * size / rate + 0.015)
+    assert est.ack_samples > 20
+    assert est.bandwidth == pytest.approx(rate, rel=0.02)
+
+
+def test_a_frame_sent_into_an_empty_pipe_gives_no_bandwidth_sample():
+    est = LinkEstimator()
+    for i in range(10):  # one frame at a time, each acknowledged before the next: idle between
+        frame = est.on_frame_sent(64 * 1024)
+        assert not est.on_acked(frame, i * 1.0 + 0.5)
+    assert est.bandwidth is None
+
+
+def test_tcp_info_blind_behind_a_proxy_is_dropped_in_favour_of_pings_and_acks():
+    """A relay ends the TCP connection: the kernel sees loopback (50 us, 1 GB/s); pings, 30 ms."""
+    est = LinkEstimator()
+    est.on_tcp_info(0.00005, 1e9, 0.0)
+    assert est.bandwidth == 1e9 and not est.tcp_blind
+    est.on_ping(0.030, 0.1)
+    assert est.tcp_blind and est.bandwidth is None  # nothing trustworthy is left
+    est.on_tcp_info(0.00005, 1e9, 0.2)
+    assert est.bandwidth is None and est.rtt == pytest.approx(0.030)
+    frames = [est.on_frame_sent(32 * 1024) for _ in range(2)]
+    est.on_acked(frames[0], 0.30)
+    frames.append(est.on_frame_sent(32 * 1024))  # sent while frame 1 is still in flight
+    est.on_acked(frames[1], 0.35)
+    est.on_acked(frames[2], 0.40)  # 64 KiB delivered since frame 0's ack: 32 KiB per 50 ms
+    assert est.bandwidth == pytest.approx(32 * 1024 / 0.05)
+
+
+def test_tcp_info_that_agrees_with_pings_is_kept():
+    est = LinkEstimator()
+    est.on_ping(0.031, 0.0)
+    est.on_tcp_info(0.030, 5e5, 0.1)
+    assert not est.tcp_blind and est.bandwidth == 5e5

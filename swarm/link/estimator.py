@@ -17,6 +17,18 @@ Samples that carry no bandwidth information are refused at the door:
   back-to-back blocking writes drains at link rate; the first write after an idle spell fills
   the empty socket buffer and congestion window at memory speed and would read as a fast link.
 
+Delivery acknowledgements: the driver follows each activation frame with a ping; the next hop
+answers it once it has read the frame, so the pong says "delivered". Like TCP's own rate
+estimate, a frame sent while earlier bytes were still unacknowledged yields bytes delivered
+since the last acknowledgement before it was sent over the time since then. Frames sent into an
+empty pipe yield nothing (the interval would include idle time). This is the one measurement
+that sees the whole path whatever sits in it.
+
+TCP_INFO sees only the TCP connection, which ends at the first proxy: through a relay or a
+split-TCP middlebox it reports the hop to the proxy (loopback-fast here). When the kernel's RTT
+is under half the lowest application ping, TCP_INFO is taken to be blind to the path and its
+samples are dropped, past and future.
+
 RTT: an EWMA of kernel smoothed RTTs and application pings, plus a windowed minimum (the
 propagation delay; the difference is queueing).
 """
@@ -24,6 +36,21 @@ propagation delay; the difference is queueing).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
+
+TCP = "tcp"
+APP = "app"  # timed writes and delivery acknowledgements
+BLIND_RTT_RATIO = 0.5  # kernel RTT under this share of the lowest ping: TCP_INFO is blind
+
+
+@dataclass(frozen=True)
+class SentFrame:
+    """What the estimator needs, at acknowledgement time, about a frame when it was sent."""
+
+    nbytes: int
+    delivered: int  # bytes acknowledged before it was sent
+    delivered_at: float | None  # when the last of those was acknowledged
+    pipe_busy: bool  # earlier bytes were still unacknowledged
 
 
 class LinkEstimator:
@@ -54,11 +81,19 @@ class LinkEstimator:
         self.samples = 0  # accepted samples of either kind
         self.bandwidth_samples = 0
         self.rtt_samples = 0
-        self._rates: deque[tuple[float, float]] = deque(maxlen=max_window_samples)  # (time, B/s)
+        # (time, B/s, source)
+        self._rates: deque[tuple[float, float, str]] = deque(maxlen=max_window_samples)
         self._bandwidth: float | None = None
         self._min_rtts: deque[tuple[float, float]] = deque()  # (time, rtt), increasing rtt
         self._last_write_end: float | None = None
         self._last_write_blocked = False
+        self._delivered = 0
+        self._delivered_at: float | None = None
+        self._in_flight = 0
+        self._min_ping: float | None = None
+        self._min_tcp_rtt: float | None = None
+        self.tcp_blind = False
+        self.ack_samples = 0
 
     @property
     def bandwidth(self) -> float | None:
@@ -79,14 +114,66 @@ class LinkEstimator:
     ) -> None:
         """A TCP_INFO reading: the kernel's smoothed RTT and latest per-ACK delivery rate."""
         if rtt_s is not None and rtt_s > 0:
-            self._add_rtt(rtt_s, now)
+            if self._min_tcp_rtt is None or rtt_s < self._min_tcp_rtt:
+                self._min_tcp_rtt = rtt_s
+            self._check_blind(now)
+            if not self.tcp_blind:
+                self._add_rtt(rtt_s, now)
+        if self.tcp_blind:
+            return
         if delivery_rate_Bps and delivery_rate_Bps > 0 and not app_limited:
-            self._add_rate(float(delivery_rate_Bps), now)
+            self._add_rate(float(delivery_rate_Bps), now, TCP)
 
     def on_ping(self, rtt_s: float, now: float) -> None:
         """An application-level round trip."""
         if rtt_s > 0:
+            if self._min_ping is None or rtt_s < self._min_ping:
+                self._min_ping = rtt_s
+            self._check_blind(now)
             self._add_rtt(rtt_s, now)
+
+    def on_frame_sent(self, nbytes: int) -> SentFrame:
+        """A frame went out and an acknowledgement will follow; keep the result for on_acked."""
+        frame = SentFrame(nbytes, self._delivered, self._delivered_at, self._in_flight > 0)
+        self._in_flight += nbytes
+        return frame
+
+    def on_acked(self, frame: SentFrame, now: float) -> bool:
+        """The next hop has read `frame`. True if this made a bandwidth sample."""
+        self._in_flight = max(0, self._in_flight - frame.nbytes)
+        self._delivered += frame.nbytes
+        self._delivered_at = now
+        if not frame.pipe_busy or frame.delivered_at is None:
+            return False
+        interval = now - frame.delivered_at
+        delivered = self._delivered - frame.delivered
+        if interval < self.min_delivery_s or delivered < self.min_delivery_bytes // 4:
+            return False
+        self._add_rate(delivered / interval, now, APP)
+        self.ack_samples += 1
+        return True
+
+    def on_ack_lost(self, frame: SentFrame) -> None:
+        """No acknowledgement will come (the connection went away): forget the frame."""
+        self._in_flight = max(0, self._in_flight - frame.nbytes)
+
+    def _check_blind(self, now: float) -> None:
+        if (
+            not self.tcp_blind
+            and self._min_ping is not None
+            and self._min_tcp_rtt is not None
+            and self._min_tcp_rtt < BLIND_RTT_RATIO * self._min_ping
+        ):
+            self.tcp_blind = True
+            self.rtt = self._min_ping  # restart the RTT figures from the pings alone
+            self._min_rtts = deque([(now, self._min_ping)])
+            kept = [r for r in self._rates if r[2] != TCP]
+            self._rates.clear()
+            self._rates.extend(kept)
+            if kept:
+                self._recompute()
+            else:
+                self._bandwidth = None  # everything known came from the blind kernel figures
 
     def on_delivery(self, nbytes: int, started: float, finished: float, now: float) -> bool:
         """A timed write of `nbytes`. True if it counted as a bandwidth sample."""
@@ -101,21 +188,27 @@ class LinkEstimator:
         self._last_write_blocked = blocked
         if nbytes < self.min_delivery_bytes or not blocked or not back_to_back:
             return False
-        self._add_rate(nbytes / duration, now)
+        self._add_rate(nbytes / duration, now, APP)
         return True
 
-    def _add_rate(self, rate: float, now: float) -> None:
+    def _add_rate(self, rate: float, now: float, source: str) -> None:
         rates = self._rates
-        rates.append((now, rate))
+        rates.append((now, rate, source))
         while rates[0][0] < now - self.window_s:
             rates.popleft()
-        ordered = sorted(r for _, r in rates)
+        self._recompute()
+        self.samples += 1
+        self.bandwidth_samples += 1
+
+    def _recompute(self) -> None:
+        """The quantile of the window's samples; with none left the estimate holds."""
+        ordered = sorted(r for _, r, _ in self._rates)
+        if not ordered:
+            return
         rank = self.quantile * (len(ordered) - 1)
         lo = int(rank)
         hi = min(lo + 1, len(ordered) - 1)
         self._bandwidth = ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
-        self.samples += 1
-        self.bandwidth_samples += 1
 
     def _add_rtt(self, rtt: float, now: float) -> None:
         self.rtt = rtt if self.rtt is None else self.rtt + self.rtt_gain * (rtt - self.rtt)

@@ -254,11 +254,17 @@ class LinkScheduler:
         rtt: float | None = None,
         bandwidth: float | None = None,
         now: float | None = None,
+        forget_bandwidth: bool = False,
     ) -> None:
-        """Latest estimates for the connection to `dest` (bandwidth in bytes per second)."""
+        """Latest estimates for the connection to `dest` (bandwidth in bytes per second).
+
+        None leaves a figure as it was; `forget_bandwidth` drops an estimate found to be wrong.
+        """
         link = self._links.setdefault(dest, _Link())
         if rtt is not None and rtt > 0:
             link.rtt = rtt
+        if forget_bandwidth:
+            link.bandwidth = None
         if bandwidth is not None and bandwidth > 0:
             link.bandwidth = bandwidth
 

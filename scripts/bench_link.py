@@ -1,0 +1,388 @@
+"""Link scheduler benchmark: molink vs fifo on shaped links, real nodes, real model compute.
+
+Three nodes split the default model (0:10, 10:20, 20:30). Nodes 2 and 3 sit behind shaped relays
+(`python -m swarm.link.relay`, announced with --public-address), so both node-to-node hops cross a
+link of --rates Mbps with --rtt-ms round trip and a bounded bottleneck buffer; the client reaches
+node 1 directly. Per round the nodes start fresh with one --link-policy and carry:
+
+- --steady decoding sessions, each a short prompt then tokens until the round ends, and
+- requests arriving as a Poisson process (--rate-per-s), lengths drawn like a chat trace
+  (log-normal around the Azure conversation trace's medians, ~1020 in / ~130 out, clipped to
+  2048 / 1024, then scaled by --input-scale / --output-scale for CPU time).
+
+Policies alternate round by round (molink, fifo, fifo, molink, ...) and replay the same arrival
+times and lengths, so they see the same load. Prints, per link rate and policy: TTFT, TPOT and
+end-to-end latency of the trace requests (mean, p50, p99); the steady sessions' decode step
+latency while some prefill is in flight (between a request's start and its first token) and while
+none is; the nodes' own figures from their DHT records; then molink/fifo ratios.
+
+    .venv/bin/python scripts/bench_link.py                      # 5 and 20 Mbps, 2 rounds each
+    .venv/bin/python scripts/bench_link.py --rates 5 --rounds 1 --duration 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+from swarm.client.client import Client  # noqa: E402
+from swarm.dht import start_dht, visible_maddrs  # noqa: E402
+from swarm.launch import NodeProcess, start_node, stop_all  # noqa: E402
+
+SPANS = [(0, 10), (10, 20), (20, 30)]
+POLICIES = ("molink", "fifo")
+# Azure LLM inference trace 2023, conversation: medians ~1020 input and ~130 output tokens
+TRACE_IN_MEDIAN, TRACE_IN_SIGMA, TRACE_IN_MAX = 1020, 0.6, 2048
+TRACE_OUT_MEDIAN, TRACE_OUT_SIGMA, TRACE_OUT_MAX = 130, 0.8, 1024
+STEADY_PROMPT = 32
+
+
+@dataclass
+class Request:
+    at: float  # seconds after the round starts
+    prompt: list[int]
+    new_tokens: int
+
+
+@dataclass
+class Done:
+    start: float
+    first: float | None = None
+    end: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.end - self.first) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+@dataclass
+class Round:
+    rate: float
+    policy: str
+    requests: list[Done] = field(default_factory=list)
+    steps: list[tuple[float, float]] = field(default_factory=list)  # steady (prev, now)
+    steady_errors: list[str] = field(default_factory=list)
+    links: list[dict] = field(default_factory=list)  # per node, from its DHT record
+
+
+def draw_trace(rng: random.Random, a) -> list[Request]:
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(a.rate_per_s)
+        if t > a.duration:
+            return out
+        n_in = min(TRACE_IN_MAX, rng.lognormvariate(math.log(TRACE_IN_MEDIAN), TRACE_IN_SIGMA))
+        n_out = min(TRACE_OUT_MAX, rng.lognormvariate(math.log(TRACE_OUT_MEDIAN), TRACE_OUT_SIGMA))
+        n_in = max(16, round(n_in * a.input_scale))
+        n_out = max(4, round(n_out * a.output_scale))
+        out.append(Request(t, [rng.randrange(100, 40000) for _ in range(n_in)], n_out))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_relay(listen: int, target: int, a, rate: float) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "swarm.link.relay",
+        "--listen",
+        f"127.0.0.1:{listen}",
+        "--target",
+        f"127.0.0.1:{target}",
+        "--rate-mbps",
+        str(rate),
+        "--delay-ms",
+        str(a.rtt_ms / 2),
+        "--buffer-kb",
+        str(a.buffer_kb),
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def start_nodes(peers, policy: str, rate: float, a) -> tuple[list[NodeProcess], list]:
+    nodes, relays = [], []
+    common = ["--threads", "1", "--announce-ttl", "6", "--grace", "2", "--link-policy", policy]
+    for i, span in enumerate(SPANS):
+        port = free_port()
+        extra = [*common, "--port", str(port)]
+        if i > 0:  # the hop into this node crosses a shaped link
+            public = free_port()
+            relays.append(start_relay(public, port, a, rate))
+            extra += ["--public-address", f"127.0.0.1:{public}"]
+        nodes.append(start_node(span, peers, extra=extra))
+    try:
+        for n in nodes:
+            n.wait_serving()
+    except BaseException:
+        stop_all(nodes)
+        for r in relays:
+            r.kill()
+        raise
+    return nodes, relays
+
+
+def wait_route(client: Client, peers: set[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if {h.peer for h in client.route()} <= peers:
+                return
+        except Exception:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the new nodes never formed a route")
+
+
+def generate(client: Client, prompt: list[int], new_tokens: int, done: Done, stop=None) -> None:
+    """Greedy decoding, timing each token; `stop` (an Event) ends an open-ended session."""
+    try:
+        with client.session(len(prompt) + new_tokens + 1) as s:
+            token = int(s.feed(prompt).argmax())
+            done.first = time.monotonic()
+            done.tokens = 1
+            times = [done.first]
+            while done.tokens < new_tokens and not (stop is not None and stop.is_set()):
+                token = int(s.feed([token]).argmax())
+                times.append(time.monotonic())
+                done.tokens += 1
+            done.end = times[-1]
+            done.times = times  # type: ignore[attr-defined]
+    except Exception as exc:  # recorded: a benchmark reports failures, it does not hide them
+        done.error = f"{type(exc).__name__}: {exc}"
+        done.end = time.monotonic()
+
+
+def steady(client: Client, stop: threading.Event, rnd: Round, lock: threading.Lock, seed: int):
+    rng = random.Random(seed)
+    while not stop.is_set():
+        d = Done(time.monotonic())
+        prompt = [rng.randrange(100, 40000) for _ in range(STEADY_PROMPT)]
+        generate(client, prompt, 1000, d, stop)
+        with lock:
+            if d.error:
+                rnd.steady_errors.append(d.error)
+            times = getattr(d, "times", [])
+            rnd.steps.extend(zip(times[:-1], times[1:]))
+        if d.error:
+            time.sleep(1)
+
+
+def run_round(client: Client, peers, trace: list[Request], policy: str, rate: float, a) -> Round:
+    nodes, relays = start_nodes(peers, policy, rate, a)
+    rnd = Round(rate, policy)
+    try:
+        wait_route(client, {n.peer for n in nodes})
+        lock, stop = threading.Lock(), threading.Event()
+        workers = [
+            threading.Thread(target=steady, args=(client, stop, rnd, lock, i), daemon=True)
+            for i in range(a.steady)
+        ]
+        for w in workers:
+            w.start()
+        time.sleep(a.warmup)
+        t0 = time.monotonic()
+        for req in trace:
+            time.sleep(max(0.0, t0 + req.at - time.monotonic()))
+            d = Done(time.monotonic())
+            rnd.requests.append(d)
+            w = threading.Thread(
+                target=generate, args=(client, req.prompt, req.new_tokens, d), daemon=True
+            )
+            w.start()
+            workers.append(w)
+        time.sleep(max(0.0, t0 + a.duration - time.monotonic()))
+        deadline = time.monotonic() + a.drain
+        for w in workers[a.steady :]:
+            w.join(max(0.1, deadline - time.monotonic()))
+        stop.set()
+        for w in workers[: a.steady]:
+            w.join(30)
+        time.sleep(2.5)  # one more announcement carries the final link figures
+        records = {r.peer: r for r in client.nodes()}
+        rnd.links = [records[n.peer].link if n.peer in records else {} for n in nodes]
+    finally:
+        stop_all(nodes)
+        for r in relays:
+            r.kill()
+            r.wait()
+    return rnd
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def summary(xs: list[float]) -> tuple[float, float, float]:
+    if not xs:
+        return (float("nan"),) * 3
+    return statistics.fmean(xs), pct(xs, 0.5), pct(xs, 0.99)
+
+
+def step_split(rounds: list[Round]) -> tuple[list[float], list[float]]:
+    """Steady decode step latencies while some trace request was in prefill, and while none was."""
+    busy, quiet = [], []
+    for rnd in rounds:
+        windows = [(d.start, d.first if d.first else d.end) for d in rnd.requests]
+        for prev, now in rnd.steps:
+            overlaps = any(s < now and prev < e for s, e in windows)
+            (busy if overlaps else quiet).append(now - prev)
+    return busy, quiet
+
+
+def figures(rounds: list[Round]) -> dict[str, tuple[float, float, float]]:
+    ok = [d for r in rounds for d in r.requests if d.error is None and d.first]
+    busy, quiet = step_split(rounds)
+    return {
+        "TTFT s": summary([d.ttft for d in ok]),
+        "TPOT s": summary([d.tpot for d in ok if d.tpot is not None]),
+        "latency s": summary([d.end - d.start for d in ok]),
+        "step, prefill in flight s": summary(busy),
+        "step, none in flight s": summary(quiet),
+    }
+
+
+def node_figures(rounds: list[Round]) -> list[str]:
+    lines = []
+    for i in range(len(SPANS) - 1):  # the last node's uplink is the client's result path
+        links = [r.links[i] for r in rounds if i < len(r.links) and r.links[i]]
+        if not links:
+            continue
+
+        def mean(key, links=links):
+            return statistics.fmean(lk.get(key, 0.0) for lk in links)
+
+        lines.append(
+            f"    node {SPANS[i][0]}:{SPANS[i][1]} uplink: bandwidth est"
+            f" {mean('bandwidth_Bps') * 8 / 1e6:5.2f} Mbps, rtt est {mean('rtt_s') * 1e3:5.1f} ms,"
+            f" decode queueing p50 {mean('decode_delay_p50_s') * 1e3:6.1f} ms"
+            f" p99 {mean('decode_delay_p99_s') * 1e3:7.1f} ms, chunks {mean('chunks_sent'):5.0f}"
+            f" of {mean('chunk_tokens_mean'):5.1f} tokens, W resets {mean('w_resets'):3.0f}"
+        )
+    return lines
+
+
+def report(results: dict[tuple[float, str], list[Round]], a) -> None:
+    print(
+        f"\n{len(SPANS)} nodes, shaped hops at --rtt-ms {a.rtt_ms}, buffer {a.buffer_kb} KiB;"
+        f" {a.steady} steady sessions + trace requests at {a.rate_per_s}/s for {a.duration:.0f} s;"
+        f" {a.rounds} round(s) per policy"
+    )
+    for rate in a.rates:
+        print(f"\n== {rate:g} Mbps ==")
+        figs = {}
+        for policy in POLICIES:
+            rounds = results[(rate, policy)]
+            figs[policy] = figures(rounds)
+            n_ok = sum(1 for r in rounds for d in r.requests if d.error is None and d.first)
+            n_all = sum(len(r.requests) for r in rounds)
+            errors = [d.error for r in rounds for d in r.requests if d.error]
+            errors += [e for r in rounds for e in r.steady_errors]
+            print(
+                f"  {policy}: {n_ok}/{n_all} trace requests completed,"
+                f" {sum(len(r.steps) for r in rounds)} steady decode steps, {len(errors)} errors"
+                + (f" (first: {errors[0]})" if errors else "")
+            )
+            for line in node_figures(rounds):
+                print(line)
+        head = ("molink mean/p50/p99", "fifo mean/p50/p99", "ratio mean/p50/p99")
+        print(f"  {'':28}{head[0]:>26}{head[1]:>26}{head[2]:>22}")
+        for key in figs["molink"]:
+            m, f = figs["molink"][key], figs["fifo"][key]
+            ratio = "/".join(f"{x / y:.2f}" if y else "nan" for x, y in zip(m, f))
+            print(
+                f"  {key:28}{'/'.join(f'{x:.3f}' for x in m):>26}"
+                f"{'/'.join(f'{x:.3f}' for x in f):>26}{ratio:>22}"
+            )
+        for policy in POLICIES:
+            busy, quiet = (
+                figs[policy]["step, prefill in flight s"],
+                figs[policy]["step, none in flight s"],
+            )
+            print(
+                f"  {policy}: decode step with prefill in flight / without:"
+                f" mean {busy[0] / quiet[0]:.2f}x, p50 {busy[1] / quiet[1]:.2f}x,"
+                f" p99 {busy[2] / quiet[2]:.2f}x"
+            )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rates", type=float, nargs="+", default=[5.0, 20.0], help="link Mbps")
+    p.add_argument("--rtt-ms", type=float, default=30.0)
+    p.add_argument("--buffer-kb", type=int, default=64, help="bottleneck buffer per direction")
+    p.add_argument("--rounds", type=int, default=2, help="rounds per policy and rate")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per round")
+    p.add_argument("--warmup", type=float, default=5.0)
+    p.add_argument("--drain", type=float, default=90.0, help="seconds to let requests finish")
+    p.add_argument("--steady", type=int, default=2, help="steady decoding sessions")
+    p.add_argument("--rate-per-s", type=float, default=0.25, help="trace request arrivals")
+    p.add_argument("--input-scale", type=float, default=0.5)
+    p.add_argument("--output-scale", type=float, default=0.25)
+    p.add_argument("--seed", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    trace = draw_trace(random.Random(a.seed), a)
+    print(
+        f"trace: {len(trace)} requests, input tokens median"
+        f" {statistics.median(len(r.prompt) for r in trace):.0f} max"
+        f" {max(len(r.prompt) for r in trace)}, output median"
+        f" {statistics.median(r.new_tokens for r in trace):.0f} max"
+        f" {max(r.new_tokens for r in trace)}",
+        flush=True,
+    )
+    bootstrap = start_dht()
+    peers = visible_maddrs(bootstrap)[:1]
+    client = Client(peers)
+    results: dict[tuple[float, str], list[Round]] = {}
+    try:
+        for rate in a.rates:
+            for i in range(a.rounds):
+                order = POLICIES if i % 2 == 0 else POLICIES[::-1]
+                for policy in order:
+                    started = time.monotonic()
+                    rnd = run_round(client, peers, trace, policy, rate, a)
+                    results.setdefault((rate, policy), []).append(rnd)
+                    ok = [d for d in rnd.requests if d.error is None and d.first]
+                    print(
+                        f"round {rate:g} Mbps {policy}: {len(ok)}/{len(rnd.requests)} requests,"
+                        f" TTFT mean {statistics.fmean(d.ttft for d in ok) if ok else 0:.2f} s,"
+                        f" {len(rnd.steps)} steady steps, {time.monotonic() - started:.0f} s",
+                        flush=True,
+                    )
+        report(results, a)
+    finally:
+        client.close()
+        bootstrap.shutdown()
+
+
+if __name__ == "__main__":
+    main()
