@@ -23,7 +23,14 @@ def start_dht(
     import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
 
-    return hivemind.DHT(
+    class DHT(hivemind.DHT):
+        def run(self) -> None:  # in the forked DHT process
+            from swarm.launch import die_with_parent
+
+            die_with_parent()  # a node killed with -9 must not leave its DHT process serving
+            super().run()
+
+    return DHT(
         initial_peers=list(initial_peers),
         host_maddrs=[f"/ip4/{host}/tcp/0"],
         client_mode=client_mode,
