@@ -30,6 +30,7 @@ class NodeConfig:
     open_timeout: float = 60.0
     grace: float = 30.0
     link_policy: str = "molink"
+    link_max_wait: int = 30
     extra: dict = field(default_factory=dict)
 
 
@@ -112,7 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--grace", type=float, default=30.0, help="on SIGTERM, seconds open sessions may finish"
     )
-    p.add_argument("--link-policy", default="molink", choices=["molink", "fifo"])
+    p.add_argument(
+        "--link-policy",
+        default="molink",
+        choices=["molink", "fifo"],
+        help="molink: decode first, prefill in just-in-time chunks; fifo: whole, in order",
+    )
+    p.add_argument(
+        "--link-max-wait",
+        type=int,
+        default=30,
+        help="molink's N: a prefill passed over by this many decode sends goes whole",
+    )
     return p
 
 
@@ -139,4 +151,5 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         connection_idle=a.connection_idle,
         grace=a.grace,
         link_policy=a.link_policy,
+        link_max_wait=a.link_max_wait,
     )

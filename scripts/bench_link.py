@@ -294,7 +294,7 @@ def report(results: dict[tuple[float, str], list[Round]], a) -> None:
     print(
         f"\n{len(SPANS)} nodes, shaped hops at --rtt-ms {a.rtt_ms}, buffer {a.buffer_kb} KiB;"
         f" {a.steady} steady sessions + trace requests at {a.rate_per_s}/s for {a.duration:.0f} s;"
-        f" {a.rounds} round(s) per policy"
+        f" {a.rounds} round(s) per policy; client prefill steps of {a.prefill_chunk} tokens"
     )
     for rate in a.rates:
         print(f"\n== {rate:g} Mbps ==")
@@ -344,9 +344,12 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=5.0)
     p.add_argument("--drain", type=float, default=90.0, help="seconds to let requests finish")
     p.add_argument("--steady", type=int, default=2, help="steady decoding sessions")
-    p.add_argument("--rate-per-s", type=float, default=0.25, help="trace request arrivals")
-    p.add_argument("--input-scale", type=float, default=0.5)
+    p.add_argument("--rate-per-s", type=float, default=0.1, help="trace request arrivals")
+    p.add_argument("--input-scale", type=float, default=0.25)
     p.add_argument("--output-scale", type=float, default=0.25)
+    p.add_argument(
+        "--prefill-chunk", type=int, default=64, help="tokens per prefill step the client sends"
+    )
     p.add_argument("--seed", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -361,7 +364,7 @@ def main() -> None:
     )
     bootstrap = start_dht()
     peers = visible_maddrs(bootstrap)[:1]
-    client = Client(peers)
+    client = Client(peers, prefill_chunk=a.prefill_chunk)
     results: dict[tuple[float, str], list[Round]] = {}
     try:
         for rate in a.rates:

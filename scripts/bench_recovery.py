@@ -19,7 +19,8 @@ import time
 import torch
 
 from swarm.client.client import Client
-from swarm.launch import start_node, start_swarm, stop_all
+from swarm.dht import start_dht, visible_maddrs
+from swarm.launch import start_node, stop_all
 
 TINY = dict(
     vocab_size=512,
@@ -31,6 +32,7 @@ TINY = dict(
     max_position_embeddings=512,
     tie_word_embeddings=False,
 )
+SPANS = [(0, 3), (0, 3), (3, 6), (3, 6)]
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 NEW = 30
 EXTRA = ["--wire-dtype", "float32", "--announce-ttl", "20"]
@@ -63,8 +65,12 @@ def main() -> None:
     torch.manual_seed(0)
     model_dir = tempfile.mkdtemp(prefix="tiny-llama")
     LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(model_dir)
-    nodes = start_swarm([(0, 3), (0, 3), (3, 6), (3, 6)], model=model_dir, extra=EXTRA)
-    peers = nodes[0].maddrs[:1]
+    # a bootstrap peer that is never faulted: fresh nodes join through it, whoever has died
+    bootstrap = start_dht()
+    peers = visible_maddrs(bootstrap)[:1]
+    nodes = [start_node(span, peers, model=model_dir, extra=EXTRA) for span in SPANS]
+    for n in nodes:
+        n.wait_serving()
     client = Client(peers, model=model_dir, wire_dtype="float32", step_timeout=a.step_timeout)
     try:
         expected, _ = greedy(client)
@@ -116,6 +122,7 @@ def main() -> None:
             if n.proc.poll() is None:
                 os.kill(n.pid, signal.SIGCONT)
         stop_all(nodes)
+        bootstrap.shutdown()
 
 
 if __name__ == "__main__":

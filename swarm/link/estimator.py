@@ -19,9 +19,10 @@ Samples that carry no bandwidth information are refused at the door:
 
 Delivery acknowledgements: the driver follows each activation frame with a ping; the next hop
 answers it once it has read the frame, so the pong says "delivered". Like TCP's own rate
-estimate, a frame sent while earlier bytes were still unacknowledged yields bytes delivered
-since the last acknowledgement before it was sent over the time since then. Frames sent into an
-empty pipe yield nothing (the interval would include idle time). This is the one measurement
+estimate, a frame sent while at least a quarter of `min_delivery_bytes` was still
+unacknowledged yields the bytes delivered since the last acknowledgement before it was sent
+over the time since then. Frames sent into an (almost) empty pipe yield nothing: the interval
+would include idle time and read low. This is the one measurement
 that sees the whole path whatever sits in it.
 
 TCP_INFO sees only the TCP connection, which ends at the first proxy: through a relay or a
@@ -134,7 +135,9 @@ class LinkEstimator:
 
     def on_frame_sent(self, nbytes: int) -> SentFrame:
         """A frame went out and an acknowledgement will follow; keep the result for on_acked."""
-        frame = SentFrame(nbytes, self._delivered, self._delivered_at, self._in_flight > 0)
+        # a lone decode frame ahead does not keep the path busy: the interval would hold idle time
+        busy = self._in_flight >= self.min_delivery_bytes // 4
+        frame = SentFrame(nbytes, self._delivered, self._delivered_at, busy)
         self._in_flight += nbytes
         return frame
 
