@@ -6,6 +6,7 @@ import logging
 import secrets
 import time
 
+import torch
 import trio
 
 from swarm.errors import (
@@ -25,6 +26,7 @@ from swarm.node.sessions import Session, SessionTable
 from swarm.node.uplink import Payload, Uplink
 from swarm.protocol import (
     DECODE,
+    PREFILL,
     Attach,
     Attached,
     Close,
@@ -288,6 +290,9 @@ class Node:
         s.last_active = time.monotonic()
         if msg.phase == DECODE:
             self.uplink.observe_decode_arrival(s.sid)
+        else:
+            self._prefill(s, msg, hidden)
+            return
 
         def run():
             if s.closed:
@@ -310,6 +315,42 @@ class Node:
             self._forward(s, msg, out)
 
         self.compute.submit(msg.phase, n, run, done)
+
+    def _prefill(self, s: Session, msg: Step, hidden) -> None:
+        """Queue a prefill piece. Pieces that arrive while one waits for compute join it: the
+        link may deliver a prompt in many small chunks, and one forward pass over all that has
+        arrived costs far less than one per chunk."""
+        s.pending.append((msg, hidden))
+        if len(s.pending) > 1:
+            return  # the job already queued will take this piece too
+
+        def run():
+            # the trio thread appends to whichever list s.pending is; swapping it out here
+            # leaves later pieces to the next job, which the next append submits
+            batch, s.pending = s.pending, []
+            if s.closed:
+                raise SessionNotFound("session closed before its step ran")
+            first = batch[0][0]
+            hidden = torch.cat([h for _, h in batch], dim=1) if len(batch) > 1 else batch[0][1]
+            return first, self.span.forward(hidden, s.cache, first.pos, s.start, s.end)
+
+        async def done(result, error, _elapsed):
+            if s.closed:
+                return
+            if error is not None:
+                log.exception("step failed in session %s...", s.sid[:8], exc_info=error)
+                err = (
+                    error
+                    if isinstance(error, SwarmError)
+                    else ProtocolError(f"compute failed: {error}")
+                )
+                await self._fail_session(s, Error.of(err, sid=s.sid, hop=s.hop))
+                return
+            first, out = result
+            self.steps_done += 1
+            self._forward(s, first, out)
+
+        self.compute.submit(PREFILL, hidden.shape[1], run, done)
 
     def _forward(self, s: Session, msg: Step, out) -> None:
         n = out.shape[1]

@@ -30,6 +30,7 @@ class Session:
     open_error: Exception | None = None
     last_active: float = 0.0
     closed: bool = False
+    pending: list = field(default_factory=list)  # prefill (Step, hidden) not yet computed
 
     @property
     def is_last(self) -> bool:
