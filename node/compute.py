@@ -1,4 +1,8 @@
-"""One compute worker per node: decode steps before waiting prefill work, off the trio thread."""
+"""One compute worker per node: decode steps before waiting prefill work, off the trio thread.
+
+A job may name its work late: `prepare` runs on the trio thread when the job reaches the head of
+the queue and returns (tokens, run). Prefill uses this to take whatever has arrived by then, up
+to a cap, so a long prompt becomes several passes with queued decode steps between them."""
 
 from __future__ import annotations
 
@@ -20,8 +24,11 @@ class Job:
     order: int
     phase: str = field(compare=False)
     tokens: int = field(compare=False)
-    run: Callable[[], Any] = field(compare=False)
+    run: Callable[[], Any] | None = field(compare=False)
     done: Callable[[Any, Exception | None, float], Any] = field(compare=False)  # async
+    prepare: Callable[[], tuple[int, Callable[[], Any]] | None] | None = field(
+        default=None, compare=False
+    )
 
 
 class ComputeQueue:
@@ -38,8 +45,16 @@ class ComputeQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def submit(self, phase: str, tokens: int, run: Callable[[], Any], done) -> None:
-        job = Job(0 if phase == DECODE else 1, next(self._order), phase, tokens, run, done)
+    def submit(
+        self,
+        phase: str,
+        tokens: int,
+        run: Callable[[], Any] | None,
+        done,
+        prepare: Callable[[], tuple[int, Callable[[], Any]] | None] | None = None,
+    ) -> None:
+        """Queue `run`, or the work `prepare` names when the job's turn comes (None: no work)."""
+        job = Job(0 if phase == DECODE else 1, next(self._order), phase, tokens, run, done, prepare)
         heapq.heappush(self._heap, job)
         self._wake.set()
 
@@ -49,10 +64,17 @@ class ComputeQueue:
                 self._wake = trio.Event()
                 await self._wake.wait()
             job = heapq.heappop(self._heap)
+            run, tokens = job.run, job.tokens
+            if job.prepare is not None:
+                work = job.prepare()
+                if work is None:
+                    continue
+                tokens, run = work
+            assert run is not None
             started = time.perf_counter()
             result, error = None, None
             try:
-                result = await trio.to_thread.run_sync(job.run, limiter=self._limiter)
+                result = await trio.to_thread.run_sync(run, limiter=self._limiter)
             except Exception as exc:  # reported to the session's owner by `done`
                 error = exc
             elapsed = time.perf_counter() - started
@@ -61,5 +83,5 @@ class ComputeQueue:
                 a = 0.2 if self.decode_step_seconds else 1.0
                 self.decode_step_seconds += a * (elapsed - self.decode_step_seconds)
             if observe is not None and error is None:
-                observe(job.phase, job.tokens, elapsed)
+                observe(job.phase, tokens, elapsed)
             await job.done(result, error, elapsed)

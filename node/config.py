@@ -31,6 +31,7 @@ class NodeConfig:
     grace: float = 30.0
     link_policy: str = "molink"
     link_max_wait: int = 30
+    prefill_pass_tokens: int = 64
     extra: dict = field(default_factory=dict)
 
 
@@ -42,6 +43,13 @@ def parse_layers(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(
             f"--layers wants START:END (half-open), got {text!r}"
         ) from None
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=30,
         help="molink's N: a prefill passed over by this many decode sends goes whole",
     )
+    p.add_argument(
+        "--prefill-pass-tokens",
+        type=_positive_int,
+        default=64,
+        help="most prompt tokens per forward pass; a decode step waits behind at most one pass",
+    )
     return p
 
 
@@ -152,4 +166,5 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         grace=a.grace,
         link_policy=a.link_policy,
         link_max_wait=a.link_max_wait,
+        prefill_pass_tokens=a.prefill_pass_tokens,
     )

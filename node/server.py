@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -317,23 +318,37 @@ class Node:
         self.compute.submit(msg.phase, n, run, done)
 
     def _prefill(self, s: Session, msg: Step, hidden) -> None:
-        """Queue a prefill piece. Pieces that arrive while one waits for compute join it: the
-        link may deliver a prompt in many small chunks, and one forward pass over all that has
-        arrived costs far less than one per chunk."""
+        """Queue a prefill piece. The link may deliver a prompt in many small chunks, and a
+        client may send it whole: pieces that arrived while a job waited are computed together,
+        up to `prefill_pass_tokens` per forward pass, so one pass costs little per token and a
+        decode step waits behind at most one pass."""
         s.pending.append((msg, hidden))
-        if len(s.pending) > 1:
-            return  # the job already queued will take this piece too
+        if not s.prefill_queued:
+            s.prefill_queued = True
+            self.compute.submit(PREFILL, 0, None, self._prefill_done(s), self._prefill_pass(s))
 
-        def run():
-            # the trio thread appends to whichever list s.pending is; swapping it out here
-            # leaves later pieces to the next job, which the next append submits
-            batch, s.pending = s.pending, []
-            if s.closed:
-                raise SessionNotFound("session closed before its step ran")
+    def _prefill_pass(self, s: Session):
+        def prepare():
+            batch = _take_tokens(s.pending, self.config.prefill_pass_tokens)
+            if s.pending:  # more than one pass waits: queue the next, behind any decode step
+                self.compute.submit(PREFILL, 0, None, self._prefill_done(s), self._prefill_pass(s))
+            else:
+                s.prefill_queued = False
+            if s.closed or not batch:
+                return None
             first = batch[0][0]
             hidden = torch.cat([h for _, h in batch], dim=1) if len(batch) > 1 else batch[0][1]
-            return first, self.span.forward(hidden, s.cache, first.pos, s.start, s.end)
 
+            def run():
+                if s.closed:
+                    raise SessionNotFound("session closed before its step ran")
+                return first, self.span.forward(hidden, s.cache, first.pos, s.start, s.end)
+
+            return hidden.shape[1], run
+
+        return prepare
+
+    def _prefill_done(self, s: Session):
         async def done(result, error, _elapsed):
             if s.closed:
                 return
@@ -350,7 +365,7 @@ class Node:
             self.steps_done += 1
             self._forward(s, first, out)
 
-        self.compute.submit(PREFILL, hidden.shape[1], run, done)
+        return done
 
     def _forward(self, s: Session, msg: Step, out) -> None:
         n = out.shape[1]
@@ -506,3 +521,25 @@ class Node:
                 self.uplink.send_control(ds, Ping(nonce=nonce))
             if len(self._pings) > 1000:
                 self._pings.clear()
+
+
+def _take_tokens(pending: list, limit: int) -> list:
+    """Pop up to `limit` tokens of consecutive prefill pieces of one phase from `pending`; a
+    piece that does not fit is split, its rest left at the front."""
+    batch: list = []
+    taken = 0
+    while pending and taken < limit:
+        msg, hidden = pending[0]
+        if batch and (msg.end != batch[0][0].end or msg.pos != batch[0][0].pos + taken):
+            break  # another phase: its own pass
+        n = hidden.shape[1]
+        if taken + n <= limit:
+            pending.pop(0)
+            batch.append((msg, hidden))
+            taken += n
+            continue
+        k = limit - taken
+        batch.append((msg, hidden[:, :k]))
+        pending[0] = (dataclasses.replace(msg, pos=msg.pos + k), hidden[:, k:])
+        taken += k
+    return batch

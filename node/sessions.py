@@ -31,6 +31,7 @@ class Session:
     last_active: float = 0.0
     closed: bool = False
     pending: list = field(default_factory=list)  # prefill (Step, hidden) not yet computed
+    prefill_queued: bool = False  # a compute job will take from `pending`
 
     @property
     def is_last(self) -> bool:
