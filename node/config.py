@@ -32,6 +32,7 @@ class NodeConfig:
     link_policy: str = "molink"
     link_max_wait: int = 30
     prefill_pass_tokens: int = 64
+    link_inflight_gain: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
@@ -134,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="molink's N: a prefill passed over by this many decode sends goes whole",
     )
     p.add_argument(
+        "--link-inflight-gain",
+        type=float,
+        default=0.0,
+        help="molink: prefill chunks wait while a connection holds more than this many"
+        " bandwidth x min RTT unacknowledged (0: never)",
+    )
+    p.add_argument(
         "--prefill-pass-tokens",
         type=_positive_int,
         default=64,
@@ -167,4 +175,5 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         link_policy=a.link_policy,
         link_max_wait=a.link_max_wait,
         prefill_pass_tokens=a.prefill_pass_tokens,
+        link_inflight_gain=a.link_inflight_gain,
     )

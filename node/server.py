@@ -56,7 +56,12 @@ class Node:
             config.max_sessions, config.max_cache_tokens, config.max_session_tokens
         )
         self.compute = ComputeQueue()
-        self.uplink = Uplink(config.link_policy, self._stream_broken, max_wait=config.link_max_wait)
+        self.uplink = Uplink(
+            config.link_policy,
+            self._stream_broken,
+            max_wait=config.link_max_wait,
+            inflight_gain=config.link_inflight_gain,
+        )
         self._downstream: dict[str, FramedStream] = {}
         self._connecting: dict[str, trio.Lock] = {}
         self.port: int | None = None

@@ -11,6 +11,7 @@ rather than in a multi-megabyte kernel send buffer.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 NOTSENT_LOWAT = 16 * 1024
 ACK_NONCE_BASE = 1 << 40  # pings that acknowledge delivery; the node's own RTT pings count from 1
 MAX_UNACKED = 4096
+HOLD_RECHECK_S = 0.02
 
 
 @dataclass
@@ -53,8 +55,11 @@ class Uplink:
         on_broken: Callable[[FramedStream, Exception], Awaitable[None]],
         send_timeout: float = 60.0,
         max_wait: int = 30,
+        inflight_gain: float = 0.0,
     ):
-        self.scheduler = LinkScheduler(policy=policy, max_wait=max_wait)
+        self.scheduler = LinkScheduler(
+            policy=policy, max_wait=max_wait, inflight_gain=inflight_gain
+        )
         self._on_broken = on_broken
         self._send_timeout = send_timeout
         self._control: deque[tuple[FramedStream, bytes]] = deque()
@@ -115,9 +120,10 @@ class Uplink:
             n, frame = waiting.popleft()
             if n == nonce:
                 est.on_acked(frame, self.now())
-                self._push_estimate(dest, est)
                 break
             est.on_ack_lost(frame)  # pongs come in order: an earlier one will not come now
+        self._push_estimate(dest, est)
+        self._wake.set()  # a prefill held back for acknowledgements may go now
         return True
 
     def forget_dest(self, dest: str) -> None:
@@ -126,6 +132,9 @@ class Uplink:
         for _, frame in self._acks.pop(dest, ()):
             if est is not None:
                 est.on_ack_lost(frame)
+        if est is not None:
+            self._push_estimate(dest, est)
+            self._wake.set()
 
     def on_ping(self, dest: str, rtt: float) -> None:
         est = self.estimator(dest)
@@ -139,6 +148,8 @@ class Uplink:
             bandwidth=est.bandwidth,
             now=self.now(),
             forget_bandwidth=est.bandwidth is None,
+            min_rtt=est.min_rtt,
+            in_flight=est.in_flight,
         )
 
     def stats(self) -> dict[str, float]:
@@ -181,7 +192,10 @@ class Uplink:
             if send is None:
                 self._wake = trio.Event()
                 if not self._control:
-                    await self._wake.wait()
+                    # a prefill held for acknowledgements is looked at again when one comes,
+                    # or soon anyway (the decode prediction it waits on moves with time)
+                    with trio.move_on_after(HOLD_RECHECK_S if self.scheduler.holding else math.inf):
+                        await self._wake.wait()
                 continue
             p = self._payloads.get(send.vid)
             if p is not None and send.last:
@@ -192,6 +206,8 @@ class Uplink:
                 continue
             frame = self._frame(p, send.offset, send.tokens)
             sent = None if p.result else self.estimator(p.dest).on_frame_sent(len(frame))
+            if sent is not None:
+                self._push_estimate(p.dest, self.estimator(p.dest))  # in flight grew
             ok = await self._write(p.stream, frame)
             finished = self.now()
             self.scheduler.sent(send, started=started, finished=finished)
@@ -205,6 +221,7 @@ class Uplink:
         waiting = self._acks.setdefault(p.dest, deque())
         if not written or len(waiting) >= MAX_UNACKED:
             self.estimator(p.dest).on_ack_lost(sent)
+            self._push_estimate(p.dest, self.estimator(p.dest))
             return
         self._ack_nonce += 1
         waiting.append((self._ack_nonce, sent))

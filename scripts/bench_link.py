@@ -125,6 +125,8 @@ def start_relay(listen: int, target: int, a, rate: float) -> subprocess.Popen:
 def start_nodes(peers, policy: str, rate: float, a) -> tuple[list[NodeProcess], list]:
     nodes, relays = [], []
     common = ["--threads", "1", "--announce-ttl", "6", "--grace", "2", "--link-policy", policy]
+    common += ["--prefill-pass-tokens", str(a.prefill_pass_tokens)]
+    common += ["--link-inflight-gain", str(a.inflight_gain)]
     for i, span in enumerate(SPANS):
         port = free_port()
         extra = [*common, "--port", str(port)]
@@ -285,7 +287,8 @@ def node_figures(rounds: list[Round]) -> list[str]:
             f" {mean('bandwidth_Bps') * 8 / 1e6:5.2f} Mbps, rtt est {mean('rtt_s') * 1e3:5.1f} ms,"
             f" decode queueing p50 {mean('decode_delay_p50_s') * 1e3:6.1f} ms"
             f" p99 {mean('decode_delay_p99_s') * 1e3:7.1f} ms, chunks {mean('chunks_sent'):5.0f}"
-            f" of {mean('chunk_tokens_mean'):5.1f} tokens, W resets {mean('w_resets'):3.0f}"
+            f" of {mean('chunk_tokens_mean'):5.1f} tokens, W resets {mean('w_resets'):3.0f},"
+            f" held for acks {mean('prefill_held'):5.0f}"
         )
     return lines
 
@@ -294,7 +297,8 @@ def report(results: dict[tuple[float, str], list[Round]], a) -> None:
     print(
         f"\n{len(SPANS)} nodes, shaped hops at --rtt-ms {a.rtt_ms}, buffer {a.buffer_kb} KiB;"
         f" {a.steady} steady sessions + trace requests at {a.rate_per_s}/s for {a.duration:.0f} s;"
-        f" {a.rounds} round(s) per policy; client prefill steps of {a.prefill_chunk} tokens"
+        f" {a.rounds} round(s) per policy; client prefill steps of {a.prefill_chunk} tokens,"
+        f" node passes of {a.prefill_pass_tokens}, in-flight gain {a.inflight_gain}"
     )
     for rate in a.rates:
         print(f"\n== {rate:g} Mbps ==")
@@ -348,7 +352,13 @@ def main() -> None:
     p.add_argument("--input-scale", type=float, default=0.25)
     p.add_argument("--output-scale", type=float, default=0.25)
     p.add_argument(
-        "--prefill-chunk", type=int, default=64, help="tokens per prefill step the client sends"
+        "--prefill-chunk", type=int, default=2048, help="tokens per prefill step the client sends"
+    )
+    p.add_argument(
+        "--prefill-pass-tokens", type=int, default=64, help="the nodes' most tokens per pass"
+    )
+    p.add_argument(
+        "--inflight-gain", type=float, default=0.0, help="the nodes' --link-inflight-gain"
     )
     p.add_argument("--seed", type=int, default=1)
     a = p.parse_args()

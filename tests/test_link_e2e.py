@@ -113,6 +113,8 @@ def test_tokens_through_a_slow_link_match_the_unsplit_model(
         link = {r.peer: r.link for r in client.nodes()}[nodes[0].peer]
     finally:
         client.close()
+    shown = ("chunks_sent", "chunk_tokens_mean", "prefill_held", "bandwidth_Bps", "rtt_s")
+    print(policy, {k: round(link.get(k, 0.0), 4) for k in shown})  # with -s: the figures
     assert link["bytes_sent_prefill"] >= len(long) * 64 * 4, link
     if policy == "molink":
         # the prompt went in several chunks, each fewer tokens than a client step carries

@@ -257,6 +257,59 @@ def test_chunks_follow_the_prefill_across_cases_until_it_is_done():
     assert sends[-1].last and sends[-1].tokens == 4
 
 
+# --- bytes already sent: backlog and the in-flight cap ------------------------------------------
+# 1 MB/s and a 30 ms min RTT: 30 kB in flight is simply on its way; the cap is 2 x that, 60 kB.
+
+
+def test_bytes_queued_beyond_the_pipe_come_off_t_a():
+    sched = scheduler()
+    sched.update_link(DEST, min_rtt=0.03, in_flight=30_000 + 20_000)  # 20 ms of backlog
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(), 10.0)
+    assert sched.backlog(DEST) == pytest.approx(0.02)
+    assert send_now(sched, 10.0).tokens == 24  # 0.8 * 1e6 * (0.05 - 0.02) / 1000
+
+
+def test_a_prefill_chunk_waits_while_the_connection_holds_more_than_the_cap():
+    sched = scheduler(inflight_gain=2.0)
+    sched.update_link(DEST, min_rtt=0.03, in_flight=55_000)
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(), 10.0)
+    assert sched.next_send(10.0) is None and sched.holding  # 55 kB + a floor chunk > 60 kB
+    assert sched.stats()["prefill_held"] == 1
+    d = sched.enqueue(decode("d"), 10.05)
+    assert send_now(sched, 10.05).vid == d  # a decode volume is never held
+    sched.update_link(DEST, in_flight=30_000)  # acknowledgements came
+    send = send_now(sched, 10.06)
+    assert send.phase == "prefill" and not sched.holding
+
+
+def test_the_cap_always_allows_a_few_floor_chunks_on_a_thin_link():
+    sched = LinkScheduler(min_chunk_tokens=8, inflight_gain=2.0, inflight_floor_chunks=3)
+    sched.update_link(DEST, rtt=0.001, min_rtt=0.001, bandwidth=BW, in_flight=16_000)
+    sched.observe_compute("decode", 1, TD)
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(), 10.0)
+    assert send_now(sched, 10.0).phase == "prefill"  # 16 kB + 8 kB <= 3 floor chunks (24 kB)
+    sched.update_link(DEST, in_flight=17_000)
+    assert sched.next_send(10.0) is None and sched.holding
+
+
+def test_nothing_is_held_without_a_decode_session_to_protect():
+    sched = scheduler(inflight_gain=2.0)
+    sched.update_link(DEST, min_rtt=0.03, in_flight=500_000)
+    sched.enqueue(prefill(tokens=700), 0.0)
+    assert send_now(sched, 0.0).tokens == 700
+
+
+def test_the_cap_is_off_by_default():
+    sched = scheduler()
+    sched.update_link(DEST, min_rtt=0.03, in_flight=500_000)
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(), 10.0)
+    assert send_now(sched, 10.0).tokens == 8  # the backlog leaves no T_a: the floor
+
+
 # --- stats ------------------------------------------------------------------------------------
 
 

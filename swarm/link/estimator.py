@@ -102,6 +102,11 @@ class LinkEstimator:
         return self._bandwidth
 
     @property
+    def in_flight(self) -> int:
+        """Bytes of acknowledged-to-be frames sent and not yet acknowledged."""
+        return self._in_flight
+
+    @property
     def min_rtt(self) -> float | None:
         """Lowest RTT seen within `min_rtt_window_s` of the latest RTT sample."""
         return self._min_rtts[0][1] if self._min_rtts else None

@@ -17,6 +17,17 @@ the time until the next decode volume is ready here, predicted per active decode
 T_d is this node's decode step time (EWMA of `observe_compute`), t_c is now. The smallest T_a over
 sessions wins. With no decode session active a prefill goes whole: there is nothing to protect.
 
+Bytes already sent are not yet on the wire: a home router's buffer (and, here, the relay's) may
+hold many of them, and a decode volume sent now waits behind them all. The driver reports the
+bytes sent to each connection and not yet acknowledged by the next hop (`in_flight`). About
+bandwidth x min RTT of those are simply on their way; the rest is a backlog of
+(in_flight / bandwidth - min_rtt) seconds, which comes off T_a. And while in_flight exceeds
+`inflight_gain` x bandwidth x min RTT (at least `inflight_floor_chunks` floor chunks), no
+prefill chunk goes to that connection: the prefill waits here, where the next decode volume can
+still pass it, instead of in a buffer where it cannot. (BBR caps its own flight at 2 x BDP for
+the same reason.) Without a bandwidth or RTT estimate there is no cap. The cap is off by
+default (gain 0): an estimate that reads low makes it throttle prefill.
+
 Policy "fifo" sends whole volumes in arrival order: what concurrent socket sends amount to.
 
 Both keep each session's bytes in order: a volume is eligible only once every earlier volume of
@@ -119,7 +130,9 @@ class _DecodeTrack:
 @dataclass
 class _Link:
     rtt: float | None = None
+    min_rtt: float | None = None
     bandwidth: float | None = None
+    in_flight: int = 0  # bytes sent and not yet acknowledged by the next hop
 
 
 class LinkScheduler:
@@ -131,6 +144,11 @@ class LinkScheduler:
     margin: fraction of bandwidth x T_a to fill; a chunk too small costs one more frame, one too
         large delays a decode step, so err small.
     session_idle_s: a decode session silent for max(this, 4 periods) no longer holds prefill back.
+    inflight_gain: prefill chunks wait while a connection has more than this many bandwidth x
+        min RTT unacknowledged (0, the default: never wait; see the README's benchmark notes:
+        with acknowledgement-based estimates that read low, holding cost TTFT and bought no
+        measurable decode latency).
+    inflight_floor_chunks: ... but a connection may always hold this many floor-sized chunks.
     """
 
     def __init__(
@@ -144,6 +162,8 @@ class LinkScheduler:
         period_samples: int = 8,
         compute_gain: float = 0.25,
         delay_samples: int = 1024,
+        inflight_gain: float = 0.0,
+        inflight_floor_chunks: int = 3,
     ):
         if policy not in POLICIES:
             raise ValueError(f"unknown link policy {policy!r}; choose from {POLICIES}")
@@ -153,7 +173,14 @@ class LinkScheduler:
             raise ValueError(f"min_chunk_tokens must be at least 1, got {min_chunk_tokens}")
         if not 0 < margin <= 1:
             raise ValueError(f"margin must be in (0, 1], got {margin}")
+        if inflight_gain < 0 or inflight_floor_chunks < 1:
+            raise ValueError(
+                f"need inflight_gain >= 0 and inflight_floor_chunks >= 1, got {inflight_gain}"
+                f" and {inflight_floor_chunks}"
+            )
         self.policy = policy
+        self.inflight_gain = inflight_gain
+        self.inflight_floor_chunks = inflight_floor_chunks
         self.max_wait = max_wait
         self.min_chunk_tokens = min_chunk_tokens
         self.margin = margin
@@ -167,6 +194,7 @@ class LinkScheduler:
         self._links: dict[str, _Link] = {}
         self._compute: dict[str, float] = {}  # phase -> EWMA seconds per step
         self._w = 0
+        self.holding = False  # the last next_send held a prefill back for acknowledgements
         self._last_window: Window | None = None
         self._decode_delays: deque[float] = deque(maxlen=delay_samples)
         self._counts = {
@@ -176,6 +204,7 @@ class LinkScheduler:
             "chunk_tokens_last": 0,
             "w_resets": 0,
             "prefill_whole_idle": 0,
+            "prefill_held": 0,
             "bytes_sent_decode": 0,
             "bytes_sent_prefill": 0,
         }
@@ -204,7 +233,9 @@ class LinkScheduler:
         return vid
 
     def next_send(self, now: float) -> Send | None:
-        """Decide the next send on the uplink, or None if nothing is queued."""
+        """Decide the next send on the uplink, or None if nothing may go now (`holding` tells
+        whether something waits for acknowledgements)."""
+        self.holding = False
         decode = self._first_eligible(DECODE)
         prefill = self._first_eligible(PREFILL)
         if self.policy == "fifo":
@@ -220,6 +251,10 @@ class LinkScheduler:
             tokens = prefill.left
             self._counts["w_resets"] += 1
         else:
+            if self._must_hold(prefill, now):
+                self.holding = True
+                self._counts["prefill_held"] += 1
+                return None
             tokens = self._chunk_tokens(prefill, now)
         self._w = 0
         return self._hand_out(prefill, tokens, now)
@@ -255,6 +290,8 @@ class LinkScheduler:
         bandwidth: float | None = None,
         now: float | None = None,
         forget_bandwidth: bool = False,
+        min_rtt: float | None = None,
+        in_flight: int | None = None,
     ) -> None:
         """Latest estimates for the connection to `dest` (bandwidth in bytes per second).
 
@@ -263,6 +300,10 @@ class LinkScheduler:
         link = self._links.setdefault(dest, _Link())
         if rtt is not None and rtt > 0:
             link.rtt = rtt
+        if min_rtt is not None and min_rtt > 0:
+            link.min_rtt = min_rtt
+        if in_flight is not None:
+            link.in_flight = max(0, int(in_flight))
         if forget_bandwidth:
             link.bandwidth = None
         if bandwidth is not None and bandwidth > 0:
@@ -320,11 +361,36 @@ class LinkScheduler:
             return left
         bandwidth = self._bandwidth(volume.dest)
         tokens = 0
-        if bandwidth is not None and window.t_a > 0:
+        t_a = window.t_a - self.backlog(volume.dest)
+        if bandwidth is not None and t_a > 0:
             # the epsilon keeps 24.0 from flooring to 23 after float rounding
-            fit = self.margin * bandwidth * window.t_a / volume.bytes_per_token
+            fit = self.margin * bandwidth * t_a / volume.bytes_per_token
             tokens = math.floor(fit + 1e-9)
         return min(left, max(self.min_chunk_tokens, tokens))
+
+    def backlog(self, dest: str) -> float:
+        """Seconds of sent bytes queued ahead of a send to `dest` now (0 if unknown)."""
+        link = self._links.get(dest)
+        bandwidth = self._bandwidth(dest)
+        if link is None or not link.in_flight or bandwidth is None:
+            return 0.0
+        return max(0.0, link.in_flight / bandwidth - (link.min_rtt or link.rtt or 0.0))
+
+    def _must_hold(self, prefill: _Queued, now: float) -> bool:
+        """Whether the connection already holds enough unacknowledged bytes to wait for some."""
+        dest = prefill.volume.dest
+        link = self._links.get(dest)
+        bandwidth = self._bandwidth(dest)
+        if self.inflight_gain == 0 or link is None or not link.in_flight or bandwidth is None:
+            return False
+        rtt = link.min_rtt or link.rtt
+        if rtt is None:
+            return False
+        if self.available_time(now) is None:
+            return False  # no decode session to protect
+        floor = self.inflight_floor_chunks * self.min_chunk_tokens * prefill.volume.bytes_per_token
+        cap = max(self.inflight_gain * bandwidth * rtt, floor)
+        return link.in_flight + self.min_chunk_tokens * prefill.volume.bytes_per_token > cap
 
     def stats(self) -> dict[str, float]:
         """Flat numeric counters and gauges for logs and the health page."""
@@ -343,6 +409,8 @@ class LinkScheduler:
             "chunk_tokens_last": float(c["chunk_tokens_last"]),
             "w_resets": float(c["w_resets"]),
             "prefill_whole_idle": float(c["prefill_whole_idle"]),
+            "prefill_held": float(c["prefill_held"]),
+            "in_flight_bytes": float(sum(lk.in_flight for lk in self._links.values())),
             "bytes_sent_decode": float(c["bytes_sent_decode"]),
             "bytes_sent_prefill": float(c["bytes_sent_prefill"]),
             "decode_delay_p50_s": _percentile(delays, 0.50),
