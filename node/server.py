@@ -300,27 +300,7 @@ class Node:
             self._prefill(s, msg, hidden)
             return
 
-        def run():
-            if s.closed:
-                raise SessionNotFound("session closed before its step ran")
-            return self.span.forward(hidden, s.cache, msg.pos, s.start, s.end)
-
-        async def done(out, error, _elapsed):
-            if s.closed:
-                return
-            if error is not None:
-                log.exception("step failed in session %s...", s.sid[:8], exc_info=error)
-                err = (
-                    error
-                    if isinstance(error, SwarmError)
-                    else ProtocolError(f"compute failed: {error}")
-                )
-                await self._fail_session(s, Error.of(err, sid=s.sid, hop=s.hop))
-                return
-            self.steps_done += 1
-            self._forward(s, msg, out)
-
-        self.compute.submit(msg.phase, n, run, done)
+        self.compute.submit(DECODE, n, self._pass(s, msg, hidden), self._pass_done(s))
 
     def _prefill(self, s: Session, msg: Step, hidden) -> None:
         """Queue a prefill piece. The link may deliver a prompt in many small chunks, and a
@@ -330,30 +310,35 @@ class Node:
         s.pending.append((msg, hidden))
         if not s.prefill_queued:
             s.prefill_queued = True
-            self.compute.submit(PREFILL, 0, None, self._prefill_done(s), self._prefill_pass(s))
+            self._submit_prefill(s)
 
-    def _prefill_pass(self, s: Session):
+    def _submit_prefill(self, s: Session) -> None:
         def prepare():
             batch = _take_tokens(s.pending, self.config.prefill_pass_tokens)
             if s.pending:  # more than one pass waits: queue the next, behind any decode step
-                self.compute.submit(PREFILL, 0, None, self._prefill_done(s), self._prefill_pass(s))
+                self._submit_prefill(s)
             else:
                 s.prefill_queued = False
             if s.closed or not batch:
                 return None
-            first = batch[0][0]
             hidden = torch.cat([h for _, h in batch], dim=1) if len(batch) > 1 else batch[0][1]
+            return hidden.shape[1], self._pass(s, batch[0][0], hidden)
 
-            def run():
-                if s.closed:
-                    raise SessionNotFound("session closed before its step ran")
-                return first, self.span.forward(hidden, s.cache, first.pos, s.start, s.end)
+        self.compute.submit(PREFILL, 0, None, self._pass_done(s), prepare)
 
-            return hidden.shape[1], run
+    def _pass(self, s: Session, msg: Step, hidden):
+        """The work of one forward pass from position `msg.pos`, run in the compute thread."""
 
-        return prepare
+        def run():
+            if s.closed:
+                raise SessionNotFound("session closed before its step ran")
+            return msg, self.span.forward(hidden, s.cache, msg.pos, s.start, s.end)
 
-    def _prefill_done(self, s: Session):
+        return run
+
+    def _pass_done(self, s: Session):
+        """Back on the trio thread: forward the pass's output, or fail the session."""
+
         async def done(result, error, _elapsed):
             if s.closed:
                 return
@@ -366,9 +351,9 @@ class Node:
                 )
                 await self._fail_session(s, Error.of(err, sid=s.sid, hop=s.hop))
                 return
-            first, out = result
+            msg, out = result
             self.steps_done += 1
-            self._forward(s, first, out)
+            self._forward(s, msg, out)
 
         return done
 

@@ -16,22 +16,11 @@ import statistics
 import tempfile
 import time
 
-import torch
-
 from swarm.client.client import Client
 from swarm.dht import start_dht, visible_maddrs
 from swarm.launch import start_node, stop_all
+from swarm.model.tiny import save_tiny_llama
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
 SPANS = [(0, 3), (0, 3), (3, 6), (3, 6)]
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 NEW = 30
@@ -60,11 +49,8 @@ def main() -> None:
     p.add_argument("--fault", choices=["kill", "stop"], default="kill")
     p.add_argument("--step-timeout", type=float, default=3.0)
     a = p.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
     model_dir = tempfile.mkdtemp(prefix="tiny-llama")
-    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(model_dir)
+    save_tiny_llama(model_dir)
     # a bootstrap peer that is never faulted: fresh nodes join through it, whoever has died
     bootstrap = start_dht()
     peers = visible_maddrs(bootstrap)[:1]

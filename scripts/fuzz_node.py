@@ -28,7 +28,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,23 +39,10 @@ import torch
 from swarm.client.client import Client
 from swarm.launch import NodeProcess, start_node, stop_all
 from swarm.model.source import open_model
+from swarm.model.tiny import TINY, reference_greedy, save_tiny_llama
 from swarm.protocol import Attach, Close, Hop, Open, Ping, Step, to_wire
 from swarm.wire import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, pack_tensor
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 HIDDEN = TINY["hidden_size"]
 SPANS = [(0, 3), (3, 6)]
 IDLE = 2.0
@@ -64,36 +50,6 @@ EXTRA = ["--wire-dtype", "float32", "--announce-ttl", "10", "--connection-idle",
 KINDS = ["open", "opened", "attach", "attached", "step", "result", "close", "ping", "pong"]
 KINDS += ["error", "", "STEP", None, 1]
 BAD_HOSTS = ["a..b", "x" * 70 + ".example", "\u00e9" * 64, ".", "-", "", "127.0.0.1:1", "::"]
-
-
-# ---- the model and its reference ------------------------------------------------------------
-
-
-def tiny_model(directory: str):
-    """A random tiny Llama, scaled up so greedy decoding has no near-ties (as the tests do)."""
-    warnings.filterwarnings("ignore")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
-    model.save_pretrained(directory, safe_serialization=True)
-    return model.eval()
-
-
-def reference_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-    return out[0, len(ids) :].tolist()
 
 
 # ---- cases ----------------------------------------------------------------------------------
@@ -628,7 +584,7 @@ def end_epoch(epoch: Epoch, tally: Tally, crashed: bool) -> None:
 def fuzz(a: argparse.Namespace) -> Tally:
     work = Path(tempfile.mkdtemp(prefix="fuzz-node-"))
     model_dir = str(work / "tiny-llama")
-    reference = tiny_model(model_dir)
+    reference = save_tiny_llama(model_dir)
     fingerprint = open_model(model_dir).fingerprint()
     rng = random.Random(a.seed)
     tally = Tally()

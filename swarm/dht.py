@@ -78,8 +78,10 @@ def announce(dht, records: Sequence[NodeRecord], ttl: float) -> int:
     )
 
 
-async def _get_many(_dht, node, keys):
-    # latest: without it a cached, unexpired copy satisfies the search and newcomers stay unseen
+async def get_latest(_dht, node, keys):
+    """{key: {subkey: (value, expiration)}} of dict records, asked of peers (run in the DHT).
+
+    Latest: without it a cached, unexpired copy satisfies the search and newcomers stay unseen."""
     found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
     out = {}
     for key, item in found.items():
@@ -100,7 +102,7 @@ class SwarmView:
 
 
 def read_models(dht) -> tuple[dict[str, ModelRecord], int]:
-    raw = dht.run_coroutine(functools.partial(_get_many, keys=[MODELS_KEY]))
+    raw = dht.run_coroutine(functools.partial(get_latest, keys=[MODELS_KEY]))
     models, malformed = {}, 0
     for value, _exp in raw.get(MODELS_KEY, {}).values():
         try:
@@ -118,7 +120,7 @@ def read_models(dht) -> tuple[dict[str, ModelRecord], int]:
 def read_nodes(dht, model: str, num_layers: int) -> tuple[list[NodeRecord], dict[str, float], int]:
     """Distinct node records of a model (a node is stored once per block, returned once)."""
     keys = [block_key(model, b) for b in range(num_layers)]
-    raw = dht.run_coroutine(functools.partial(_get_many, keys=keys))
+    raw = dht.run_coroutine(functools.partial(get_latest, keys=keys))
     by_peer: dict[str, NodeRecord] = {}
     expirations: dict[str, float] = {}
     malformed = 0

@@ -2,57 +2,21 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from swarm.launch import start_swarm, stop_all
+from swarm.model.tiny import reference_greedy, save_tiny_llama
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+__all__ = ["reference_greedy"]  # the tests import it from here
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random-weight Llama saved as a Hugging Face safetensors folder."""
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY))
-    # random init is tiny; scale up so greedy decoding is not dominated by near-ties
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
     path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path, safe_serialization=True)
+    save_tiny_llama(path)
     return path
-
-
-def reference_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-    return out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="session")

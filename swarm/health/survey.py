@@ -10,21 +10,10 @@ from __future__ import annotations
 import functools
 import logging
 
-from swarm.dht import SwarmView
+from swarm.dht import SwarmView, get_latest
 from swarm.records import MAX_LAYERS, MAX_MODELS, MODELS_KEY, ModelRecord, NodeRecord, block_key
 
 log = logging.getLogger(__name__)
-
-
-async def _get_latest(_dht, node, keys):
-    # an infinite sufficient expiration makes hivemind ask peers instead of trusting its cache
-    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
-    out = {}
-    for key, item in found.items():
-        if item is None or not isinstance(item.value, dict):
-            continue
-        out[key] = {sub: (entry.value, entry.expiration_time) for sub, entry in item.value.items()}
-    return out
 
 
 def survey(dht, max_models: int = MAX_MODELS, max_layers: int = MAX_LAYERS) -> SwarmView:
@@ -34,7 +23,7 @@ def survey(dht, max_models: int = MAX_MODELS, max_layers: int = MAX_LAYERS) -> S
     `max_models` by name, are skipped and counted too: each layer costs a DHT key to read.
     """
     view = SwarmView()
-    raw = dht.run_coroutine(functools.partial(_get_latest, keys=[MODELS_KEY]))
+    raw = dht.run_coroutine(functools.partial(get_latest, keys=[MODELS_KEY]))
     for value, _exp in raw.get(MODELS_KEY, {}).values():
         try:
             m = ModelRecord.from_wire(value)
@@ -56,7 +45,7 @@ def survey(dht, max_models: int = MAX_MODELS, max_layers: int = MAX_LAYERS) -> S
 
 def _read_model_nodes(dht, view: SwarmView, model: ModelRecord) -> None:
     keys = [block_key(model.model, b) for b in range(model.num_layers)]
-    raw = dht.run_coroutine(functools.partial(_get_latest, keys=keys))
+    raw = dht.run_coroutine(functools.partial(get_latest, keys=keys))
     latest: dict[str, tuple[NodeRecord, float]] = {}
     for key, entries in raw.items():
         block = int(key.rsplit(".", 1)[1])
