@@ -32,6 +32,8 @@ class NodeConfig:
     link_policy: str = "molink"
     link_max_wait: int = 30
     prefill_pass_tokens: int = 64
+    compute_lanes: int = 2
+    prefill_nice: int = 10
     link_inflight_gain: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -50,6 +52,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _nice_steps(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 19:
+        raise argparse.ArgumentTypeError(f"must be 0..19, got {value}")
     return value
 
 
@@ -147,6 +156,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="most prompt tokens per forward pass; a decode step waits behind at most one pass",
     )
+    p.add_argument(
+        "--compute-lanes",
+        type=int,
+        default=2,
+        choices=[1, 2],
+        help="2: decode steps and prompt passes in separate threads; 1: one thread, decode first",
+    )
+    p.add_argument(
+        "--prefill-nice",
+        type=_nice_steps,
+        default=10,
+        help="how many nice steps the prompt-pass thread runs below the node's own (0-19; more"
+        " yields the CPU to decode steps sooner)",
+    )
     return p
 
 
@@ -176,4 +199,6 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         link_max_wait=a.link_max_wait,
         prefill_pass_tokens=a.prefill_pass_tokens,
         link_inflight_gain=a.link_inflight_gain,
+        compute_lanes=a.compute_lanes,
+        prefill_nice=a.prefill_nice,
     )

@@ -55,7 +55,7 @@ class Node:
         self.sessions = SessionTable(
             config.max_sessions, config.max_cache_tokens, config.max_session_tokens
         )
-        self.compute = ComputeQueue()
+        self.compute = ComputeQueue(config.compute_lanes, config.prefill_nice)
         self.uplink = Uplink(
             config.link_policy,
             self._stream_broken,
@@ -156,7 +156,7 @@ class Node:
         if isinstance(msg, Step):
             self._step(conn, msg)
         elif isinstance(msg, Ping):
-            await conn.send(Pong(nonce=msg.nonce))
+            await conn.send(conn.pong(msg.nonce))  # with how the frame it follows arrived
         elif isinstance(msg, Open):
             self.nursery.start_soon(self._guarded, self._open, conn, msg)
         elif isinstance(msg, Attach):
@@ -330,9 +330,16 @@ class Node:
         """The work of one forward pass from position `msg.pos`, run in the compute thread."""
 
         def run():
-            if s.closed:
-                raise SessionNotFound("session closed before its step ran")
-            return msg, self.span.forward(hidden, s.cache, msg.pos, s.start, s.end)
+            with s.compute_lock:  # lanes run in parallel; one session's passes never do
+                if s.closed:
+                    raise SessionNotFound("session closed before its step ran")
+                if s.cache.length != msg.pos:
+                    # only a client that sends a step before its previous one returned
+                    raise ProtocolError(
+                        f"step at position {msg.pos} ran before the session's earlier positions"
+                        f" (cache holds {s.cache.length}); wait for each result"
+                    )
+                return msg, self.span.forward(hidden, s.cache, msg.pos, s.start, s.end)
 
         return run
 
@@ -460,7 +467,7 @@ class Node:
                     reason = ConnectionError("connection closed")
                     break
                 if isinstance(msg, Pong):
-                    if self.uplink.on_pong(dest, msg.nonce):
+                    if self.uplink.on_pong(dest, msg.nonce, msg.rx_bytes, msg.rx_us / 1e6):
                         continue
                     sent = self._pings.pop((dest, msg.nonce), None)
                     if sent is not None:

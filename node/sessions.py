@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import trio
@@ -32,6 +33,7 @@ class Session:
     closed: bool = False
     pending: list = field(default_factory=list)  # prefill (Step, hidden) not yet computed
     prefill_queued: bool = False  # a compute job will take from `pending`
+    compute_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def is_last(self) -> bool:

@@ -110,8 +110,9 @@ class Uplink:
     def observe_compute(self, phase: str, tokens: int, seconds: float) -> None:
         self.scheduler.observe_compute(phase, tokens, seconds)
 
-    def on_pong(self, dest: str, nonce: int) -> bool:
-        """A pong from `dest`; True if it acknowledged an activation frame (and was used here)."""
+    def on_pong(self, dest: str, nonce: int, rx_bytes: int = 0, rx_s: float = 0.0) -> bool:
+        """A pong from `dest`; True if it acknowledged an activation frame (and was used here).
+        `rx_bytes` over `rx_s`: how that frame arrived there, if it was large enough to tell."""
         if nonce < ACK_NONCE_BASE:
             return False
         waiting = self._acks.get(dest)
@@ -120,6 +121,8 @@ class Uplink:
             n, frame = waiting.popleft()
             if n == nonce:
                 est.on_acked(frame, self.now())
+                if rx_bytes > 0 and rx_s > 0:
+                    est.on_arrival(rx_bytes, rx_s, self.now())
                 break
             est.on_ack_lost(frame)  # pongs come in order: an earlier one will not come now
         self._push_estimate(dest, est)
@@ -157,6 +160,7 @@ class Uplink:
         ests = self._estimators.values()
         out["tcp_info_blind"] = float(any(e.tcp_blind for e in ests))
         out["ack_rate_samples"] = float(sum(e.ack_samples for e in ests))
+        out["arrival_rate_samples"] = float(sum(e.arrival_samples for e in ests))
         return out
 
     async def _write(self, stream: FramedStream, frame: bytes) -> bool:

@@ -3,21 +3,23 @@
 Three nodes split the default model (0:10, 10:20, 20:30). Nodes 2 and 3 sit behind shaped relays
 (`python -m swarm.link.relay`, announced with --public-address), so both node-to-node hops cross a
 link of --rates Mbps with --rtt-ms round trip and a bounded bottleneck buffer; the client reaches
-node 1 directly. Per round the nodes start fresh with one --link-policy and carry:
+node 1 directly. Per round the nodes start fresh with one variant's options and carry:
 
 - --steady decoding sessions, each a short prompt then tokens until the round ends, and
 - requests arriving as a Poisson process (--rate-per-s), lengths drawn like a chat trace
   (log-normal around the Azure conversation trace's medians, ~1020 in / ~130 out, clipped to
   2048 / 1024, then scaled by --input-scale / --output-scale for CPU time).
 
-Policies alternate round by round (molink, fifo, fifo, molink, ...) and replay the same arrival
-times and lengths, so they see the same load. Prints, per link rate and policy: TTFT, TPOT and
-end-to-end latency of the trace requests (mean, p50, p99); the steady sessions' decode step
-latency while some prefill is in flight (between a request's start and its first token) and while
-none is; the nodes' own figures from their DHT records; then molink/fifo ratios.
+Variants (by default the two link policies) alternate round by round (molink, fifo, fifo,
+molink, ...) and replay the same arrival times and lengths, so they see the same load. Prints, per
+link rate and variant: TTFT, TPOT and end-to-end latency of the trace requests (mean, p50, p99);
+the steady sessions' decode step latency while some prefill is in flight (between a request's
+start and its first token) and while none is; the nodes' own figures from their DHT records; then
+the first variant's figures over each other's.
 
     .venv/bin/python scripts/bench_link.py                      # 5 and 20 Mbps, 2 rounds each
     .venv/bin/python scripts/bench_link.py --rates 5 --rounds 1 --duration 60
+    .venv/bin/python scripts/bench_link.py --variants molink fifo "one-lane=--compute-lanes 1"
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -43,7 +46,6 @@ from swarm.dht import start_dht, visible_maddrs  # noqa: E402
 from swarm.launch import NodeProcess, start_node, stop_all  # noqa: E402
 
 SPANS = [(0, 10), (10, 20), (20, 30)]
-POLICIES = ("molink", "fifo")
 # Azure LLM inference trace 2023, conversation: medians ~1020 input and ~130 output tokens
 TRACE_IN_MEDIAN, TRACE_IN_SIGMA, TRACE_IN_MAX = 1020, 0.6, 2048
 TRACE_OUT_MEDIAN, TRACE_OUT_SIGMA, TRACE_OUT_MAX = 130, 0.8, 1024
@@ -74,10 +76,29 @@ class Done:
         return (self.end - self.first) / (self.tokens - 1) if self.tokens > 1 else None
 
 
+@dataclass(frozen=True)
+class Variant:
+    """A named set of node options: "molink", "fifo", or "NAME=NODE OPTIONS" (policy molink
+    unless the options name one)."""
+
+    name: str
+    args: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        name, eq, rest = text.partition("=")
+        if not eq:
+            if name not in ("molink", "fifo"):
+                raise argparse.ArgumentTypeError(f"variant {text!r}: molink, fifo or NAME=OPTIONS")
+            return cls(name, ("--link-policy", name))
+        args = tuple(shlex.split(rest))
+        return cls(name, args if "--link-policy" in args else ("--link-policy", "molink", *args))
+
+
 @dataclass
 class Round:
     rate: float
-    policy: str
+    variant: str
     requests: list[Done] = field(default_factory=list)
     steps: list[tuple[float, float]] = field(default_factory=list)  # steady (prev, now)
     steady_errors: list[str] = field(default_factory=list)
@@ -122,11 +143,12 @@ def start_relay(listen: int, target: int, a, rate: float) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def start_nodes(peers, policy: str, rate: float, a) -> tuple[list[NodeProcess], list]:
+def start_nodes(peers, variant: Variant, rate: float, a) -> tuple[list[NodeProcess], list]:
     nodes, relays = [], []
-    common = ["--threads", "1", "--announce-ttl", "6", "--grace", "2", "--link-policy", policy]
+    common = ["--threads", "1", "--announce-ttl", "6", "--grace", "2"]
     common += ["--prefill-pass-tokens", str(a.prefill_pass_tokens)]
-    common += ["--link-inflight-gain", str(a.inflight_gain)]
+    common += ["--link-inflight-gain", str(a.inflight_gain), *shlex.split(a.node_args)]
+    common += variant.args  # last, so a variant's options win
     for i, span in enumerate(SPANS):
         port = free_port()
         extra = [*common, "--port", str(port)]
@@ -192,9 +214,9 @@ def steady(client: Client, stop: threading.Event, rnd: Round, lock: threading.Lo
             time.sleep(1)
 
 
-def run_round(client: Client, peers, trace: list[Request], policy: str, rate: float, a) -> Round:
-    nodes, relays = start_nodes(peers, policy, rate, a)
-    rnd = Round(rate, policy)
+def run_round(client: Client, peers, trace: list[Request], variant: Variant, rate: float, a):
+    nodes, relays = start_nodes(peers, variant, rate, a)
+    rnd = Round(rate, variant.name)
     try:
         wait_route(client, {n.peer for n in nodes})
         lock, stop = threading.Lock(), threading.Event()
@@ -293,46 +315,54 @@ def node_figures(rounds: list[Round]) -> list[str]:
     return lines
 
 
-def report(results: dict[tuple[float, str], list[Round]], a) -> None:
+def report(results: dict[tuple[float, str], list[Round]], variants: list[Variant], a) -> None:
     print(
         f"\n{len(SPANS)} nodes, shaped hops at --rtt-ms {a.rtt_ms}, buffer {a.buffer_kb} KiB;"
         f" {a.steady} steady sessions + trace requests at {a.rate_per_s}/s for {a.duration:.0f} s;"
-        f" {a.rounds} round(s) per policy; client prefill steps of {a.prefill_chunk} tokens,"
-        f" node passes of {a.prefill_pass_tokens}, in-flight gain {a.inflight_gain}"
+        f" {a.rounds} round(s) per variant; client prefill steps of {a.prefill_chunk} tokens,"
+        f" node passes of {a.prefill_pass_tokens}, in-flight gain {a.inflight_gain},"
+        f" node options {a.node_args!r}"
     )
+    for v in variants:
+        print(f"  variant {v.name}: {' '.join(v.args)}")
+    names = [v.name for v in variants]
     for rate in a.rates:
         print(f"\n== {rate:g} Mbps ==")
         figs = {}
-        for policy in POLICIES:
-            rounds = results[(rate, policy)]
-            figs[policy] = figures(rounds)
+        for name in names:
+            rounds = results[(rate, name)]
+            figs[name] = figures(rounds)
             n_ok = sum(1 for r in rounds for d in r.requests if d.error is None and d.first)
             n_all = sum(len(r.requests) for r in rounds)
             errors = [d.error for r in rounds for d in r.requests if d.error]
             errors += [e for r in rounds for e in r.steady_errors]
             print(
-                f"  {policy}: {n_ok}/{n_all} trace requests completed,"
+                f"  {name}: {n_ok}/{n_all} trace requests completed,"
                 f" {sum(len(r.steps) for r in rounds)} steady decode steps, {len(errors)} errors"
                 + (f" (first: {errors[0]})" if errors else "")
             )
             for line in node_figures(rounds):
                 print(line)
-        head = ("molink mean/p50/p99", "fifo mean/p50/p99", "ratio mean/p50/p99")
-        print(f"  {'':28}{head[0]:>26}{head[1]:>26}{head[2]:>22}")
-        for key in figs["molink"]:
-            m, f = figs["molink"][key], figs["fifo"][key]
-            ratio = "/".join(f"{x / y:.2f}" if y else "nan" for x, y in zip(m, f))
+        print(f"  {'':28}" + "".join(f"{n + ' mean/p50/p99':>26}" for n in names))
+        for key in figs[names[0]]:
             print(
-                f"  {key:28}{'/'.join(f'{x:.3f}' for x in m):>26}"
-                f"{'/'.join(f'{x:.3f}' for x in f):>26}{ratio:>22}"
+                f"  {key:28}"
+                + "".join(f"{'/'.join(f'{x:.3f}' for x in figs[n][key]):>26}" for n in names)
             )
-        for policy in POLICIES:
+        first = names[0]
+        for other in names[1:]:
+            print(f"  {first}/{other} mean/p50/p99:")
+            for key in figs[first]:
+                m, f = figs[first][key], figs[other][key]
+                ratio = "/".join(f"{x / y:.2f}" if y else "nan" for x, y in zip(m, f))
+                print(f"    {key:28}{ratio:>22}")
+        for name in names:
             busy, quiet = (
-                figs[policy]["step, prefill in flight s"],
-                figs[policy]["step, none in flight s"],
+                figs[name]["step, prefill in flight s"],
+                figs[name]["step, none in flight s"],
             )
             print(
-                f"  {policy}: decode step with prefill in flight / without:"
+                f"  {name}: decode step with prefill in flight / without:"
                 f" mean {busy[0] / quiet[0]:.2f}x, p50 {busy[1] / quiet[1]:.2f}x,"
                 f" p99 {busy[2] / quiet[2]:.2f}x"
             )
@@ -343,7 +373,7 @@ def main() -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[5.0, 20.0], help="link Mbps")
     p.add_argument("--rtt-ms", type=float, default=30.0)
     p.add_argument("--buffer-kb", type=int, default=64, help="bottleneck buffer per direction")
-    p.add_argument("--rounds", type=int, default=2, help="rounds per policy and rate")
+    p.add_argument("--rounds", type=int, default=2, help="rounds per variant and rate")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per round")
     p.add_argument("--warmup", type=float, default=5.0)
     p.add_argument("--drain", type=float, default=90.0, help="seconds to let requests finish")
@@ -360,8 +390,21 @@ def main() -> None:
     p.add_argument(
         "--inflight-gain", type=float, default=0.0, help="the nodes' --link-inflight-gain"
     )
+    p.add_argument(
+        "--node-args", default="", help="more options for every node, e.g. '--compute-lanes 1'"
+    )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["molink", "fifo"],
+        metavar="VARIANT",
+        help='"molink", "fifo" or "NAME=NODE OPTIONS"; ratios are the first over each other',
+    )
     p.add_argument("--seed", type=int, default=1)
     a = p.parse_args()
+    variants = [Variant.parse(v) for v in a.variants]
+    if len({v.name for v in variants}) != len(variants) or len(variants) < 2:
+        p.error("--variants wants at least two distinct names")
     torch.set_num_threads(1)
     trace = draw_trace(random.Random(a.seed), a)
     print(
@@ -379,19 +422,20 @@ def main() -> None:
     try:
         for rate in a.rates:
             for i in range(a.rounds):
-                order = POLICIES if i % 2 == 0 else POLICIES[::-1]
-                for policy in order:
+                order = variants if i % 2 == 0 else variants[::-1]
+                for variant in order:
                     started = time.monotonic()
-                    rnd = run_round(client, peers, trace, policy, rate, a)
-                    results.setdefault((rate, policy), []).append(rnd)
+                    rnd = run_round(client, peers, trace, variant, rate, a)
+                    results.setdefault((rate, variant.name), []).append(rnd)
                     ok = [d for d in rnd.requests if d.error is None and d.first]
                     print(
-                        f"round {rate:g} Mbps {policy}: {len(ok)}/{len(rnd.requests)} requests,"
+                        f"round {rate:g} Mbps {variant.name}:"
+                        f" {len(ok)}/{len(rnd.requests)} requests,"
                         f" TTFT mean {statistics.fmean(d.ttft for d in ok) if ok else 0:.2f} s,"
                         f" {len(rnd.steps)} steady steps, {time.monotonic() - started:.0f} s",
                         flush=True,
                     )
-        report(results, a)
+        report(results, variants, a)
     finally:
         client.close()
         bootstrap.shutdown()

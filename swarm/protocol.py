@@ -95,8 +95,13 @@ class Ping:
 
 @dataclass(frozen=True)
 class Pong:
+    """`rx_bytes` and `rx_us`: how the last large frame before the ping arrived, bytes after the
+    first read of it over microseconds until its last byte (0, 0: no such frame)."""
+
     nonce: int
     t: str = field(default="pong", init=False)
+    rx_bytes: int = 0
+    rx_us: int = 0
 
 
 @dataclass(frozen=True)
@@ -191,9 +196,14 @@ def parse_message(d: dict[str, Any]) -> Message:
     if kind in ("opened", "attached", "close"):
         cls = {"opened": Opened, "attached": Attached, "close": Close}[kind]
         return cls(sid=_str(d, "sid", 64))
-    if kind in ("ping", "pong"):
-        cls = Ping if kind == "ping" else Pong
-        return cls(nonce=_int(d, "nonce", 0, 2**63))
+    if kind == "ping":
+        return Ping(nonce=_int(d, "nonce", 0, 2**63))
+    if kind == "pong":
+        return Pong(
+            nonce=_int(d, "nonce", 0, 2**63),
+            rx_bytes=_int(d, "rx_bytes") if "rx_bytes" in d else 0,
+            rx_us=_int(d, "rx_us") if "rx_us" in d else 0,
+        )
     if kind == "error":
         return Error(
             code=_str(d, "code", 64),

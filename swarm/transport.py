@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import socket
+import time
+from dataclasses import dataclass
 
 import trio
 
-from swarm.protocol import Message, parse_message, to_wire
+from swarm.protocol import Message, Pong, parse_message, to_wire
 from swarm.wire import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame
 
 RECEIVE_CHUNK = 256 * 1024
+RX_MIN_BYTES = 4096  # a frame's arrival spread says something about the link from this size
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """How one frame came in: `nbytes` arrived over `seconds` after the read that began it."""
+
+    nbytes: int
+    seconds: float
 
 
 class FramedStream:
@@ -18,6 +29,11 @@ class FramedStream:
         self.decoder = FrameDecoder(max_frame)
         self._send_lock = trio.Lock()
         self.closed = False
+        # receive timing, for the sender's bandwidth estimate (see `take_arrival`)
+        self._frame_began = 0.0  # when the read holding the current frame's first bytes returned
+        self._frame_head = 0  # bytes of the buffer at that moment
+        self._last_read = 0.0
+        self._arrival: Arrival | None = None
 
     @property
     def socket(self) -> socket.socket | None:
@@ -42,11 +58,34 @@ class FramedStream:
         while True:
             raw = self.decoder.next_message()
             if raw is not None:
+                self._frame_arrived(self.decoder.last_frame_bytes)
                 return parse_message(raw)
             data = await self.stream.receive_some(RECEIVE_CHUNK)
             if not data:
                 return None
+            self._last_read = time.monotonic()
+            if not self.decoder.buffered:  # a new frame begins with this read
+                self._frame_began, self._frame_head = self._last_read, len(data)
             self.decoder.feed(data)
+
+    def _frame_arrived(self, size: int) -> None:
+        # the bytes after the frame's first read came in over the time to its last read: a
+        # frame the sender wrote at once arrives at the rate of the narrowest link on the way,
+        # whether or not the sender was busy before it (what acknowledgements cannot tell)
+        spread = size - self._frame_head
+        seconds = self._last_read - self._frame_began
+        if spread >= RX_MIN_BYTES and seconds > 0:
+            self._arrival = Arrival(spread, seconds)
+        # what is left in the buffer starts the next frame and came with the last read
+        self._frame_began, self._frame_head = self._last_read, self.decoder.buffered
+
+    def pong(self, nonce: int) -> Pong:
+        """The answer to a ping: it tells how the latest large frame before it arrived (once)."""
+        arrival, self._arrival = self._arrival, None
+        if arrival is None:
+            return Pong(nonce=nonce)
+        rx_us = max(1, min(2**31, round(arrival.seconds * 1e6)))
+        return Pong(nonce=nonce, rx_bytes=min(arrival.nbytes, 2**31), rx_us=rx_us)
 
     async def aclose(self) -> None:
         self.closed = True

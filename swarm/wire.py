@@ -37,6 +37,7 @@ class FrameDecoder:
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME):
         self.max_frame = max_frame
         self._buffer = bytearray()
+        self.last_frame_bytes = 0  # size, prefix included, of the frame next_message returned
 
     @property
     def buffered(self) -> int:
@@ -62,6 +63,7 @@ class FrameDecoder:
             return None
         body = bytes(self._buffer[_PREFIX.size : end])
         del self._buffer[:end]
+        self.last_frame_bytes = end
         try:
             message = msgpack.unpackb(body, raw=False, strict_map_key=True)
         except Exception as exc:  # msgpack raises several unrelated types on garbage

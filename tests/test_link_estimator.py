@@ -189,3 +189,34 @@ def test_tcp_info_that_agrees_with_pings_is_kept():
     est.on_ping(0.031, 0.0)
     est.on_tcp_info(0.030, 5e5, 0.1)
     assert not est.tcp_blind and est.bandwidth == 5e5
+
+
+def test_arrival_spreads_measure_the_link_while_idle_acks_read_low():
+    """Small chunks with idle gaps: acknowledgements read a quarter of the link, the next hop's
+    arrival spreads read the link."""
+    est = LinkEstimator()
+    rng = random.Random(3)
+    for i in range(30):
+        now = i * 0.03
+        est._add_rate(0.25 * 5 * MBPS * rng.uniform(0.9, 1.1), now, "app")  # app-limited acks
+        assert est.on_arrival(9000, 9000 / (5 * MBPS) * rng.uniform(0.95, 1.05), now)
+    assert est.arrival_samples == 30
+    assert est.bandwidth == pytest.approx(5 * MBPS, rel=0.06)
+
+
+def test_a_few_arrival_spreads_do_not_yet_outvote_the_other_samples():
+    est = LinkEstimator(min_arrivals=3)
+    for i in range(10):
+        est.on_tcp_info(0.03, 2 * MBPS, i * 0.01)
+    est.on_arrival(9000, 9000 / (5 * MBPS), 0.1)
+    est.on_arrival(9000, 9000 / (5 * MBPS), 0.11)
+    assert est.bandwidth == pytest.approx(2 * MBPS)
+    est.on_arrival(9000, 9000 / (5 * MBPS), 0.12)
+    assert est.bandwidth == pytest.approx(5 * MBPS)
+
+
+def test_spreads_too_small_to_time_are_not_samples():
+    est = LinkEstimator()
+    assert not est.on_arrival(1200, 0.002, 0.0)  # one decode token
+    assert not est.on_arrival(64 * 1024, 0.0005, 0.0)  # under a millisecond
+    assert est.bandwidth is None and est.arrival_samples == 0

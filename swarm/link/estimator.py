@@ -25,6 +25,15 @@ over the time since then. Frames sent into an (almost) empty pipe yield nothing:
 would include idle time and read low. This is the one measurement
 that sees the whole path whatever sits in it.
 
+Arrival spreads: the next hop times how each large frame came in (bytes after the first read of
+it, over the time to its last byte) and tells the sender in the acknowledging pong. A frame is
+written at once, so it crosses the narrowest link back to back whatever the sender did before:
+unlike acknowledgements, this reads the link's rate even when the sender is mostly idle, which a
+scheduler that sends small chunks between decode steps always is. While the window holds at least
+`min_arrivals` of them, the estimate is their median alone. The receiver's own scheduling
+delays move a spread's ends by a millisecond or so either way, hence the floors on its bytes
+and duration.
+
 TCP_INFO sees only the TCP connection, which ends at the first proxy: through a relay or a
 split-TCP middlebox it reports the hop to the proxy (loopback-fast here). When the kernel's RTT
 is under half the lowest application ping, TCP_INFO is taken to be blind to the path and its
@@ -41,6 +50,7 @@ from dataclasses import dataclass
 
 TCP = "tcp"
 APP = "app"  # timed writes and delivery acknowledgements
+RX = "rx"  # arrival spreads measured by the next hop
 BLIND_RTT_RATIO = 0.5  # kernel RTT under this share of the lowest ping: TCP_INFO is blind
 
 
@@ -68,6 +78,9 @@ class LinkEstimator:
         min_delivery_bytes: int = 64 * 1024,
         min_delivery_s: float = 0.002,
         max_gap_s: float = 0.002,
+        min_arrival_bytes: int = 4096,
+        min_arrival_s: float = 0.001,
+        min_arrivals: int = 3,
     ):
         if window_s <= 0 or not 0 < quantile <= 1:
             raise ValueError(f"need window_s > 0 and 0 < quantile <= 1, got {window_s}, {quantile}")
@@ -78,6 +91,9 @@ class LinkEstimator:
         self.min_delivery_bytes = min_delivery_bytes
         self.min_delivery_s = min_delivery_s
         self.max_gap_s = max_gap_s
+        self.min_arrival_bytes = min_arrival_bytes
+        self.min_arrival_s = min_arrival_s
+        self.min_arrivals = min_arrivals
         self.rtt: float | None = None
         self.samples = 0  # accepted samples of either kind
         self.bandwidth_samples = 0
@@ -95,6 +111,7 @@ class LinkEstimator:
         self._min_tcp_rtt: float | None = None
         self.tcp_blind = False
         self.ack_samples = 0
+        self.arrival_samples = 0
 
     @property
     def bandwidth(self) -> float | None:
@@ -161,6 +178,14 @@ class LinkEstimator:
         self.ack_samples += 1
         return True
 
+    def on_arrival(self, nbytes: int, seconds: float, now: float) -> bool:
+        """The next hop saw `nbytes` of a frame arrive over `seconds`. True if it was a sample."""
+        if nbytes < self.min_arrival_bytes or seconds < self.min_arrival_s:
+            return False  # too short to time against the receiver's scheduling jitter
+        self._add_rate(nbytes / seconds, now, RX)
+        self.arrival_samples += 1
+        return True
+
     def on_ack_lost(self, frame: SentFrame) -> None:
         """No acknowledgement will come (the connection went away): forget the frame."""
         self._in_flight = max(0, self._in_flight - frame.nbytes)
@@ -209,11 +234,18 @@ class LinkEstimator:
         self.bandwidth_samples += 1
 
     def _recompute(self) -> None:
-        """The quantile of the window's samples; with none left the estimate holds."""
-        ordered = sorted(r for _, r, _ in self._rates)
+        """The quantile of the window's samples (its arrival spreads alone, if it holds enough
+        of them); with none left the estimate holds."""
+        arrivals = [r for _, r, src in self._rates if src == RX]
+        quantile = self.quantile
+        if len(arrivals) >= self.min_arrivals:
+            ordered = sorted(arrivals)
+            quantile = 0.5  # not biased low by idle time: the middle is the rate
+        else:
+            ordered = sorted(r for _, r, _ in self._rates)
         if not ordered:
             return
-        rank = self.quantile * (len(ordered) - 1)
+        rank = quantile * (len(ordered) - 1)
         lo = int(rank)
         hi = min(lo + 1, len(ordered) - 1)
         self._bandwidth = ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)

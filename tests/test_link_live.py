@@ -1,0 +1,91 @@
+"""The node's uplink measures a live shaped link, and follows it when its rate changes.
+
+One trio process: a receiver answering pings as a node does (FramedStream.pong), a shaped relay in
+front of it, and the real Uplink sending prefill activations through the relay the way a node
+does, in bursts with idle gaps between them (so acknowledgements alone would read the link low).
+The uplink's bandwidth estimate must come within 10% of the relay's rate, and follow the relay
+when its rate changes mid-run.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+import trio
+
+from swarm.link.relay import LinkShape, Relay
+from swarm.node.uplink import Payload, Uplink
+from swarm.protocol import PREFILL, Ping, Pong
+from swarm.transport import FramedStream, connect
+
+MBPS = 1e6
+DELAY = 0.015
+HIDDEN = 576
+TOKENS = 32  # 36 KiB of float16 per frame
+GAP_S = 0.1  # between bursts: at 5 Mbps the link idles 40% of the time
+
+
+async def answer_pings(stream: trio.SocketStream) -> None:
+    conn = FramedStream(stream)
+    try:
+        while (msg := await conn.receive()) is not None:
+            if isinstance(msg, Ping):
+                await conn.send(conn.pong(msg.nonce))
+    except trio.BrokenResourceError:
+        pass
+
+
+async def read_pongs(uplink: Uplink, dest: str, conn: FramedStream) -> None:
+    while (msg := await conn.receive()) is not None:
+        if isinstance(msg, Pong):
+            uplink.on_pong(dest, msg.nonce, msg.rx_bytes, msg.rx_us / 1e6)
+
+
+async def settle(uplink: Uplink, dest: str, conn: FramedStream, seconds: float) -> float:
+    """Send bursts for `seconds`; the median estimate over the last third of that time."""
+    hidden = torch.randn(1, TOKENS, HIDDEN)
+    readings = []
+    end = trio.current_time() + seconds
+    pos = 0
+    while trio.current_time() < end:
+        uplink.send_activations(
+            Payload(conn, dest, "s", PREFILL, pos, 10**6, hidden, "float16", result=False)
+        )
+        pos += TOKENS
+        await trio.sleep(GAP_S)
+        bandwidth = uplink.estimator(dest).bandwidth
+        if trio.current_time() > end - seconds / 3 and bandwidth is not None:
+            readings.append(bandwidth * 8)
+    assert readings, "no bandwidth estimate at all"
+    return statistics.median(readings)
+
+
+async def test_the_estimate_follows_a_live_link_through_rate_changes(nursery):
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    target_port = listeners[0].socket.getsockname()[1]
+    nursery.start_soon(trio.serve_listeners, answer_pings, listeners)
+    shape = LinkShape(5 * MBPS, DELAY, 64 * 1024)
+    back = LinkShape(None, DELAY)
+    relay = Relay("127.0.0.1", target_port, up=shape, down=back)
+    port = await nursery.start(relay.serve, "127.0.0.1", 0)
+
+    async def broken(stream, exc):
+        raise AssertionError(f"the uplink lost its connection: {exc!r}")
+
+    uplink = Uplink("molink", broken)
+    nursery.start_soon(uplink.run)
+    conn = await connect("127.0.0.1", port)
+    dest = f"127.0.0.1:{port}"
+    nursery.start_soon(read_pongs, uplink, dest, conn)
+
+    figures = {}
+    for rate in (5, 20, 5):
+        shape = LinkShape(rate * MBPS, DELAY, 64 * 1024)
+        relay.set_shape(up=shape)
+        figures[rate, len(figures)] = await settle(uplink, dest, conn, 2.4)
+    print({k: round(v / MBPS, 2) for k, v in figures.items()})  # with -s: Mbps per phase
+    for (rate, _), estimate in figures.items():
+        assert estimate == pytest.approx(rate * MBPS, rel=0.10), figures
+    assert uplink.estimator(dest).arrival_samples > 50
