@@ -34,7 +34,8 @@ class NodeConfig:
     prefill_pass_tokens: int = 64
     compute_lanes: int = 2
     prefill_nice: int = 10
-    link_inflight_gain: float = 0.0
+    link_inflight_gain: float = 2.0
+    link_inflight_floor_chunks: int = 3
     extra: dict = field(default_factory=dict)
 
 
@@ -146,9 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--link-inflight-gain",
         type=float,
-        default=0.0,
+        default=2.0,
         help="molink: prefill chunks wait while a connection holds more than this many"
         " bandwidth x min RTT unacknowledged (0: never)",
+    )
+    p.add_argument(
+        "--link-inflight-floor-chunks",
+        type=_positive_int,
+        default=3,
+        help="with --link-inflight-gain: a connection may always hold this many smallest"
+        " chunks unacknowledged",
     )
     p.add_argument(
         "--prefill-pass-tokens",
@@ -199,6 +207,7 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         link_max_wait=a.link_max_wait,
         prefill_pass_tokens=a.prefill_pass_tokens,
         link_inflight_gain=a.link_inflight_gain,
+        link_inflight_floor_chunks=a.link_inflight_floor_chunks,
         compute_lanes=a.compute_lanes,
         prefill_nice=a.prefill_nice,
     )

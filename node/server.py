@@ -61,6 +61,7 @@ class Node:
             self._stream_broken,
             max_wait=config.link_max_wait,
             inflight_gain=config.link_inflight_gain,
+            inflight_floor_chunks=config.link_inflight_floor_chunks,
         )
         self._downstream: dict[str, FramedStream] = {}
         self._connecting: dict[str, trio.Lock] = {}

@@ -56,9 +56,13 @@ class Uplink:
         send_timeout: float = 60.0,
         max_wait: int = 30,
         inflight_gain: float = 0.0,
+        inflight_floor_chunks: int = 3,
     ):
         self.scheduler = LinkScheduler(
-            policy=policy, max_wait=max_wait, inflight_gain=inflight_gain
+            policy=policy,
+            max_wait=max_wait,
+            inflight_gain=inflight_gain,
+            inflight_floor_chunks=inflight_floor_chunks,
         )
         self._on_broken = on_broken
         self._send_timeout = send_timeout

@@ -388,7 +388,7 @@ def main() -> None:
         "--prefill-pass-tokens", type=int, default=64, help="the nodes' most tokens per pass"
     )
     p.add_argument(
-        "--inflight-gain", type=float, default=0.0, help="the nodes' --link-inflight-gain"
+        "--inflight-gain", type=float, default=2.0, help="the nodes' --link-inflight-gain"
     )
     p.add_argument(
         "--node-args", default="", help="more options for every node, e.g. '--compute-lanes 1'"
