@@ -29,7 +29,7 @@ class FramedStream:
         self.decoder = FrameDecoder(max_frame)
         self._send_lock = trio.Lock()
         self.closed = False
-        # receive timing, for the sender's bandwidth estimate (see `take_arrival`)
+        # receive timing, for the sender's bandwidth estimate (see `pong`)
         self._frame_began = 0.0  # when the read holding the current frame's first bytes returned
         self._frame_head = 0  # bytes of the buffer at that moment
         self._last_read = 0.0

@@ -25,8 +25,9 @@ bandwidth x min RTT of those are simply on their way; the rest is a backlog of
 `inflight_gain` x bandwidth x min RTT (at least `inflight_floor_chunks` floor chunks), no
 prefill chunk goes to that connection: the prefill waits here, where the next decode volume can
 still pass it, instead of in a buffer where it cannot. (BBR caps its own flight at 2 x BDP for
-the same reason.) Without a bandwidth or RTT estimate there is no cap. The cap is off by
-default (gain 0): an estimate that reads low makes it throttle prefill.
+the same reason.) Without a bandwidth or RTT estimate there is no cap. This object's default is
+gain 0 (no cap); a node asks for gain 2 (`--link-inflight-gain`), which needs a bandwidth
+estimate that does not read low: the next hop's arrival spreads give it one.
 
 Policy "fifo" sends whole volumes in arrival order: what concurrent socket sends amount to.
 
@@ -134,6 +135,11 @@ class _Link:
     bandwidth: float | None = None
     in_flight: int = 0  # bytes sent and not yet acknowledged by the next hop
 
+    @property
+    def base_rtt(self) -> float | None:
+        """The propagation delay: the minimum RTT, or the smoothed one before there is any."""
+        return self.min_rtt or self.rtt
+
 
 class LinkScheduler:
     """One per node uplink. Feed it volumes and observations; ask it what to send next.
@@ -145,9 +151,7 @@ class LinkScheduler:
         large delays a decode step, so err small.
     session_idle_s: a decode session silent for max(this, 4 periods) no longer holds prefill back.
     inflight_gain: prefill chunks wait while a connection has more than this many bandwidth x
-        min RTT unacknowledged (0, the default: never wait; see the README's benchmark notes:
-        with acknowledgement-based estimates that read low, holding cost TTFT and bought no
-        measurable decode latency).
+        min RTT unacknowledged (0, the default here: never wait).
     inflight_floor_chunks: ... but a connection may always hold this many floor-sized chunks.
     """
 
@@ -374,7 +378,7 @@ class LinkScheduler:
         bandwidth = self._bandwidth(dest)
         if link is None or not link.in_flight or bandwidth is None:
             return 0.0
-        return max(0.0, link.in_flight / bandwidth - (link.min_rtt or link.rtt or 0.0))
+        return max(0.0, link.in_flight / bandwidth - (link.base_rtt or 0.0))
 
     def _must_hold(self, prefill: _Queued, now: float) -> bool:
         """Whether the connection already holds enough unacknowledged bytes to wait for some."""
@@ -383,7 +387,7 @@ class LinkScheduler:
         bandwidth = self._bandwidth(dest)
         if self.inflight_gain == 0 or link is None or not link.in_flight or bandwidth is None:
             return False
-        rtt = link.min_rtt or link.rtt
+        rtt = link.base_rtt
         if rtt is None:
             return False
         if self.available_time(now) is None:
