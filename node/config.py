@@ -32,11 +32,28 @@ class NodeConfig:
     link_policy: str = "molink"
     link_max_wait: int = 30
     prefill_pass_tokens: int = 64
+    prefill_min_pass_tokens: int = 16
+    prefill_gather_s: float = 0.1
     compute_lanes: int = 2
     prefill_nice: int = 10
     link_inflight_gain: float = 2.0
     link_inflight_floor_chunks: int = 3
+    link_pacing: bool = False
+    link_pace_lead_ms: float = 10.0
+    link_min_chunk_ms: float = 0.0
+    step_log: str | None = None
     extra: dict = field(default_factory=dict)
+
+
+def scheduler_options(config: NodeConfig) -> dict:
+    """The LinkScheduler's keyword arguments (but the policy) that the node's options set."""
+    return {
+        "max_wait": config.link_max_wait,
+        "inflight_gain": config.link_inflight_gain,
+        "inflight_floor_chunks": config.link_inflight_floor_chunks,
+        "pace_lead_s": config.link_pace_lead_ms / 1000 if config.link_pacing else None,
+        "min_chunk_s": config.link_min_chunk_ms / 1000,
+    }
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -53,6 +70,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
     return value
 
 
@@ -159,10 +183,51 @@ def build_parser() -> argparse.ArgumentParser:
         " chunks unacknowledged",
     )
     p.add_argument(
+        "--link-pacing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="molink: a prefill chunk goes only when the link, at its estimated bandwidth, is"
+        " about to have carried what was sent before it (keeps the router's buffer nearly"
+        " empty; costs prompt throughput)",
+    )
+    p.add_argument(
+        "--link-pace-lead-ms",
+        type=_non_negative_float,
+        default=10.0,
+        help="with --link-pacing: send the next chunk this long before the link runs dry",
+    )
+    p.add_argument(
+        "--link-min-chunk-ms",
+        type=_non_negative_float,
+        default=0.0,
+        help="molink: the smallest chunk is what the link carries in this long, if under 8"
+        " tokens (0: always 8 tokens)",
+    )
+    p.add_argument(
+        "--step-log",
+        default=None,
+        metavar="FILE",
+        help="append a line per decode step: its arrival (monotonic seconds), seconds until its"
+        " output was queued for the link, seconds of that in compute (for benchmarks)",
+    )
+    p.add_argument(
         "--prefill-pass-tokens",
         type=_positive_int,
         default=64,
         help="most prompt tokens per forward pass; a decode step waits behind at most one pass",
+    )
+    p.add_argument(
+        "--prefill-min-pass-tokens",
+        type=_positive_int,
+        default=16,
+        help="a prompt pass waits (up to --prefill-gather-ms) for this many tokens to arrive,"
+        " unless the prompt's end has: each pass has a fixed cost",
+    )
+    p.add_argument(
+        "--prefill-gather-ms",
+        type=_non_negative_float,
+        default=100.0,
+        help="longest a prompt pass waits for --prefill-min-pass-tokens",
     )
     p.add_argument(
         "--compute-lanes",
@@ -206,8 +271,14 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         link_policy=a.link_policy,
         link_max_wait=a.link_max_wait,
         prefill_pass_tokens=a.prefill_pass_tokens,
+        prefill_min_pass_tokens=a.prefill_min_pass_tokens,
+        prefill_gather_s=a.prefill_gather_ms / 1000,
         link_inflight_gain=a.link_inflight_gain,
         link_inflight_floor_chunks=a.link_inflight_floor_chunks,
+        link_pacing=a.link_pacing,
+        link_pace_lead_ms=a.link_pace_lead_ms,
+        link_min_chunk_ms=a.link_min_chunk_ms,
+        step_log=a.step_log,
         compute_lanes=a.compute_lanes,
         prefill_nice=a.prefill_nice,
     )

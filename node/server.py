@@ -22,7 +22,7 @@ from swarm.errors import (
 )
 from swarm.model.blocks import KVCache, Span
 from swarm.node.compute import ComputeQueue
-from swarm.node.config import NodeConfig
+from swarm.node.config import NodeConfig, scheduler_options
 from swarm.node.sessions import Session, SessionTable
 from swarm.node.uplink import Payload, Uplink
 from swarm.protocol import (
@@ -56,13 +56,7 @@ class Node:
             config.max_sessions, config.max_cache_tokens, config.max_session_tokens
         )
         self.compute = ComputeQueue(config.compute_lanes, config.prefill_nice)
-        self.uplink = Uplink(
-            config.link_policy,
-            self._stream_broken,
-            max_wait=config.link_max_wait,
-            inflight_gain=config.link_inflight_gain,
-            inflight_floor_chunks=config.link_inflight_floor_chunks,
-        )
+        self.uplink = Uplink(config.link_policy, self._stream_broken, **scheduler_options(config))
         self._downstream: dict[str, FramedStream] = {}
         self._connecting: dict[str, trio.Lock] = {}
         self.port: int | None = None
@@ -70,6 +64,8 @@ class Node:
         self.errors_sent = 0
         self.steps_done = 0
         self._pings: dict[tuple[str, int], float] = {}
+        # lines, so a killed node loses none
+        self._step_log = open(config.step_log, "a", buffering=1) if config.step_log else None
 
     # ---- lifetime -------------------------------------------------------------------------
 
@@ -301,22 +297,49 @@ class Node:
             self._prefill(s, msg, hidden)
             return
 
-        self.compute.submit(DECODE, n, self._pass(s, msg, hidden), self._pass_done(s))
+        done = self._pass_done(s, arrived=time.monotonic())
+        self.compute.submit(DECODE, n, self._pass(s, msg, hidden), done)
 
     def _prefill(self, s: Session, msg: Step, hidden) -> None:
         """Queue a prefill piece. The link may deliver a prompt in many small chunks, and a
         client may send it whole: pieces that arrived while a job waited are computed together,
         up to `prefill_pass_tokens` per forward pass, so one pass costs little per token and a
         decode step waits behind at most one pass."""
+        if not s.pending:
+            s.pending_since = time.monotonic()
         s.pending.append((msg, hidden))
-        if not s.prefill_queued:
+        if s.gather is not None and self._gather_wait(s) == 0:
+            s.gather.cancel()  # enough has come: the pass need not wait longer
+            s.gather = None
+            self._submit_prefill(s)
+        elif not s.prefill_queued:
             s.prefill_queued = True
             self._submit_prefill(s)
 
+    def _gather_wait(self, s: Session) -> float:
+        c = self.config
+        now = time.monotonic()
+        return gather_wait(
+            s.pending, s.pending_since, now, c.prefill_min_pass_tokens, c.prefill_gather_s
+        )
+
+    async def _gather(self, s: Session, scope: trio.CancelScope, wait: float) -> None:
+        with scope:
+            await trio.sleep(wait)
+            s.gather = None
+            if not s.closed:
+                self._submit_prefill(s)
+
     def _submit_prefill(self, s: Session) -> None:
         def prepare():
+            wait = self._gather_wait(s)
+            if wait > 0 and not s.closed:  # a few tokens only: let more come, a little while
+                s.gather = trio.CancelScope()
+                self.nursery.start_soon(self._gather, s, s.gather, wait)
+                return None  # prefill_queued stays set: the gathering submits the pass
             batch = _take_tokens(s.pending, self.config.prefill_pass_tokens)
             if s.pending:  # more than one pass waits: queue the next, behind any decode step
+                s.pending_since = time.monotonic()
                 self._submit_prefill(s)
             else:
                 s.prefill_queued = False
@@ -344,10 +367,11 @@ class Node:
 
         return run
 
-    def _pass_done(self, s: Session):
-        """Back on the trio thread: forward the pass's output, or fail the session."""
+    def _pass_done(self, s: Session, arrived: float | None = None):
+        """Back on the trio thread: forward the pass's output, or fail the session. `arrived`:
+        when a decode step's input came in, for the step log."""
 
-        async def done(result, error, _elapsed):
+        async def done(result, error, elapsed):
             if s.closed:
                 return
             if error is not None:
@@ -362,6 +386,9 @@ class Node:
             msg, out = result
             self.steps_done += 1
             self._forward(s, msg, out)
+            if arrived is not None and self._step_log is not None:
+                queued = time.monotonic() - arrived
+                self._step_log.write(f"{arrived:.4f} {queued:.4f} {elapsed:.4f}\n")
 
         return done
 
@@ -519,6 +546,20 @@ class Node:
                 self.uplink.send_control(ds, Ping(nonce=nonce))
             if len(self._pings) > 1000:
                 self._pings.clear()
+
+
+def gather_wait(pending: list, since: float, now: float, min_tokens: int, gather_s: float) -> float:
+    """How much longer a prefill pass should wait for more pieces: none once `pending` holds
+    `min_tokens` or the end of its phase, else until `gather_s` after the oldest piece came.
+    Each pass costs a fixed overhead whatever its size, so passes of a few tokens (a slow link
+    delivers a prompt in small chunks) spend CPU the decode steps of other sessions need."""
+    if not pending:
+        return 0.0
+    tokens = sum(h.shape[1] for _, h in pending)
+    last, hidden = pending[-1]
+    if tokens >= min_tokens or last.pos + hidden.shape[1] >= last.end:
+        return 0.0
+    return max(0.0, since + gather_s - now)
 
 
 def _take_tokens(pending: list, limit: int) -> list:

@@ -33,6 +33,7 @@ NOTSENT_LOWAT = 16 * 1024
 ACK_NONCE_BASE = 1 << 40  # pings that acknowledge delivery; the node's own RTT pings count from 1
 MAX_UNACKED = 4096
 HOLD_RECHECK_S = 0.02
+MIN_HOLD_S = 0.0005
 
 
 @dataclass
@@ -54,16 +55,10 @@ class Uplink:
         policy: str,
         on_broken: Callable[[FramedStream, Exception], Awaitable[None]],
         send_timeout: float = 60.0,
-        max_wait: int = 30,
-        inflight_gain: float = 0.0,
-        inflight_floor_chunks: int = 3,
+        **scheduler_options,
     ):
-        self.scheduler = LinkScheduler(
-            policy=policy,
-            max_wait=max_wait,
-            inflight_gain=inflight_gain,
-            inflight_floor_chunks=inflight_floor_chunks,
-        )
+        """`scheduler_options`: LinkScheduler's keyword arguments (max_wait, inflight_gain, ...)."""
+        self.scheduler = LinkScheduler(policy=policy, **scheduler_options)
         self._on_broken = on_broken
         self._send_timeout = send_timeout
         self._control: deque[tuple[FramedStream, bytes]] = deque()
@@ -73,7 +68,8 @@ class Uplink:
         self._wake = trio.Event()
         self._clock0 = time.monotonic()
         self.bytes_sent = 0
-        self._acks: dict[str, deque[tuple[int, SentFrame]]] = {}  # dest -> (nonce, frame), in order
+        # dest -> (nonce, frame, the scheduler's mark after it), oldest first
+        self._acks: dict[str, deque[tuple[int, SentFrame, int]]] = {}
         self._ack_nonce = ACK_NONCE_BASE
 
     def now(self) -> float:
@@ -122,11 +118,13 @@ class Uplink:
         waiting = self._acks.get(dest)
         est = self.estimator(dest)
         while waiting:
-            n, frame = waiting.popleft()
+            n, frame, mark = waiting.popleft()
             if n == nonce:
                 est.on_acked(frame, self.now())
                 if rx_bytes > 0 and rx_s > 0:
                     est.on_arrival(rx_bytes, rx_s, self.now())
+                self._push_estimate(dest, est)
+                self.scheduler.acked(dest, mark, self.now())
                 break
             est.on_ack_lost(frame)  # pongs come in order: an earlier one will not come now
         self._push_estimate(dest, est)
@@ -136,7 +134,7 @@ class Uplink:
     def forget_dest(self, dest: str) -> None:
         """The connection to `dest` is gone: its outstanding acknowledgements will not come."""
         est = self._estimators.get(dest)
-        for _, frame in self._acks.pop(dest, ()):
+        for _, frame, _ in self._acks.pop(dest, ()):
             if est is not None:
                 est.on_ack_lost(frame)
         if est is not None:
@@ -200,9 +198,9 @@ class Uplink:
             if send is None:
                 self._wake = trio.Event()
                 if not self._control:
-                    # a prefill held for acknowledgements is looked at again when one comes,
-                    # or soon anyway (the decode prediction it waits on moves with time)
-                    with trio.move_on_after(HOLD_RECHECK_S if self.scheduler.holding else math.inf):
+                    # a held prefill is looked at again when an acknowledgement comes, when
+                    # pacing lets it go, or soon anyway (the decode prediction moves with time)
+                    with trio.move_on_after(self._hold_timeout()):
                         await self._wake.wait()
                 continue
             p = self._payloads.get(send.vid)
@@ -222,9 +220,16 @@ class Uplink:
             if ok:
                 self._measure(p, len(frame), started, finished)
             if sent is not None:
-                await self._ask_ack(p, sent, ok)
+                await self._ask_ack(p, sent, ok, self.scheduler.bytes_sent_to(p.dest))
 
-    async def _ask_ack(self, p: Payload, sent: SentFrame, written: bool) -> None:
+    def _hold_timeout(self) -> float:
+        if not self.scheduler.holding:
+            return math.inf
+        if self.scheduler.hold_until is None:
+            return HOLD_RECHECK_S
+        return min(HOLD_RECHECK_S, max(MIN_HOLD_S, self.scheduler.hold_until - self.now()))
+
+    async def _ask_ack(self, p: Payload, sent: SentFrame, written: bool, mark: int) -> None:
         """A ping right behind the frame: its pong means the next hop has read the frame."""
         waiting = self._acks.setdefault(p.dest, deque())
         if not written or len(waiting) >= MAX_UNACKED:
@@ -232,7 +237,7 @@ class Uplink:
             self._push_estimate(p.dest, self.estimator(p.dest))
             return
         self._ack_nonce += 1
-        waiting.append((self._ack_nonce, sent))
+        waiting.append((self._ack_nonce, sent, mark))
         await self._write(p.stream, encode_frame(to_wire(Ping(nonce=self._ack_nonce))))
 
     def _frame(self, p: Payload, offset: int, tokens: int) -> bytes:

@@ -14,7 +14,8 @@ Variants (by default the two link policies) alternate round by round (molink, fi
 molink, ...) and replay the same arrival times and lengths, so they see the same load. Prints, per
 link rate and variant: TTFT, TPOT and end-to-end latency of the trace requests (mean, p50, p99);
 the steady sessions' decode step latency while some prefill is in flight (between a request's
-start and its first token) and while none is; the nodes' own figures from their DHT records; then
+start and its first token) and while none is; the nodes' own figures from their DHT records, and
+each hop's bottleneck queue (the relay's time-sampled wait) with and without prefill in flight; then
 the first variant's figures over each other's.
 
     .venv/bin/python scripts/bench_link.py                      # 5 and 20 Mbps, 2 rounds each
@@ -26,12 +27,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import shlex
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -50,6 +54,9 @@ SPANS = [(0, 10), (10, 20), (20, 30)]
 TRACE_IN_MEDIAN, TRACE_IN_SIGMA, TRACE_IN_MAX = 1020, 0.6, 2048
 TRACE_OUT_MEDIAN, TRACE_OUT_SIGMA, TRACE_OUT_MAX = 130, 0.8, 1024
 STEADY_PROMPT = 32
+# a frame of one token's activations (576 x float16) with its header: a decode step, as prefill
+# chunks of the default model are at least 2 tokens on links of 1 Mbps and more
+DECODE_FRAME_BYTES = (1152, 2 * 1152)
 
 
 @dataclass
@@ -103,6 +110,9 @@ class Round:
     steps: list[tuple[float, float]] = field(default_factory=list)  # steady (prev, now)
     steady_errors: list[str] = field(default_factory=list)
     links: list[dict] = field(default_factory=list)  # per node, from its DHT record
+    queues: list[list[tuple[float, float]]] = field(default_factory=list)  # per hop: (t, wait s)
+    frames: list[list[tuple[float, int, float]]] = field(default_factory=list)  # (t, size, wait)
+    node_steps: list[list[tuple[float, float, float]]] = field(default_factory=list)  # per node
 
 
 def draw_trace(rng: random.Random, a) -> list[Request]:
@@ -124,7 +134,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_relay(listen: int, target: int, a, rate: float) -> subprocess.Popen:
+def start_relay(listen: int, target: int, a, rate: float, log: str) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -139,11 +149,17 @@ def start_relay(listen: int, target: int, a, rate: float) -> subprocess.Popen:
         str(a.rtt_ms / 2),
         "--buffer-kb",
         str(a.buffer_kb),
+        "--queue-log",
+        log,
     ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def start_nodes(peers, variant: Variant, rate: float, a) -> tuple[list[NodeProcess], list]:
+def start_nodes(
+    peers, variant: Variant, rate: float, a, logs: list[str], step_logs: list[str]
+) -> tuple[list[NodeProcess], list]:
+    """The nodes, each writing its decode steps to `step_logs`, and a relay in front of each but
+    the first, logging its queue to `logs`."""
     nodes, relays = [], []
     common = ["--threads", "1", "--announce-ttl", "6", "--grace", "2"]
     common += ["--prefill-pass-tokens", str(a.prefill_pass_tokens)]
@@ -151,10 +167,10 @@ def start_nodes(peers, variant: Variant, rate: float, a) -> tuple[list[NodeProce
     common += variant.args  # last, so a variant's options win
     for i, span in enumerate(SPANS):
         port = free_port()
-        extra = [*common, "--port", str(port)]
+        extra = [*common, "--port", str(port), "--step-log", step_logs[i]]
         if i > 0:  # the hop into this node crosses a shaped link
             public = free_port()
-            relays.append(start_relay(public, port, a, rate))
+            relays.append(start_relay(public, port, a, rate, logs[i - 1]))
             extra += ["--public-address", f"127.0.0.1:{public}"]
         nodes.append(start_node(span, peers, extra=extra))
     try:
@@ -214,8 +230,36 @@ def steady(client: Client, stop: threading.Event, rnd: Round, lock: threading.Lo
             time.sleep(1)
 
 
+def read_queue_log(path: str) -> tuple[list[tuple[float, float]], list[tuple[float, int, float]]]:
+    """From a relay's log: (monotonic time, seconds a byte then waits in the hop's bottleneck)
+    every 10 ms, and (time, size, wait) of each frame the previous node sent through it."""
+    samples, frames = [], []
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3:  # a relay killed mid-line leaves a short one
+                samples.append((float(parts[0]), float(parts[1])))
+            elif len(parts) == 4 and parts[0] == "f":
+                frames.append((float(parts[1]), int(parts[2]), float(parts[3])))
+    return samples, frames
+
+
+def read_step_log(path: str) -> list[tuple[float, float, float]]:
+    """(arrival, seconds in the node, seconds of compute) of each decode step a node ran."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3:
+                out.append((float(parts[0]), float(parts[1]), float(parts[2])))
+    return out
+
+
 def run_round(client: Client, peers, trace: list[Request], variant: Variant, rate: float, a):
-    nodes, relays = start_nodes(peers, variant, rate, a)
+    logdir = tempfile.mkdtemp(prefix="bench_link_")
+    logs = [os.path.join(logdir, f"hop{i}.log") for i in range(len(SPANS) - 1)]
+    step_logs = [os.path.join(logdir, f"node{i}.log") for i in range(len(SPANS))]
+    nodes, relays = start_nodes(peers, variant, rate, a, logs, step_logs)
     rnd = Round(rate, variant.name)
     try:
         wait_route(client, {n.peer for n in nodes})
@@ -252,6 +296,13 @@ def run_round(client: Client, peers, trace: list[Request], variant: Variant, rat
         for r in relays:
             r.kill()
             r.wait()
+    for path in logs:
+        samples, frames = read_queue_log(path) if os.path.exists(path) else ([], [])
+        rnd.queues.append(samples)
+        rnd.frames.append(frames)
+    for path in step_logs:
+        rnd.node_steps.append(read_step_log(path) if os.path.exists(path) else [])
+    shutil.rmtree(logdir, ignore_errors=True)
     return rnd
 
 
@@ -271,14 +322,61 @@ def summary(xs: list[float]) -> tuple[float, float, float]:
     return statistics.fmean(xs), pct(xs, 0.5), pct(xs, 0.99)
 
 
+def prefill_windows(rnd: Round) -> list[tuple[float, float]]:
+    """From each trace request's start to its first token."""
+    return [(d.start, d.first if d.first else d.end) for d in rnd.requests]
+
+
 def step_split(rounds: list[Round]) -> tuple[list[float], list[float]]:
     """Steady decode step latencies while some trace request was in prefill, and while none was."""
     busy, quiet = [], []
     for rnd in rounds:
-        windows = [(d.start, d.first if d.first else d.end) for d in rnd.requests]
+        windows = prefill_windows(rnd)
         for prev, now in rnd.steps:
             overlaps = any(s < now and prev < e for s, e in windows)
             (busy if overlaps else quiet).append(now - prev)
+    return busy, quiet
+
+
+def split_by_prefill(rnd: Round, timed: list[tuple[float, float]]):
+    """Values (time, value) while the steady sessions ran: those when some prefill was in
+    flight, and the others."""
+    busy, quiet = [], []
+    windows = prefill_windows(rnd)
+    first, last = rnd.steps[0][0] if rnd.steps else 0.0, rnd.steps[-1][1] if rnd.steps else 0.0
+    for t, value in timed:
+        if first <= t <= last:
+            (busy if any(s <= t < e for s, e in windows) else quiet).append(value)
+    return busy, quiet
+
+
+def node_step_split(rounds: list[Round], node: int, column: int):
+    """A node's decode steps, prefill in flight and not: column 1 time in the node, 2 compute."""
+    busy, quiet = [], []
+    for rnd in rounds:
+        if node < len(rnd.node_steps):
+            b, q = split_by_prefill(rnd, [(r[0], r[column]) for r in rnd.node_steps[node]])
+            busy += b
+            quiet += q
+    return busy, quiet
+
+
+def queue_split(rounds: list[Round], hop: int, decode_frames: bool = False):
+    """A hop's bottleneck wait while some prefill was in flight and while none was: sampled
+    every 10 ms, or as each decode frame (one token's activations) met it."""
+    busy, quiet = [], []
+    for rnd in rounds:
+        series = rnd.frames if decode_frames else rnd.queues
+        if hop >= len(series):
+            continue
+        timed = [
+            (t, rest[-1])
+            for t, *rest in series[hop]
+            if not decode_frames or DECODE_FRAME_BYTES[0] <= rest[0] < DECODE_FRAME_BYTES[1]
+        ]
+        b, q = split_by_prefill(rnd, timed)
+        busy += b
+        quiet += q
     return busy, quiet
 
 
@@ -296,22 +394,43 @@ def figures(rounds: list[Round]) -> dict[str, tuple[float, float, float]]:
 
 def node_figures(rounds: list[Round]) -> list[str]:
     lines = []
-    for i in range(len(SPANS) - 1):  # the last node's uplink is the client's result path
+    for i, span in enumerate(SPANS):
+        busy, quiet = node_step_split(rounds, i, 1)
+        busy_c, quiet_c = node_step_split(rounds, i, 2)
+        if busy and quiet:
+            lines.append(
+                f"    node {span[0]}:{span[1]} decode step in the node (compute), prefill in"
+                f" flight: mean {statistics.fmean(busy) * 1e3:5.1f}"
+                f" ({statistics.fmean(busy_c) * 1e3:5.1f})"
+                f" ms, p99 {pct(busy, 0.99) * 1e3:5.1f} ms; no prefill: mean"
+                f" {statistics.fmean(quiet) * 1e3:5.1f} ({statistics.fmean(quiet_c) * 1e3:5.1f})"
+                f" ms, p99 {pct(quiet, 0.99) * 1e3:5.1f} ms"
+            )
         links = [r.links[i] for r in rounds if i < len(r.links) and r.links[i]]
-        if not links:
-            continue
+        if i == len(SPANS) - 1 or not links:
+            continue  # the last node's uplink is the client's result path
 
         def mean(key, links=links):
             return statistics.fmean(lk.get(key, 0.0) for lk in links)
 
         lines.append(
-            f"    node {SPANS[i][0]}:{SPANS[i][1]} uplink: bandwidth est"
+            f"    node {span[0]}:{span[1]} uplink: bandwidth est"
             f" {mean('bandwidth_Bps') * 8 / 1e6:5.2f} Mbps, rtt est {mean('rtt_s') * 1e3:5.1f} ms,"
             f" decode queueing p50 {mean('decode_delay_p50_s') * 1e3:6.1f} ms"
             f" p99 {mean('decode_delay_p99_s') * 1e3:7.1f} ms, chunks {mean('chunks_sent'):5.0f}"
             f" of {mean('chunk_tokens_mean'):5.1f} tokens, W resets {mean('w_resets'):3.0f},"
-            f" held for acks {mean('prefill_held'):5.0f}"
+            f" held for acks {mean('prefill_held'):5.0f}, paced {mean('prefill_paced'):5.0f}"
         )
+        for what, decode_frames in (("10 ms samples", False), ("decode frames", True)):
+            busy, quiet = queue_split(rounds, i, decode_frames)
+            if busy and quiet:
+                lines.append(
+                    f"      bottleneck wait ({what}), prefill in flight: mean"
+                    f" {statistics.fmean(busy) * 1e3:6.1f} ms, p99 {pct(busy, 0.99) * 1e3:6.1f}"
+                    f" ms, none {sum(w == 0 for w in busy) / len(busy):4.0%}; no prefill: mean"
+                    f" {statistics.fmean(quiet) * 1e3:6.1f} ms, p99"
+                    f" {pct(quiet, 0.99) * 1e3:6.1f} ms"
+                )
     return lines
 
 

@@ -310,6 +310,118 @@ def test_the_cap_is_off_by_default():
     assert send_now(sched, 10.0).tokens == 8  # the backlog leaves no T_a: the floor
 
 
+# --- pacing: the next chunk goes when the link has carried the last --------------------------
+# 1 MB/s: a 20-token chunk of 1000-byte tokens takes the link 20 ms.
+
+
+def paced(**kwargs) -> LinkScheduler:
+    sched = scheduler(pace_lead_s=0.005, **kwargs)
+    sched.observe_decode_arrival("d", 10.0)  # a decode session to protect, computing till 10.05
+    return sched
+
+
+def test_pacing_holds_a_chunk_until_the_link_has_nearly_carried_the_last():
+    sched = paced()
+    sched.enqueue(prefill(), 10.0)
+    first = send_now(sched, 10.0)
+    assert first.tokens == 40  # 0.8 x 1 MB/s x 50 ms
+    assert sched.next_send(10.001) is None and sched.holding
+    assert sched.hold_until == pytest.approx(10.035)  # 40 ms of bytes, 5 ms of lead
+    assert sched.backlog(DEST, 10.02) == pytest.approx(0.02)
+    assert sched.next_send(10.034) is None
+    second = sched.next_send(10.036)
+    assert second is not None and second.offset == 40
+    assert sched.stats()["prefill_paced"] == 2
+
+
+def test_pacing_never_holds_a_decode_volume():
+    sched = paced()
+    sched.enqueue(prefill(), 10.0)
+    send_now(sched, 10.0)
+    d = sched.enqueue(decode("d"), 10.01)
+    assert send_now(sched, 10.01).vid == d
+
+
+def test_a_paced_chunk_is_sized_to_the_window_left_after_what_the_link_still_holds():
+    sched = paced(min_chunk_tokens=1)
+    sched.enqueue(prefill(), 10.0)
+    send_now(sched, 10.0)  # 40 tokens, carried by 10.04
+    sched.observe_decode_arrival("e", 10.036)  # another session, ready at 10.086
+    send = send_now(sched, 10.036)
+    # T_a = 10.05 - 10.036 = 14 ms, minus 4 ms still on the link: 10 ms -> 8 tokens at 0.8
+    assert send.tokens == 8  # without the 4 ms: 11
+
+
+def test_pacing_goes_by_its_own_model_and_the_in_flight_cap_stays_the_safety_net():
+    sched = paced(inflight_gain=2.0)
+    sched.update_link(DEST, min_rtt=0.03, in_flight=30_000 + 20_000)  # 20 ms beyond the pipe
+    sched.enqueue(prefill(), 10.0)
+    assert sched.backlog(DEST, 10.0) == 0.0  # nothing sent by this scheduler yet
+    assert sched.backlog(DEST) == pytest.approx(0.02)  # what acknowledgements alone say
+    assert send_now(sched, 10.0).phase == "prefill"  # 50 kB + 8 kB <= 60 kB
+    sched.update_link(DEST, in_flight=58_000)  # an estimate reading high shows up here
+    assert sched.next_send(10.04) is None and sched.holding and sched.hold_until is None
+
+
+def test_a_late_acknowledgement_catches_the_pacing_model_up_with_the_link():
+    sched = scheduler(pace_lead_s=0.005, ack_slack_s=0.02)
+    sched.update_link(DEST, min_rtt=0.01)
+    marks = []
+    for i in range(3):  # 60 kB at 10.0: the model has the link empty by 10.06
+        sched.enqueue(decode(f"d{i}", bytes_per_token=20_000), 10.0)
+        send_now(sched, 10.0)
+        marks.append(sched.bytes_sent_to(DEST))
+    assert marks == [20_000, 40_000, 60_000] and sched.backlog(DEST, 10.1) == 0.0
+    # the first 20 kB were read only now: the 40 kB after them had at most 30 ms to drain
+    sched.acked(DEST, marks[0], 10.1)
+    assert sched.backlog(DEST, 10.1) == pytest.approx(0.01)
+    assert sched.stats()["pace_corrections"] == 1
+    sched.acked(DEST, marks[1], 10.1)  # claims less than the model holds: no change
+    assert sched.backlog(DEST, 10.1) == pytest.approx(0.01)
+    assert sched.backlog(DEST, 10.105) == pytest.approx(0.005)  # and it drains on
+    plain = scheduler()
+    plain.enqueue(decode(bytes_per_token=20_000), 10.0)
+    send_now(plain, 10.0)
+    plain.acked(DEST, 0, 10.5)  # not pacing: acknowledgements only feed the cap
+    assert plain.stats()["pace_corrections"] == 0
+
+
+def test_pacing_needs_a_decode_session_to_protect_and_is_off_by_default():
+    sched = scheduler(pace_lead_s=0.005)
+    sched.enqueue(prefill(tokens=700), 0.0)
+    sched.enqueue(prefill("q", tokens=700), 0.0)
+    send_now(sched, 0.0)
+    assert send_now(sched, 0.0).tokens == 700  # nobody decodes: no hold, whole volumes
+    sched = scheduler()
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(), 10.0)
+    send_now(sched, 10.0)
+    assert send_now(sched, 10.0).phase == "prefill"
+
+
+def test_the_chunk_floor_follows_the_link_when_given_in_seconds():
+    sched = LinkScheduler(min_chunk_tokens=8, min_chunk_s=0.02)
+    sched.observe_compute("decode", 1, TD)
+    sched.observe_decode_arrival("d", 10.0)
+    volume = prefill(bytes_per_token=1152)
+    assert sched.floor_tokens(volume) == 8  # no bandwidth estimate yet
+    sched.update_link(DEST, bandwidth=125_000)  # 1 Mbps: 20 ms carries 2.2 tokens
+    assert sched.floor_tokens(volume) == 2
+    sched.enqueue(volume, 10.05)  # decode ready now: T_a = 0, the floor
+    assert send_now(sched, 10.05).tokens == 2
+    sched.update_link(DEST, bandwidth=2_500_000)  # 20 Mbps: 43 tokens, capped at 8
+    assert sched.floor_tokens(volume) == 8
+    sched.update_link(DEST, bandwidth=10_000)  # slower than a token per 20 ms: still 1
+    assert sched.floor_tokens(volume) == 1
+
+
+def test_pacing_and_floor_options_are_checked():
+    with pytest.raises(ValueError, match="pace_lead_s"):
+        LinkScheduler(pace_lead_s=-0.001)
+    with pytest.raises(ValueError, match="min_chunk_s"):
+        LinkScheduler(min_chunk_s=-1)
+
+
 # --- stats ------------------------------------------------------------------------------------
 
 
@@ -565,3 +677,19 @@ def test_sim_a_bandwidth_overestimate_costs_decode_delay_an_underestimate_only_c
     assert high_delay > 4 * true_delay  # chunks overrun the gap before the next decode step
     assert low_delay <= true_delay and low_chunks > 1.5 * true_chunks
     assert low_completion <= 1.01 * true_completion  # the link stays busy either way
+
+
+def test_sim_pacing_costs_nothing_on_a_true_estimate_but_idles_the_link_on_a_low_one():
+    def run(pace: float | None, believed: float) -> tuple[float, float]:
+        link = SimLink(SLOW.bandwidth, SLOW.latency, believed_bandwidth=believed)
+        result = simulate(LinkScheduler("molink", pace_lead_s=pace), link, [STEADY], LONG_PROMPTS)
+        return p99(result.decode_delays()), result.prefill_completion()
+
+    plain_delay, plain_completion = run(None, SLOW.bandwidth)
+    paced_delay, paced_completion = run(0.005, SLOW.bandwidth)
+    assert paced_completion == pytest.approx(plain_completion, rel=1e-3)
+    assert paced_delay == pytest.approx(plain_delay, abs=1e-3)
+    # pacing trusts the estimate: at half the truth the link idles while a prompt crosses
+    # (the last prompt finished at 23.7 s, then at 34.0 s)
+    _, slow_completion = run(0.005, 0.5 * SLOW.bandwidth)
+    assert slow_completion > 1.3 * plain_completion

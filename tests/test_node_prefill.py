@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from swarm.node.server import _take_tokens
+from swarm.node.server import _take_tokens, gather_wait
 from swarm.protocol import PREFILL, Step
 
 
@@ -41,3 +42,17 @@ def test_pieces_of_another_phase_wait_for_their_own_pass():
     assert positions(_take_tokens(pending, 64)) == list(range(10))
     assert positions(_take_tokens(pending, 64)) == list(range(12, 17))
     assert pending == []
+
+
+def test_a_pass_of_a_few_tokens_waits_a_little_for_more():
+    pending = [piece(0, 3, 500), piece(3, 3, 500)]
+    assert gather_wait(pending, since=10.0, now=10.03, min_tokens=16, gather_s=0.1) == (
+        pytest.approx(0.07)
+    )
+    assert gather_wait(pending, since=10.0, now=10.2, min_tokens=16, gather_s=0.1) == 0.0
+
+
+def test_a_pass_goes_at_once_with_enough_tokens_or_the_prompts_end():
+    assert gather_wait([piece(0, 16, 500)], 10.0, 10.0, 16, 0.1) == 0.0
+    assert gather_wait([piece(490, 10, 500)], 10.0, 10.0, 16, 0.1) == 0.0  # nothing more comes
+    assert gather_wait([], 10.0, 10.0, 16, 0.1) == 0.0

@@ -10,7 +10,8 @@ import sys
 import pytest
 import trio
 
-from swarm.link.relay import LinkShape, Relay, ShapedLink
+from swarm.link.relay import FrameScanner, LinkShape, Relay, ShapedLink
+from swarm.wire import encode_frame
 
 MBPS = 1e6
 DELAY = 0.015
@@ -46,6 +47,18 @@ def test_the_link_predicts_when_room_frees():
     link.advance(when)
     assert link.room() >= 3000
     assert link.when_room(20_000) == float("inf")  # more than the whole buffer
+
+
+def test_the_link_tells_when_it_will_have_sent_all_it_holds():
+    link = ShapedLink(LinkShape(8 * MBPS, 0.010, BUFFER))  # 1 byte per microsecond
+    assert link.drained_at() == float("-inf")
+    link.send(0.0, "a", b"x" * 5000)
+    link.send(0.020, "b", b"y" * 2000)  # the link idled from 5 to 20 ms
+    assert link.drained_at() == pytest.approx(0.022)
+    link.advance(0.021)  # delivering does not change it
+    assert link.drained_at() == pytest.approx(0.022)
+    link.advance(0.1)
+    assert link.drained_at() == float("-inf")
 
 
 def test_pieces_keep_their_order_across_flows_and_a_shrinking_delay():
@@ -90,6 +103,22 @@ def test_an_unlimited_link_only_delays():
     link = ShapedLink(LinkShape(None, 0.010, BUFFER))
     link.send(0.0, "a", b"x" * 50_000)
     assert b"".join(data for _, data in link.advance(0.010)) == b"x" * 50_000
+
+
+def test_the_frame_scanner_finds_frames_split_anywhere_across_reads():
+    stream = b"".join(encode_frame({"n": i, "pad": b"x" * (10 * i)}) for i in range(6))
+    sizes = [len(encode_frame({"n": i, "pad": b"x" * (10 * i)})) for i in range(6)]
+    for cut in (1, 2, 3, 5, 7, 64, len(stream)):
+        scanner, found, base = FrameScanner(), [], 0
+        for i in range(0, len(stream), cut):
+            found += [(base + off, size) for off, size in scanner.feed(stream[i : i + cut])]
+            base += len(stream[i : i + cut])
+        assert [size for _, size in found] == sizes
+        starts = [sum(sizes[:i]) for i in range(6)]
+        # a prefix split across reads counts from the start of the read that completes it
+        assert all(s <= at < s + 4 for (at, _), s in zip(found, starts))
+        if cut == len(stream):
+            assert [at for at, _ in found] == starts
 
 
 # --- through real sockets ---------------------------------------------------------------------
@@ -221,6 +250,21 @@ async def test_a_small_message_waits_behind_a_large_one_in_the_bottleneck(nurser
         waits.append(target.time_of_byte(large + small) - sent)
     expected = DELAY + (large + small) * 8 / rate  # 15 ms + 105 ms in the queue
     assert statistics.median(waits) == pytest.approx(expected, rel=0.10)
+
+
+async def test_the_relay_notes_how_long_each_frame_waits_in_the_bottleneck(nursery):
+    rate = 8 * MBPS  # 1 byte per microsecond
+    target = await start_target(nursery, echo=False)
+    relay, port = await start_relay(nursery, target, LinkShape(rate, DELAY, BUFFER))
+    frames = relay.measure_frames()
+    big, small = encode_frame({"pad": b"x" * 40_000}), encode_frame({"pad": b"y" * 100})
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(big + small)
+        await drained(target, len(big) + len(small))
+    assert [size for _, size, _ in frames] == [len(big), len(small)]
+    first, second = frames[0][2], frames[1][2]
+    assert first < 0.005  # the link was idle
+    assert second == pytest.approx(len(big) / 1e6, abs=0.006)  # behind the 40 kB frame
 
 
 async def test_a_rate_change_mid_run_is_followed(nursery):

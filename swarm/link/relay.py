@@ -187,6 +187,16 @@ class ShapedLink:
                 return t
         return math.inf
 
+    def drained_at(self) -> float:
+        """When the bottleneck will have sent all it holds, if nothing more is sent."""
+        t = -math.inf
+        for i, piece in enumerate(self._queue):
+            if i == 0:
+                t = self._head_finish()
+            else:
+                t = max(t, piece.enqueued) + self.shape.serialization_s(piece.size)
+        return t
+
     def _head_finish(self) -> float:
         if self._head_done is None:
             head = self._queue[0]
@@ -223,6 +233,36 @@ class _Signal:
         return False
 
 
+class FrameScanner:
+    """Finds where frames start in one flow's bytes: swarm.wire's 4-byte big-endian length
+    prefix, then that many bytes. Only for measuring; the relay forwards any bytes."""
+
+    def __init__(self) -> None:
+        self._need = 0  # body bytes of the current frame still to come
+        self._prefix = b""  # a prefix split across reads
+
+    def feed(self, data: bytes) -> list[tuple[int, int]]:
+        """(offset in `data` where a frame's prefix began, 0 if in an earlier read; the frame's
+        size with its prefix) for each frame whose prefix completes in `data`."""
+        out = []
+        pos = 0
+        while pos < len(data):
+            if self._need:
+                take = min(self._need, len(data) - pos)
+                pos += take
+                self._need -= take
+                continue
+            start = max(0, pos - len(self._prefix))
+            take = min(4 - len(self._prefix), len(data) - pos)
+            self._prefix += data[pos : pos + take]
+            pos += take
+            if len(self._prefix) == 4:
+                (self._need,) = struct.unpack(">I", self._prefix)
+                self._prefix = b""
+                out.append((start, self._need + 4))
+        return out
+
+
 class _Direction:
     def __init__(self, shape: LinkShape):
         self.link = ShapedLink(shape)
@@ -230,6 +270,12 @@ class _Direction:
         self.room = _Signal()  # bottleneck room or a flow's window opened
         self.readers_waiting = 0
         self.slack = INITIAL_TIMER_SLACK_S
+        # when measuring: (monotonic time, frame size, seconds its first byte waits to go)
+        self.frame_waits: deque[tuple[float, int, float]] | None = None
+
+    def queue_delay(self) -> float:
+        now = trio.current_time()
+        return max(0.0, self.link.drained_at() - now)
 
     async def drive(self) -> None:
         while True:
@@ -258,6 +304,7 @@ class _Flow:
         self.dead = False  # the receiver is gone; drop what still arrives
         self.inside = 0  # bytes read from the sender and not yet written to the receiver
         self.ready = _Signal()
+        self.scanner: FrameScanner | None = None  # when measuring frame waits
 
     def deliver(self, data: bytes | None) -> None:
         if self.dead:
@@ -295,6 +342,17 @@ class Relay:
     @property
     def down(self) -> LinkShape:
         return self._down.link.shape
+
+    def measure_frames(self) -> deque[tuple[float, int, float]]:
+        """From now on, note each frame from peers to the target as its first byte comes in:
+        (monotonic time, size with prefix, seconds it waits in the up bottleneck). The caller
+        empties the returned deque."""
+        self._up.frame_waits = deque()
+        return self._up.frame_waits
+
+    def queue_delays(self) -> tuple[float, float]:
+        """Seconds a byte sent now would wait in the up and the down bottleneck buffer."""
+        return self._up.queue_delay(), self._down.queue_delay()
 
     def set_shape(self, up: LinkShape | None = None, down: LinkShape | None = None) -> None:
         """Change either direction's shape from now on. Call from the relay's trio run."""
@@ -389,6 +447,8 @@ async def _pump_in(src: trio.SocketStream, flow: _Flow, d: _Direction) -> None:
             if not data:
                 return
             flow.inside += len(data)
+            if d.frame_waits is not None:
+                _note_frames(d, flow, data, arrived)
             idle = link.queued_bytes == 0
             link.send(arrived, flow, data)
             if idle:  # behind other pieces, it changes none of the driver's deadlines
@@ -396,6 +456,14 @@ async def _pump_in(src: trio.SocketStream, flow: _Flow, d: _Direction) -> None:
     finally:
         link.close(trio.current_time(), flow)
         d.wake_driver.fire()
+
+
+def _note_frames(d: _Direction, flow: _Flow, data: bytes, arrived: float) -> None:
+    flow.scanner = flow.scanner or FrameScanner()
+    ahead = max(0.0, d.link.drained_at() - arrived)
+    for offset, size in flow.scanner.feed(data):
+        wait = ahead + d.link.shape.serialization_s(offset)
+        d.frame_waits.append((time.monotonic(), size, wait))
 
 
 async def _pump_out(dst: trio.SocketStream, flow: _Flow, d: _Direction) -> None:
@@ -472,6 +540,18 @@ async def run_relay(
     await relay.serve(listen_host, listen_port, task_status=task_status)
 
 
+async def _log_queues(relay: Relay, path: str, every_s: float = 0.01) -> None:
+    frames = relay.measure_frames()
+    with open(path, "a", buffering=1) as out:  # lines: a killed relay loses none
+        while True:
+            up, down = relay.queue_delays()
+            out.write(f"{time.monotonic():.4f} {up:.4f} {down:.4f}\n")
+            while frames:
+                t, size, wait = frames.popleft()
+                out.write(f"f {t:.4f} {size} {wait:.4f}\n")
+            await trio.sleep(every_s)
+
+
 def _host_port(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
@@ -497,6 +577,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
             default=None,
             help=f"the same for target -> peers (default: --{name})",
         )
+    p.add_argument(
+        "--queue-log",
+        default=None,
+        help="append 'MONOTONIC_S UP_QUEUE_S DOWN_QUEUE_S' lines here every 10 ms (how long a"
+        " byte sent then waits in each bottleneck buffer) and 'f MONOTONIC_S SIZE WAIT_S' for"
+        " each frame peers send (swarm.wire framing): for benchmarks",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -518,13 +605,14 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(
-                run_relay, a.listen[0], a.listen[1], a.target[0], a.target[1], up, down
-            )
+            relay = Relay(a.target[0], a.target[1], up, down)
+            port = await nursery.start(relay.serve, a.listen[0], a.listen[1])
             print(
                 f"relay {a.listen[0]}:{port} -> {a.target[0]}:{a.target[1]}  up {up}  down {down}",
                 flush=True,
             )
+            if a.queue_log:
+                nursery.start_soon(_log_queues, relay, a.queue_log)
 
     try:
         trio.run(run)

@@ -29,6 +29,15 @@ the same reason.) Without a bandwidth or RTT estimate there is no cap. This obje
 gain 0 (no cap); a node asks for gain 2 (`--link-inflight-gain`), which needs a bandwidth
 estimate that does not read low: the next hop's arrival spreads give it one.
 
+Acknowledgements are coarse, though: a frame is acknowledged a round trip after its last byte,
+so the cap must allow a few chunks to keep the link busy, and a decode volume waits behind them.
+Pacing (`pace_lead_s`) keeps the bottleneck nearly empty instead: the scheduler counts what it
+has sent to each connection and drains that at the estimated bandwidth, and the next chunk goes
+only when less than `pace_lead_s` of it is left. The link stays busy, and a decode volume waits
+at most one chunk and the lead. The chunk floor can then shrink with the link (`min_chunk_s`):
+on a slow link a chunk of 8 tokens is itself a long wait for a decode volume behind it. The cap
+stays as the safety net for a bandwidth estimate that reads high.
+
 Policy "fifo" sends whole volumes in arrival order: what concurrent socket sends amount to.
 
 Both keep each session's bytes in order: a volume is eligible only once every earlier volume of
@@ -134,6 +143,9 @@ class _Link:
     min_rtt: float | None = None
     bandwidth: float | None = None
     in_flight: int = 0  # bytes sent and not yet acknowledged by the next hop
+    unsent: float = 0.0  # bytes sent that the link has not carried yet, by the bandwidth estimate
+    unsent_at: float = 0.0  # when `unsent` was last brought up to date
+    sent_total: int = 0  # bytes handed to the transport for this connection, ever
 
     @property
     def base_rtt(self) -> float | None:
@@ -153,6 +165,13 @@ class LinkScheduler:
     inflight_gain: prefill chunks wait while a connection has more than this many bandwidth x
         min RTT unacknowledged (0, the default here: never wait).
     inflight_floor_chunks: ... but a connection may always hold this many floor-sized chunks.
+    pace_lead_s: pace prefill chunks: one goes only when the bytes already sent to its
+        connection would be carried, at the estimated bandwidth, within this many seconds
+        (None, the default here: no pacing).
+    ack_slack_s: pacing: how late an acknowledgement may come (the next hop's reading, the
+        way back) before it shows the link holding more than the pacing model says.
+    min_chunk_s: with a bandwidth estimate, the chunk floor is the tokens the link carries in
+        this long, between 1 and min_chunk_tokens (0, the default here: min_chunk_tokens).
     """
 
     def __init__(
@@ -168,6 +187,9 @@ class LinkScheduler:
         delay_samples: int = 1024,
         inflight_gain: float = 0.0,
         inflight_floor_chunks: int = 3,
+        pace_lead_s: float | None = None,
+        ack_slack_s: float = 0.02,
+        min_chunk_s: float = 0.0,
     ):
         if policy not in POLICIES:
             raise ValueError(f"unknown link policy {policy!r}; choose from {POLICIES}")
@@ -182,7 +204,14 @@ class LinkScheduler:
                 f"need inflight_gain >= 0 and inflight_floor_chunks >= 1, got {inflight_gain}"
                 f" and {inflight_floor_chunks}"
             )
+        if pace_lead_s is not None and pace_lead_s < 0:
+            raise ValueError(f"pace_lead_s must be >= 0 or None, got {pace_lead_s}")
+        if min_chunk_s < 0:
+            raise ValueError(f"min_chunk_s must be >= 0, got {min_chunk_s}")
         self.policy = policy
+        self.pace_lead_s = pace_lead_s
+        self.ack_slack_s = ack_slack_s
+        self.min_chunk_s = min_chunk_s
         self.inflight_gain = inflight_gain
         self.inflight_floor_chunks = inflight_floor_chunks
         self.max_wait = max_wait
@@ -198,7 +227,8 @@ class LinkScheduler:
         self._links: dict[str, _Link] = {}
         self._compute: dict[str, float] = {}  # phase -> EWMA seconds per step
         self._w = 0
-        self.holding = False  # the last next_send held a prefill back for acknowledgements
+        self.holding = False  # the last next_send held a prefill back (acknowledgements, pacing)
+        self.hold_until: float | None = None  # ... and when pacing lets it go, if it knows
         self._last_window: Window | None = None
         self._decode_delays: deque[float] = deque(maxlen=delay_samples)
         self._counts = {
@@ -209,6 +239,8 @@ class LinkScheduler:
             "w_resets": 0,
             "prefill_whole_idle": 0,
             "prefill_held": 0,
+            "prefill_paced": 0,
+            "pace_corrections": 0,
             "bytes_sent_decode": 0,
             "bytes_sent_prefill": 0,
         }
@@ -240,6 +272,7 @@ class LinkScheduler:
         """Decide the next send on the uplink, or None if nothing may go now (`holding` tells
         whether something waits for acknowledgements)."""
         self.holding = False
+        self.hold_until = None
         decode = self._first_eligible(DECODE)
         prefill = self._first_eligible(PREFILL)
         if self.policy == "fifo":
@@ -259,6 +292,12 @@ class LinkScheduler:
                 self.holding = True
                 self._counts["prefill_held"] += 1
                 return None
+            wait = self._pace_wait(prefill.volume.dest, now)
+            if wait > 0:
+                self.holding = True
+                self.hold_until = now + wait
+                self._counts["prefill_paced"] += 1
+                return None
             tokens = self._chunk_tokens(prefill, now)
         self._w = 0
         return self._hand_out(prefill, tokens, now)
@@ -267,8 +306,36 @@ class LinkScheduler:
         """The driver finished writing `send` (started and finished on the same clock as now)."""
         self._counts["sends"] += 1
         self._counts[f"bytes_sent_{send.phase}"] += send.nbytes
+        link = self._links.setdefault(send.dest, _Link())
+        link.sent_total += send.nbytes
+        bandwidth = self._bandwidth(send.dest)
+        if bandwidth is not None:
+            link.unsent = self._unsent(link, bandwidth, started) + send.nbytes
+            link.unsent_at = max(started, link.unsent_at)
         if send.phase == DECODE and send.last and send.session in self._tracks:
             self._tracks[send.session].last_sent = finished
+
+    def bytes_sent_to(self, dest: str) -> int:
+        """Bytes of all sends to `dest` reported through `sent`: a mark for `acked`."""
+        link = self._links.get(dest)
+        return link.sent_total if link is not None else 0
+
+    def acked(self, dest: str, through: int, now: float) -> None:
+        """The next hop on `dest` has read the sends up to the mark `through` (bytes_sent_to).
+
+        The last of those left the bottleneck about a min RTT ago, so what was sent after them
+        has had at most that long (and ack_slack_s) to drain. When pacing, that bounds what the
+        link still holds from below: an estimate reading high makes the model drain too fast, and
+        this catches it up."""
+        link = self._links.get(dest)
+        bandwidth = self._bandwidth(dest)
+        if self.pace_lead_s is None or link is None or bandwidth is None:
+            return
+        window = (link.base_rtt or 0.0) + self.ack_slack_s
+        behind = link.sent_total - through - bandwidth * window
+        if behind > self._unsent(link, bandwidth, now):
+            link.unsent, link.unsent_at = behind, now
+            self._counts["pace_corrections"] += 1
 
     def observe_decode_arrival(self, session: str, now: float) -> None:
         """A decode step for `session` arrived at this node and will be computed."""
@@ -365,20 +432,46 @@ class LinkScheduler:
             return left
         bandwidth = self._bandwidth(volume.dest)
         tokens = 0
-        t_a = window.t_a - self.backlog(volume.dest)
+        t_a = window.t_a - self.backlog(volume.dest, now)
         if bandwidth is not None and t_a > 0:
             # the epsilon keeps 24.0 from flooring to 23 after float rounding
             fit = self.margin * bandwidth * t_a / volume.bytes_per_token
             tokens = math.floor(fit + 1e-9)
-        return min(left, max(self.min_chunk_tokens, tokens))
+        return min(left, max(self.floor_tokens(volume), tokens))
 
-    def backlog(self, dest: str) -> float:
-        """Seconds of sent bytes queued ahead of a send to `dest` now (0 if unknown)."""
+    def floor_tokens(self, volume: Volume) -> int:
+        """The smallest chunk of `volume`: min_chunk_tokens, or the tokens its link carries in
+        min_chunk_s if fewer (at least 1)."""
+        bandwidth = self._bandwidth(volume.dest)
+        if self.min_chunk_s == 0 or bandwidth is None:
+            return self.min_chunk_tokens
+        fit = math.floor(bandwidth * self.min_chunk_s / volume.bytes_per_token + 1e-9)
+        return max(1, min(self.min_chunk_tokens, fit))
+
+    def backlog(self, dest: str, now: float | None = None) -> float:
+        """Seconds of sent bytes queued ahead of a send to `dest` now (0 if unknown).
+
+        When pacing (and given `now`): what this node sent that the link has not carried yet, at
+        the estimated bandwidth. Otherwise from acknowledgements: what is unacknowledged beyond
+        bandwidth x min RTT. That reads high by up to a frame, as a frame is acknowledged only
+        once all of it has arrived: fine for sizing a chunk, but pacing on it would leave the
+        link idle for a round trip after every chunk."""
         link = self._links.get(dest)
         bandwidth = self._bandwidth(dest)
-        if link is None or not link.in_flight or bandwidth is None:
+        if link is None or bandwidth is None:
             return 0.0
+        if self.pace_lead_s is not None and now is not None:
+            return self._unsent(link, bandwidth, now) / bandwidth
         return max(0.0, link.in_flight / bandwidth - (link.base_rtt or 0.0))
+
+    def _unsent(self, link: _Link, bandwidth: float, now: float) -> float:
+        return max(0.0, link.unsent - bandwidth * max(0.0, now - link.unsent_at))
+
+    def _pace_wait(self, dest: str, now: float) -> float:
+        """Seconds a prefill chunk to `dest` should wait for the link to carry what it has."""
+        if self.pace_lead_s is None or self.available_time(now) is None:
+            return 0.0  # not pacing, or no decode session to protect
+        return self.backlog(dest, now) - self.pace_lead_s
 
     def _must_hold(self, prefill: _Queued, now: float) -> bool:
         """Whether the connection already holds enough unacknowledged bytes to wait for some."""
@@ -414,6 +507,8 @@ class LinkScheduler:
             "w_resets": float(c["w_resets"]),
             "prefill_whole_idle": float(c["prefill_whole_idle"]),
             "prefill_held": float(c["prefill_held"]),
+            "prefill_paced": float(c["prefill_paced"]),
+            "pace_corrections": float(c["pace_corrections"]),
             "in_flight_bytes": float(sum(lk.in_flight for lk in self._links.values())),
             "bytes_sent_decode": float(c["bytes_sent_decode"]),
             "bytes_sent_prefill": float(c["bytes_sent_prefill"]),

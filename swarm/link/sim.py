@@ -167,6 +167,8 @@ def simulate(
                 trace.sends += 1
                 wire.append((now, send))
                 at(now + send.nbytes / link.bandwidth, free)
+            elif scheduler.hold_until is not None:  # pacing: look again when it says
+                at(max(scheduler.hold_until, now + 1e-6), lambda now: None)
     result.volumes = sorted(traces.values(), key=lambda v: v.vid)
     result.end = now
     return result

@@ -1,0 +1,39 @@
+"""The node's command line: link options reach the scheduler as the README says."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.link.scheduler import LinkScheduler
+from swarm.node.config import parse_args, scheduler_options
+
+
+def test_the_link_defaults_are_the_capped_molink_without_pacing():
+    config = parse_args(["--layers", "0:10"])
+    options = scheduler_options(config)
+    assert config.link_policy == "molink"
+    assert options == {
+        "max_wait": 30,
+        "inflight_gain": 2.0,
+        "inflight_floor_chunks": 3,
+        "pace_lead_s": None,
+        "min_chunk_s": 0.0,
+    }
+    sched = LinkScheduler(config.link_policy, **options)
+    assert sched.pace_lead_s is None and sched.inflight_gain == 2.0
+
+
+def test_pacing_and_a_timed_chunk_floor_are_asked_for_in_milliseconds():
+    argv = ["--layers", "0:10", "--link-pacing", "--link-pace-lead-ms", "15"]
+    options = scheduler_options(parse_args([*argv, "--link-min-chunk-ms", "40"]))
+    assert options["pace_lead_s"] == pytest.approx(0.015)
+    assert options["min_chunk_s"] == pytest.approx(0.04)
+    off = scheduler_options(parse_args([*argv, "--no-link-pacing"]))
+    assert off["pace_lead_s"] is None
+
+
+@pytest.mark.parametrize("bad", [["--link-pace-lead-ms", "-1"], ["--link-min-chunk-ms", "nan"]])
+def test_negative_or_unreadable_milliseconds_are_refused(bad, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--layers", "0:10", *bad])
+    assert "must be a number >= 0" in capsys.readouterr().err
