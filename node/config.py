@@ -32,7 +32,7 @@ class NodeConfig:
     link_policy: str = "molink"
     link_max_wait: int = 30
     prefill_pass_tokens: int = 64
-    prefill_min_pass_tokens: int = 16
+    prefill_min_pass_tokens: int = 1
     prefill_gather_s: float = 0.1
     compute_lanes: int = 2
     prefill_nice: int = 10
@@ -219,9 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-min-pass-tokens",
         type=_positive_int,
-        default=16,
+        default=1,
         help="a prompt pass waits (up to --prefill-gather-ms) for this many tokens to arrive,"
-        " unless the prompt's end has: each pass has a fixed cost",
+        " unless the prompt's end has: each pass has a fixed cost (1: never waits)",
     )
     p.add_argument(
         "--prefill-gather-ms",

@@ -31,7 +31,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(params=["molink", "fifo"])
+# the opt-in pacing, timed chunk floor and gathered prompt passes must not change tokens either
+PACED = ("--link-pacing", "--link-min-chunk-ms", "20", "--prefill-min-pass-tokens", "16")
+VARIANTS = {"molink": (), "fifo": (), "paced": PACED}
+
+
+@pytest.fixture(params=list(VARIANTS))
 def shaped_swarm(request, tiny_model_dir):
     policy = request.param
     port, public = free_port(), free_port()
@@ -54,7 +59,8 @@ def shaped_swarm(request, tiny_model_dir):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    common = ["--wire-dtype", "float32", "--announce-ttl", "3", "--link-policy", policy]
+    common = ["--wire-dtype", "float32", "--announce-ttl", "3"]
+    common += ["--link-policy", "fifo" if policy == "fifo" else "molink", *VARIANTS[policy]]
     nodes = [start_node((0, 3), model=str(tiny_model_dir), extra=common)]
     try:
         nodes[0].wait_serving()
@@ -116,10 +122,12 @@ def test_tokens_through_a_slow_link_match_the_unsplit_model(
     shown = ("chunks_sent", "chunk_tokens_mean", "prefill_held", "bandwidth_Bps", "rtt_s")
     print(policy, {k: round(link.get(k, 0.0), 4) for k in shown})  # with -s: the figures
     assert link["bytes_sent_prefill"] >= len(long) * 64 * 4, link
-    if policy == "molink":
+    if policy == "fifo":
+        assert link["chunks_sent"] == 0, link
+    else:
         # the prompt went in several chunks, each fewer tokens than a client step carries
         assert link["chunks_sent"] >= 3, link
         assert 0 < link["chunk_tokens_mean"] < 256, link
-    else:
-        assert link["chunks_sent"] == 0, link
+    if policy == "paced":
+        assert link["prefill_paced"] > 0, link
     assert link["bandwidth_Bps"] == pytest.approx(RATE_MBPS * 1e6 / 8, rel=0.25), link

@@ -21,6 +21,7 @@ def test_the_link_defaults_are_the_capped_molink_without_pacing():
     }
     sched = LinkScheduler(config.link_policy, **options)
     assert sched.pace_lead_s is None and sched.inflight_gain == 2.0
+    assert config.prefill_min_pass_tokens == 1  # prompt passes never wait for more pieces
 
 
 def test_pacing_and_a_timed_chunk_floor_are_asked_for_in_milliseconds():
