@@ -117,17 +117,19 @@ class Uplink:
             return False
         waiting = self._acks.get(dest)
         est = self.estimator(dest)
+        acked = None  # the scheduler's mark after the acknowledged frame
         while waiting:
             n, frame, mark = waiting.popleft()
             if n == nonce:
                 est.on_acked(frame, self.now())
                 if rx_bytes > 0 and rx_s > 0:
                     est.on_arrival(rx_bytes, rx_s, self.now())
-                self._push_estimate(dest, est)
-                self.scheduler.acked(dest, mark, self.now())
+                acked = mark
                 break
             est.on_ack_lost(frame)  # pongs come in order: an earlier one will not come now
         self._push_estimate(dest, est)
+        if acked is not None:
+            self.scheduler.acked(dest, acked, self.now())
         self._wake.set()  # a prefill held back for acknowledgements may go now
         return True
 

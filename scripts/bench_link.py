@@ -14,9 +14,10 @@ Variants (by default the two link policies) alternate round by round (molink, fi
 molink, ...) and replay the same arrival times and lengths, so they see the same load. Prints, per
 link rate and variant: TTFT, TPOT and end-to-end latency of the trace requests (mean, p50, p99);
 the steady sessions' decode step latency while some prefill is in flight (between a request's
-start and its first token) and while none is; the nodes' own figures from their DHT records, and
-each hop's bottleneck queue (the relay's time-sampled wait) with and without prefill in flight; then
-the first variant's figures over each other's.
+start and its first token) and while none is; the nodes' own figures from their DHT records, each
+hop's bottleneck wait (the relay's 10 ms samples and its decode frames) and each node's decode
+step time (its step log), with and without prefill in flight; then the first variant's figures
+over each other's.
 
     .venv/bin/python scripts/bench_link.py                      # 5 and 20 Mbps, 2 rounds each
     .venv/bin/python scripts/bench_link.py --rates 5 --rounds 1 --duration 60
@@ -350,34 +351,37 @@ def split_by_prefill(rnd: Round, timed: list[tuple[float, float]]):
     return busy, quiet
 
 
-def node_step_split(rounds: list[Round], node: int, column: int):
-    """A node's decode steps, prefill in flight and not: column 1 time in the node, 2 compute."""
+def split_rounds(rounds: list[Round], timed_of) -> tuple[list[float], list[float]]:
+    """split_by_prefill over rounds; `timed_of(rnd)` gives a round's (time, value) pairs."""
     busy, quiet = [], []
     for rnd in rounds:
-        if node < len(rnd.node_steps):
-            b, q = split_by_prefill(rnd, [(r[0], r[column]) for r in rnd.node_steps[node]])
-            busy += b
-            quiet += q
+        b, q = split_by_prefill(rnd, timed_of(rnd))
+        busy += b
+        quiet += q
     return busy, quiet
+
+
+def node_step_split(rounds: list[Round], node: int, column: int):
+    """A node's decode steps, prefill in flight and not: column 1 time in the node, 2 compute."""
+
+    def timed(rnd: Round):
+        steps = rnd.node_steps[node] if node < len(rnd.node_steps) else []
+        return [(r[0], r[column]) for r in steps]
+
+    return split_rounds(rounds, timed)
 
 
 def queue_split(rounds: list[Round], hop: int, decode_frames: bool = False):
     """A hop's bottleneck wait while some prefill was in flight and while none was: sampled
     every 10 ms, or as each decode frame (one token's activations) met it."""
-    busy, quiet = [], []
-    for rnd in rounds:
+    low, high = DECODE_FRAME_BYTES
+
+    def timed(rnd: Round):
         series = rnd.frames if decode_frames else rnd.queues
-        if hop >= len(series):
-            continue
-        timed = [
-            (t, rest[-1])
-            for t, *rest in series[hop]
-            if not decode_frames or DECODE_FRAME_BYTES[0] <= rest[0] < DECODE_FRAME_BYTES[1]
-        ]
-        b, q = split_by_prefill(rnd, timed)
-        busy += b
-        quiet += q
-    return busy, quiet
+        rows = series[hop] if hop < len(series) else []
+        return [(t, r[-1]) for t, *r in rows if not decode_frames or low <= r[0] < high]
+
+    return split_rounds(rounds, timed)
 
 
 def figures(rounds: list[Round]) -> dict[str, tuple[float, float, float]]:

@@ -16,7 +16,7 @@ import torch
 from swarm.errors import FrameTooLarge, ProtocolError, ShapeMismatch
 
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
-_PREFIX = struct.Struct(">I")
+FRAME_PREFIX = struct.Struct(">I")  # a frame: its body's length, then the body
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -28,7 +28,7 @@ _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 def encode_frame(message: dict[str, Any]) -> bytes:
     body = msgpack.packb(message, use_bin_type=True)
-    return _PREFIX.pack(len(body)) + body
+    return FRAME_PREFIX.pack(len(body)) + body
 
 
 class FrameDecoder:
@@ -45,23 +45,23 @@ class FrameDecoder:
 
     def feed(self, data: bytes) -> None:
         self._buffer += data
-        if len(self._buffer) >= _PREFIX.size:
-            (length,) = _PREFIX.unpack_from(self._buffer)
+        if len(self._buffer) >= FRAME_PREFIX.size:
+            (length,) = FRAME_PREFIX.unpack_from(self._buffer)
             if length > self.max_frame:
                 raise FrameTooLarge(
                     f"frame of {length} bytes exceeds the limit of {self.max_frame} bytes"
                 )
 
     def next_message(self) -> dict[str, Any] | None:
-        if len(self._buffer) < _PREFIX.size:
+        if len(self._buffer) < FRAME_PREFIX.size:
             return None
-        (length,) = _PREFIX.unpack_from(self._buffer)
+        (length,) = FRAME_PREFIX.unpack_from(self._buffer)
         if length > self.max_frame:
             raise FrameTooLarge(f"frame of {length} bytes exceeds the limit of {self.max_frame}")
-        end = _PREFIX.size + length
+        end = FRAME_PREFIX.size + length
         if len(self._buffer) < end:
             return None
-        body = bytes(self._buffer[_PREFIX.size : end])
+        body = bytes(self._buffer[FRAME_PREFIX.size : end])
         del self._buffer[:end]
         self.last_frame_bytes = end
         try:

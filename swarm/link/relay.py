@@ -22,10 +22,12 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import trio
+
+from swarm.wire import FRAME_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -176,12 +178,8 @@ class ShapedLink:
         need = nbytes - self.room()
         if need <= 0:
             return -math.inf
-        t = freed = 0
-        for i, piece in enumerate(self._queue):
-            if i == 0:
-                t = self._head_finish()
-            else:
-                t = max(t, piece.enqueued) + self.shape.serialization_s(piece.size)
+        freed = 0
+        for t, piece in self._finish_times():
             freed += piece.size
             if freed >= need:
                 return t
@@ -189,13 +187,18 @@ class ShapedLink:
 
     def drained_at(self) -> float:
         """When the bottleneck will have sent all it holds, if nothing more is sent."""
-        t = -math.inf
+        return max((t for t, _ in self._finish_times()), default=-math.inf)
+
+    def _finish_times(self) -> Iterator[tuple[float, _Piece]]:
+        """When each queued piece will have left the bottleneck, in order, if nothing more is
+        sent."""
+        t = 0.0
         for i, piece in enumerate(self._queue):
             if i == 0:
                 t = self._head_finish()
             else:
                 t = max(t, piece.enqueued) + self.shape.serialization_s(piece.size)
-        return t
+            yield t, piece
 
     def _head_finish(self) -> float:
         if self._head_done is None:
@@ -234,8 +237,8 @@ class _Signal:
 
 
 class FrameScanner:
-    """Finds where frames start in one flow's bytes: swarm.wire's 4-byte big-endian length
-    prefix, then that many bytes. Only for measuring; the relay forwards any bytes."""
+    """Finds where frames start in one flow's bytes: swarm.wire's length prefix, then that many
+    bytes. Only for measuring; the relay forwards any bytes."""
 
     def __init__(self) -> None:
         self._need = 0  # body bytes of the current frame still to come
@@ -253,13 +256,13 @@ class FrameScanner:
                 self._need -= take
                 continue
             start = max(0, pos - len(self._prefix))
-            take = min(4 - len(self._prefix), len(data) - pos)
+            take = min(FRAME_PREFIX.size - len(self._prefix), len(data) - pos)
             self._prefix += data[pos : pos + take]
             pos += take
-            if len(self._prefix) == 4:
-                (self._need,) = struct.unpack(">I", self._prefix)
+            if len(self._prefix) == FRAME_PREFIX.size:
+                (self._need,) = FRAME_PREFIX.unpack(self._prefix)
                 self._prefix = b""
-                out.append((start, self._need + 4))
+                out.append((start, self._need + FRAME_PREFIX.size))
         return out
 
 

@@ -434,9 +434,7 @@ class LinkScheduler:
         tokens = 0
         t_a = window.t_a - self.backlog(volume.dest, now)
         if bandwidth is not None and t_a > 0:
-            # the epsilon keeps 24.0 from flooring to 23 after float rounding
-            fit = self.margin * bandwidth * t_a / volume.bytes_per_token
-            tokens = math.floor(fit + 1e-9)
+            tokens = _whole_tokens(self.margin * bandwidth * t_a, volume.bytes_per_token)
         return min(left, max(self.floor_tokens(volume), tokens))
 
     def floor_tokens(self, volume: Volume) -> int:
@@ -445,7 +443,7 @@ class LinkScheduler:
         bandwidth = self._bandwidth(volume.dest)
         if self.min_chunk_s == 0 or bandwidth is None:
             return self.min_chunk_tokens
-        fit = math.floor(bandwidth * self.min_chunk_s / volume.bytes_per_token + 1e-9)
+        fit = _whole_tokens(bandwidth * self.min_chunk_s, volume.bytes_per_token)
         return max(1, min(self.min_chunk_tokens, fit))
 
     def backlog(self, dest: str, now: float | None = None) -> float:
@@ -590,6 +588,11 @@ class LinkScheduler:
             if not chain:
                 del self._chains[v.session]
         return send
+
+
+def _whole_tokens(nbytes: float, bytes_per_token: int) -> int:
+    """Whole tokens in `nbytes`; the epsilon keeps 24.0 from flooring to 23 after rounding."""
+    return math.floor(nbytes / bytes_per_token + 1e-9)
 
 
 def _percentile(sorted_values: list[float], p: float) -> float:
