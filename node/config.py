@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from swarm.link.scheduler import PREFILL_ORDERS
 from swarm.wire import DEFAULT_MAX_FRAME, WIRE_DTYPES
 
 
@@ -41,6 +42,7 @@ class NodeConfig:
     link_pacing: bool = False
     link_pace_lead_ms: float = 10.0
     link_min_chunk_ms: float = 0.0
+    link_prefill_order: str = "shortest"
     step_log: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -53,6 +55,7 @@ def scheduler_options(config: NodeConfig) -> dict:
         "inflight_floor_chunks": config.link_inflight_floor_chunks,
         "pace_lead_s": config.link_pace_lead_ms / 1000 if config.link_pacing else None,
         "min_chunk_s": config.link_min_chunk_ms / 1000,
+        "prefill_order": config.link_prefill_order,
     }
 
 
@@ -169,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="molink's N: a prefill passed over by this many decode sends goes whole",
     )
     p.add_argument(
+        "--link-prefill-order",
+        default="shortest",
+        choices=list(PREFILL_ORDERS),
+        help="molink: which waiting prompt crosses the link first: the one needing the least"
+        " link time, less the time it has waited (lower mean time to first token; a long prompt"
+        " may wait longer), or the oldest",
+    )
+    p.add_argument(
         "--link-inflight-gain",
         type=float,
         default=2.0,
@@ -208,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="append a line per decode step: its arrival (monotonic seconds), seconds until its"
-        " output was queued for the link, seconds of that in compute (for benchmarks)",
+        " output was queued for the link, seconds of that in compute; and lines 'a' per prompt"
+        " piece arrived and 'p' per prompt pass done (for benchmarks)",
     )
     p.add_argument(
         "--prefill-pass-tokens",
@@ -278,6 +290,7 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         link_pacing=a.link_pacing,
         link_pace_lead_ms=a.link_pace_lead_ms,
         link_min_chunk_ms=a.link_min_chunk_ms,
+        link_prefill_order=a.link_prefill_order,
         step_log=a.step_log,
         compute_lanes=a.compute_lanes,
         prefill_nice=a.prefill_nice,

@@ -305,9 +305,12 @@ class Node:
         client may send it whole: pieces that arrived while a job waited are computed together,
         up to `prefill_pass_tokens` per forward pass, so one pass costs little per token and a
         decode step waits behind at most one pass."""
+        now = time.monotonic()
         if not s.pending:
-            s.pending_since = time.monotonic()
+            s.pending_since = now
         s.pending.append((msg, hidden))
+        if self._step_log is not None:
+            self._step_log.write(f"a {s.sid[:8]} {now:.4f} {msg.pos} {hidden.shape[1]} {msg.end}\n")
         if s.gather is not None and self._gather_wait(s) == 0:
             s.gather.cancel()  # enough has come: the pass need not wait longer
             s.gather = None
@@ -369,7 +372,8 @@ class Node:
 
     def _pass_done(self, s: Session, arrived: float | None = None):
         """Back on the trio thread: forward the pass's output, or fail the session. `arrived`:
-        when a decode step's input came in, for the step log."""
+        when a decode step's input came in, for the step log (which also notes each prompt
+        piece's arrival and each prompt pass)."""
 
         async def done(result, error, elapsed):
             if s.closed:
@@ -386,9 +390,14 @@ class Node:
             msg, out = result
             self.steps_done += 1
             self._forward(s, msg, out)
-            if arrived is not None and self._step_log is not None:
-                queued = time.monotonic() - arrived
-                self._step_log.write(f"{arrived:.4f} {queued:.4f} {elapsed:.4f}\n")
+            if self._step_log is None:
+                return
+            now = time.monotonic()
+            if arrived is not None:
+                self._step_log.write(f"{arrived:.4f} {now - arrived:.4f} {elapsed:.4f}\n")
+            elif msg.phase == PREFILL:
+                n, sid = out.shape[1], s.sid[:8]
+                self._step_log.write(f"p {sid} {now:.4f} {msg.pos} {n} {msg.end} {elapsed:.4f}\n")
 
         return done
 

@@ -93,6 +93,7 @@ class Uplink:
                 phase=payload.phase,
                 tokens=tokens,
                 bytes_per_token=tensor_nbytes(1, hidden, payload.wire_dtype),
+                phase_left=max(tokens, payload.end - payload.pos),
             ),
             self.now(),
         )

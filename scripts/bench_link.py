@@ -74,6 +74,7 @@ class Done:
     end: float | None = None
     tokens: int = 0
     error: str | None = None
+    sid: str = ""  # its session's id as the nodes' step logs give it
 
     @property
     def ttft(self) -> float:
@@ -114,6 +115,16 @@ class Round:
     queues: list[list[tuple[float, float]]] = field(default_factory=list)  # per hop: (t, wait s)
     frames: list[list[tuple[float, int, float]]] = field(default_factory=list)  # (t, size, wait)
     node_steps: list[list[tuple[float, float, float]]] = field(default_factory=list)  # per node
+    prompts: list[dict[str, PromptAtNode]] = field(default_factory=list)  # per node, by sid
+
+
+@dataclass
+class PromptAtNode:
+    """When a session's prompt pieces came into a node, and when its last pass there was done."""
+
+    first_in: float
+    last_in: float
+    done: float = math.nan
 
 
 def draw_trace(rng: random.Random, a) -> list[Request]:
@@ -203,6 +214,7 @@ def generate(client: Client, prompt: list[int], new_tokens: int, done: Done, sto
         with client.session(len(prompt) + new_tokens + 1) as s:
             token = int(s.feed(prompt).argmax())
             done.first = time.monotonic()
+            done.sid = s.remote.sid[:8] if s.remote is not None else ""
             done.tokens = 1
             times = [done.first]
             while done.tokens < new_tokens and not (stop is not None and stop.is_set()):
@@ -245,15 +257,23 @@ def read_queue_log(path: str) -> tuple[list[tuple[float, float]], list[tuple[flo
     return samples, frames
 
 
-def read_step_log(path: str) -> list[tuple[float, float, float]]:
-    """(arrival, seconds in the node, seconds of compute) of each decode step a node ran."""
-    out = []
+def read_step_log(path: str) -> tuple[list[tuple[float, float, float]], dict[str, PromptAtNode]]:
+    """From a node's step log: (arrival, seconds in the node, seconds of compute) of each decode
+    step it ran, and per session, its prompt's arrival and last pass there."""
+    steps, prompts = [], {}
     with open(path) as f:
         for line in f:
             parts = line.split()
             if len(parts) == 3:
-                out.append((float(parts[0]), float(parts[1]), float(parts[2])))
-    return out
+                steps.append((float(parts[0]), float(parts[1]), float(parts[2])))
+            elif len(parts) == 6 and parts[0] == "a":
+                t = float(parts[2])
+                at = prompts.setdefault(parts[1], PromptAtNode(t, t))
+                at.last_in = t
+            elif len(parts) == 7 and parts[0] == "p" and parts[1] in prompts:
+                if int(parts[3]) + int(parts[4]) == int(parts[5]):  # the prompt's last pass
+                    prompts[parts[1]].done = float(parts[2])
+    return steps, prompts
 
 
 def run_round(client: Client, peers, trace: list[Request], variant: Variant, rate: float, a):
@@ -302,7 +322,9 @@ def run_round(client: Client, peers, trace: list[Request], variant: Variant, rat
         rnd.queues.append(samples)
         rnd.frames.append(frames)
     for path in step_logs:
-        rnd.node_steps.append(read_step_log(path) if os.path.exists(path) else [])
+        steps, prompts = read_step_log(path) if os.path.exists(path) else ([], {})
+        rnd.node_steps.append(steps)
+        rnd.prompts.append(prompts)
     shutil.rmtree(logdir, ignore_errors=True)
     return rnd
 
@@ -382,6 +404,33 @@ def queue_split(rounds: list[Round], hop: int, decode_frames: bool = False):
         return [(t, r[-1]) for t, *r in rows if not decode_frames or low <= r[0] < high]
 
     return split_rounds(rounds, timed)
+
+
+def prompt_timeline(rounds: list[Round]) -> str:
+    """Where a trace request's time to first token goes: mean seconds after its start at which
+    its prompt reached each node (first and last piece) and was done there, then the token."""
+    marks: list[list[float]] = []
+    for rnd in rounds:
+        for d in rnd.requests:
+            at = [p.get(d.sid) for p in rnd.prompts]
+            if d.error or not d.first or not d.sid or None in at:
+                continue
+            row = []
+            for p in at:
+                row += [p.first_in - d.start, p.last_in - d.start, p.done - d.start]
+            marks.append([*row, d.ttft])
+    if not marks:
+        return "    prompt timeline: no request had a full step log"
+    mean = [statistics.fmean(col) for col in zip(*marks)]
+    parts = [
+        f"node {i}: in {mean[3 * i]:5.2f}-{mean[3 * i + 1]:5.2f}, done {mean[3 * i + 2]:5.2f}"
+        for i in range(len(SPANS))
+    ]
+    return (
+        f"    prompt timeline, mean s after the request ({len(marks)} requests): "
+        + "; ".join(parts)
+        + f"; first token {mean[-1]:5.2f}"
+    )
 
 
 def figures(rounds: list[Round]) -> dict[str, tuple[float, float, float]]:
@@ -466,6 +515,7 @@ def report(results: dict[tuple[float, str], list[Round]], variants: list[Variant
             )
             for line in node_figures(rounds):
                 print(line)
+            print(prompt_timeline(rounds))
         print(f"  {'':28}" + "".join(f"{n + ' mean/p50/p99':>26}" for n in names))
         for key in figs[names[0]]:
             print(

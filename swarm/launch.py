@@ -105,7 +105,10 @@ def start_node(
     proc = subprocess.Popen(
         cmd,
         preexec_fn=die_with_parent,
-        start_new_session=True,  # its own process group, so stop() can reap its helpers
+        # its own process group, so stop() can reap its helpers; but not its own session: with
+        # the kernel's autogroups each session gets an equal share of the CPU whatever the nice
+        # values inside it, and a node's niced prompt passes must yield to other nodes' decode
+        process_group=0,
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,

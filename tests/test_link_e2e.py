@@ -9,6 +9,7 @@ Both sessions' greedy tokens must equal the unsplit model's, and the first node'
 
 from __future__ import annotations
 
+import itertools
 import socket
 import subprocess
 import sys
@@ -31,13 +32,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# the opt-in pacing, timed chunk floor and gathered prompt passes must not change tokens either
+# the opt-in pacing, timed chunk floor, prompts in arrival order and gathered prompt passes must
+# not change tokens either
 PACED = ("--link-pacing", "--link-min-chunk-ms", "20", "--prefill-min-pass-tokens", "16")
+PACED += ("--link-prefill-order", "arrival")
 VARIANTS = {"molink": (), "fifo": (), "paced": PACED}
 
 
 @pytest.fixture(params=list(VARIANTS))
-def shaped_swarm(request, tiny_model_dir):
+def shaped_swarm(request, tiny_model_dir, tmp_path):
     policy = request.param
     port, public = free_port(), free_port()
     relay = subprocess.Popen(
@@ -69,11 +72,15 @@ def shaped_swarm(request, tiny_model_dir):
                 (3, 6),
                 nodes[0].maddrs[:1],
                 model=str(tiny_model_dir),
-                extra=[*common, "--port", str(port), "--public-address", f"127.0.0.1:{public}"],
+                extra=[
+                    *common,
+                    *("--port", str(port), "--public-address", f"127.0.0.1:{public}"),
+                    *("--step-log", str(tmp_path / "steps.log")),
+                ],
             )
         )
         nodes[1].wait_serving()
-        yield policy, nodes, public
+        yield policy, nodes, public, tmp_path / "steps.log"
     finally:
         stop_all(nodes)
         relay.kill()
@@ -95,7 +102,7 @@ def greedy(client: Client, ids: list[int], new_tokens: int, started=None) -> lis
 def test_tokens_through_a_slow_link_match_the_unsplit_model(
     shaped_swarm, tiny_model_dir, tiny_reference
 ):
-    policy, nodes, public = shaped_swarm
+    policy, nodes, public, step_log = shaped_swarm
     client = Client(nodes[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
     try:
         assert client.route()[-1].port == public  # the second hop goes through the relay
@@ -131,3 +138,19 @@ def test_tokens_through_a_slow_link_match_the_unsplit_model(
     if policy == "paced":
         assert link["prefill_paced"] > 0, link
     assert link["bandwidth_Bps"] == pytest.approx(RATE_MBPS * 1e6 / 8, rel=0.25), link
+
+    # the node behind the link logged its decode steps, and each piece of the long prompt as it
+    # came in and each prompt pass, ending with the prompt's last token
+    lines = [line.split() for line in step_log.read_text().splitlines()]
+    assert sum(len(parts) == 3 for parts in lines) >= 100  # the steady session's decode steps
+    pieces = [parts for parts in lines if parts[0] == "a" and parts[5] == str(len(long))]
+    sid = pieces[0][1]
+    assert [int(p[3]) for p in pieces] == list(
+        itertools.accumulate((int(p[4]) for p in pieces[:-1]), initial=0)
+    )
+    assert sum(int(p[4]) for p in pieces) == len(long)
+    passes = [parts for parts in lines if parts[0] == "p" and parts[1] == sid]
+    assert int(passes[-1][3]) + int(passes[-1][4]) == len(long)
+    assert float(passes[-1][2]) >= float(pieces[-1][2])
+    if policy != "fifo":
+        assert len(pieces) >= 3  # it crossed in chunks

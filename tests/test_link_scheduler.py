@@ -136,6 +136,53 @@ def test_end_session_drops_its_queued_volumes():
     assert send_now(sched, 0.0).vid == kept
 
 
+def test_shortest_order_sends_the_prompt_with_fewest_tokens_left_first():
+    # a's 1000-token prompt came first, as two volumes; b's 300 tokens, then c's 300, later
+    volumes = [
+        Volume("a", DEST, "prefill", 500, 1000, 1000),
+        Volume("a", DEST, "prefill", 500, 1000, 500),
+        Volume("b", DEST, "prefill", 300, 1000),
+        Volume("c", DEST, "prefill", 300, 1000),
+    ]
+    order = {}
+    for name in ("arrival", "shortest"):
+        sched = scheduler(prefill_order=name)
+        vids = [sched.enqueue(v, 0.0) for v in volumes]
+        sends = [send_now(sched, 0.0) for _ in volumes]
+        order[name] = [vids.index(s.vid) for s in sends]
+    assert order["arrival"] == [0, 1, 2, 3]
+    assert order["shortest"] == [2, 3, 0, 1]  # b before c, as they tie; a's volumes in order
+
+
+def test_shortest_order_counts_what_is_left_of_a_prompt_partly_sent():
+    sched = scheduler(prefill_order="shortest")
+    sched.observe_decode_arrival("d", 0.0)  # a decode session: prompts go in 40-token chunks
+    a = sched.enqueue(Volume("a", DEST, "prefill", 100, 1000), 0.0)
+    for _ in range(2):
+        send_now(sched, 0.0)  # a has 20 tokens left
+    sched.enqueue(Volume("b", DEST, "prefill", 30, 1000), 0.0)
+    assert send_now(sched, 0.0).vid == a
+
+
+def test_a_long_prompt_that_has_waited_longer_than_a_newcomer_needs_goes_first():
+    # a's 1000 tokens need 1.0 s of link, b's 400 need 0.4 s; a has waited since t = 0
+    def first(b_at: float) -> str:
+        sched = scheduler(prefill_order="shortest")
+        sched.enqueue(Volume("a", DEST, "prefill", 1000, 1000), 0.0)
+        sched.enqueue(Volume("b", DEST, "prefill", 400, 1000), b_at)
+        return send_now(sched, b_at).session
+
+    assert first(0.2) == "b"  # a: 1.0 - 0.2 = 0.8 s to go, b: 0.4 s
+    assert first(0.7) == "a"  # a: 1.0 - 0.7 = 0.3 s
+
+
+def test_a_volume_cannot_leave_less_of_its_phase_than_it_carries():
+    with pytest.raises(ValueError, match="phase_left"):
+        Volume("s", DEST, "prefill", 10, 1, 5)
+    with pytest.raises(ValueError, match="prefill order"):
+        LinkScheduler(prefill_order="random")
+
+
 # --- just-in-time chunk size: MoLink's three cases --------------------------------------------
 # margin 0.8, 1 MB/s, 1000 bytes/token: a chunk is 800 tokens per second of T_a.
 
@@ -455,6 +502,7 @@ op = st.one_of(
         st.sampled_from(("prefill", "decode")),
         st.integers(1, 120),
         st.sampled_from((1, 3, 1152)),
+        st.integers(0, 300),  # the prompt's tokens after this volume
     ),
     st.tuples(st.just("send"), st.floats(0.0, 0.05)),
     st.tuples(st.just("arrive"), st.sampled_from(SESSIONS)),
@@ -470,6 +518,9 @@ class Decision:
     eligible_decode: list[int]  # vids, oldest first
     eligible_prefill: list[int]
     left: dict[int, int]  # tokens each eligible volume had left
+    phase_left: dict[int, int]  # ... and its phase had left, from there to its end
+    waited: dict[int, float]  # how long each eligible volume had been queued
+    bandwidth: float | None  # the link's bandwidth as last told
 
 
 @dataclass
@@ -482,12 +533,26 @@ class Run:
         return [d.send for d in self.decisions if d.send is not None]
 
 
+def phase_tokens(volume: Volume, left: int) -> int:
+    """Tokens of the volume's phase still to send when `left` of its own are."""
+    return max(volume.phase_left, volume.tokens) - volume.tokens + left
+
+
+def shortest_key(run: Run, d: Decision, vid: int) -> tuple[float, int]:
+    if d.bandwidth is None:
+        return float(d.phase_left[vid]), vid
+    seconds = d.phase_left[vid] * run.volumes[vid].bytes_per_token / d.bandwidth
+    return seconds - d.waited[vid], vid
+
+
 def drive(sched: LinkScheduler, ops: list[tuple]) -> Run:
     """Apply ops, then drain; record what was eligible at every decision (a volume is eligible
     when every earlier volume of its session has been handed out)."""
     run = Run()
     left: dict[int, int] = {}
+    enqueued: dict[int, float] = {}
     now = 0.0
+    bandwidth = None
 
     def decide() -> Send | None:
         unfinished = [v for v in sorted(left) if left[v] > 0]
@@ -502,6 +567,9 @@ def drive(sched: LinkScheduler, ops: list[tuple]) -> Run:
                 [v for v in eligible if run.volumes[v].phase == "decode"],
                 [v for v in eligible if run.volumes[v].phase == "prefill"],
                 {v: left[v] for v in eligible},
+                {v: phase_tokens(run.volumes[v], left[v]) for v in eligible},
+                {v: now - enqueued[v] for v in eligible},
+                bandwidth,
             )
         )
         if send is not None:
@@ -510,10 +578,12 @@ def drive(sched: LinkScheduler, ops: list[tuple]) -> Run:
 
     for o in ops:
         if o[0] == "enqueue":
-            volume = Volume(o[1], DEST, o[2], o[3] if o[2] == "prefill" else 1, o[4])
+            tokens = o[3] if o[2] == "prefill" else 1
+            volume = Volume(o[1], DEST, o[2], tokens, o[4], tokens + o[5] if o[5] else 0)
             vid = sched.enqueue(volume, now)
             run.volumes[vid] = volume
             left[vid] = volume.tokens
+            enqueued[vid] = now
         elif o[0] == "send":
             send = decide()
             if send is not None:
@@ -525,6 +595,7 @@ def drive(sched: LinkScheduler, ops: list[tuple]) -> Run:
             now += o[1]
         elif o[0] == "link":
             sched.update_link(DEST, rtt=0.03, bandwidth=o[1], now=now)
+            bandwidth = o[1]
         elif o[0] == "compute":
             sched.observe_compute("decode", 1, o[1])
     for _ in range(10_000):
@@ -540,9 +611,9 @@ waits = st.integers(1, 5)
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops_lists, waits)
-def test_decode_goes_first_while_the_waiting_weight_is_below_max_wait(ops, n):
-    run = drive(LinkScheduler("molink", max_wait=n), ops)
+@given(ops_lists, waits, st.sampled_from(("arrival", "shortest")))
+def test_decode_goes_first_while_the_waiting_weight_is_below_max_wait(ops, n, order):
+    run = drive(LinkScheduler("molink", max_wait=n, prefill_order=order), ops)
     w = 0
     for d in run.decisions:
         if d.eligible_decode and d.eligible_prefill:
@@ -551,7 +622,13 @@ def test_decode_goes_first_while_the_waiting_weight_is_below_max_wait(ops, n):
             assert d.send is not None and d.send.vid == d.eligible_decode[0]
             assert d.send.tokens == d.left[d.send.vid]
         elif d.eligible_prefill:
-            assert d.send is not None and d.send.vid == d.eligible_prefill[0]
+            # arrival: the oldest waiting prefill; shortest: the one whose prompt needs the
+            # least link time left less its wait (fewest tokens, without an estimate), the
+            # oldest among equals
+            first = d.eligible_prefill[0]
+            if order == "shortest":
+                first = min(d.eligible_prefill, key=lambda v: shortest_key(run, d, v))
+            assert d.send is not None and d.send.vid == first
             w = 0
         else:
             assert d.send is None
@@ -575,9 +652,13 @@ def test_no_prefill_waits_behind_more_than_max_wait_decode_sends(ops, n):
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops_lists, waits, st.sampled_from(("molink", "fifo")))
+@given(ops_lists, waits, st.sampled_from(("molink", "fifo", "shortest")))
 def test_every_token_of_every_volume_is_sent_exactly_once_in_order_per_session(ops, n, policy):
-    run = drive(LinkScheduler(policy, max_wait=n), ops)
+    if policy == "shortest":
+        sched = LinkScheduler("molink", max_wait=n, prefill_order="shortest")
+    else:
+        sched = LinkScheduler(policy, max_wait=n)
+    run = drive(sched, ops)
     next_token = {vid: 0 for vid in run.volumes}
     last_vid: dict[str, int] = {}
     for s in run.sends:
@@ -644,6 +725,28 @@ def test_sim_molink_sends_prompts_in_chunks_between_decode_steps():
     prompt = result.of_phase("prefill")[0]
     assert prompt.sends > 10
     assert sched.stats()["w_resets"] == 0  # chunks leave the decode queue empty: W never builds
+
+
+def test_sim_shortest_order_lowers_mean_prompt_completion_at_the_same_decode_delay():
+    # one 2000-token prompt, then four of 300 while it crosses: arrival order makes them wait
+    # ~3.7 s for it; shortest lets them pass and the long one finishes no later
+    prompts = [PrefillArrival("long", 1.0, 2000, 1152)]
+    prompts += [PrefillArrival(f"short{i}", 1.5 + 0.2 * i, 300, 1152) for i in range(4)]
+
+    def run(order: str):
+        result = simulate(LinkScheduler("molink", prefill_order=order), SLOW, [STEADY], prompts)
+        prefills = result.of_phase("prefill")
+        done = {v.session: v.finished + SLOW.latency - v.enqueued for v in prefills}
+        return done, result.prefill_completion(), p99(result.decode_delays())
+
+    arrival, arrival_all, arrival_delay = run("arrival")
+    shortest, shortest_all, shortest_delay = run("shortest")
+    mean = {k: sum(d.values()) / len(d) for k, d in (("a", arrival), ("s", shortest))}
+    assert mean["s"] < 0.6 * mean["a"]
+    assert shortest_all == pytest.approx(arrival_all, abs=0.05)  # the link never idles
+    assert all(shortest[f"short{i}"] < 2.0 for i in range(4))
+    assert all(arrival[f"short{i}"] > 3.5 for i in range(4))
+    assert shortest_delay == pytest.approx(arrival_delay, abs=0.005)
 
 
 def test_sim_is_deterministic():

@@ -18,6 +18,7 @@ def test_the_link_defaults_are_the_capped_molink_without_pacing():
         "inflight_floor_chunks": 3,
         "pace_lead_s": None,
         "min_chunk_s": 0.0,
+        "prefill_order": "shortest",
     }
     sched = LinkScheduler(config.link_policy, **options)
     assert sched.pace_lead_s is None and sched.inflight_gain == 2.0
@@ -38,3 +39,11 @@ def test_negative_or_unreadable_milliseconds_are_refused(bad, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--layers", "0:10", *bad])
     assert "must be a number >= 0" in capsys.readouterr().err
+
+
+def test_the_prefill_order_is_one_of_the_schedulers(capsys):
+    config = parse_args(["--layers", "0:10", "--link-prefill-order", "arrival"])
+    assert LinkScheduler(**scheduler_options(config)).prefill_order == "arrival"
+    with pytest.raises(SystemExit):
+        parse_args(["--layers", "0:10", "--link-prefill-order", "random"])
+    assert "invalid choice" in capsys.readouterr().err

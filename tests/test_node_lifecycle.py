@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -45,6 +46,11 @@ def test_node_announces_online_and_goes_offline_on_sigterm(bootstrap, tiny_model
     )
     try:
         node.wait_serving()
+        # its own process group (stop_all reaps its helpers) in the launcher's session: Linux
+        # shares CPU between sessions equally, so a node in a session of its own would take its
+        # share whatever nice value its prompt passes run at
+        assert os.getpgid(node.proc.pid) == node.proc.pid != os.getpgid(0)
+        assert os.getsid(node.proc.pid) == os.getsid(0)
         wait_for(lambda: states(bootstrap, tiny_model_dir).get(node.peer) == "online", 15, "online")
         node.proc.send_signal(signal.SIGTERM)
         wait_for(

@@ -38,6 +38,13 @@ at most one chunk and the lead. The chunk floor can then shrink with the link (`
 on a slow link a chunk of 8 tokens is itself a long wait for a decode volume behind it. The cap
 stays as the safety net for a bandwidth estimate that reads high.
 
+Which waiting prefill goes next is not Algorithm 1's concern (it takes the head of one queue).
+Here, by default, it is the one whose prompt needs the least link time left, less the time its
+oldest unsent bytes have waited here (`prefill_order="shortest"`): shortest-remaining-first
+lowers the mean time to first token when prompts overlap, and the credit for waiting means a
+long prompt goes before any newcomer that needs less time than it has waited, so it cannot
+starve. `prefill_order="arrival"` takes the oldest.
+
 Policy "fifo" sends whole volumes in arrival order: what concurrent socket sends amount to.
 
 Both keep each session's bytes in order: a volume is eligible only once every earlier volume of
@@ -54,6 +61,7 @@ from dataclasses import dataclass
 from swarm.protocol import DECODE, PHASES, PREFILL
 
 POLICIES = ("molink", "fifo")
+PREFILL_ORDERS = ("arrival", "shortest")
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class Volume:
     phase: str
     tokens: int
     bytes_per_token: int
+    phase_left: int = 0  # tokens from this volume's first to its phase's end; 0: just its own
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -73,6 +82,10 @@ class Volume:
             raise ValueError(
                 f"volume needs tokens >= 1 and bytes_per_token >= 1, got {self.tokens} and"
                 f" {self.bytes_per_token}"
+            )
+        if self.phase_left and self.phase_left < self.tokens:
+            raise ValueError(
+                f"volume's phase_left ({self.phase_left}) is less than its tokens ({self.tokens})"
             )
 
     @property
@@ -114,6 +127,11 @@ class _Queued:
     @property
     def left(self) -> int:
         return self.volume.tokens - self.sent
+
+    @property
+    def phase_left(self) -> int:
+        """Tokens of its phase still to send, this volume's and the later ones'."""
+        return max(self.volume.phase_left, self.volume.tokens) - self.sent
 
 
 @dataclass
@@ -172,6 +190,9 @@ class LinkScheduler:
         way back) before it shows the link holding more than the pacing model says.
     min_chunk_s: with a bandwidth estimate, the chunk floor is the tokens the link carries in
         this long, between 1 and min_chunk_tokens (0, the default here: min_chunk_tokens).
+    prefill_order: which waiting prefill goes next (molink): "shortest" (the default), the one
+        whose prompt needs the least link time left, less the time it has waited (a prompt
+        waiting longer than a newcomer needs goes before it); or "arrival", the oldest.
     """
 
     def __init__(
@@ -190,6 +211,7 @@ class LinkScheduler:
         pace_lead_s: float | None = None,
         ack_slack_s: float = 0.02,
         min_chunk_s: float = 0.0,
+        prefill_order: str = "shortest",
     ):
         if policy not in POLICIES:
             raise ValueError(f"unknown link policy {policy!r}; choose from {POLICIES}")
@@ -208,6 +230,11 @@ class LinkScheduler:
             raise ValueError(f"pace_lead_s must be >= 0 or None, got {pace_lead_s}")
         if min_chunk_s < 0:
             raise ValueError(f"min_chunk_s must be >= 0, got {min_chunk_s}")
+        if prefill_order not in PREFILL_ORDERS:
+            raise ValueError(
+                f"unknown prefill order {prefill_order!r}; choose from {PREFILL_ORDERS}"
+            )
+        self.prefill_order = prefill_order
         self.policy = policy
         self.pace_lead_s = pace_lead_s
         self.ack_slack_s = ack_slack_s
@@ -284,6 +311,8 @@ class LinkScheduler:
             return self._hand_out(decode, decode.left, now)
         if prefill is None:
             return None
+        if self.prefill_order == "shortest":
+            prefill = self._shortest_prefill(now)
         if decode:  # W reached N: the prefill has waited long enough
             tokens = prefill.left
             self._counts["w_resets"] += 1
@@ -547,6 +576,23 @@ class LinkScheduler:
             if self._chains[q.volume.session][0] == q.vid:
                 return q
         return None
+
+    def _shortest_prefill(self, now: float) -> _Queued | None:
+        """The eligible prefill volume whose prompt would be done first: the fewest seconds of
+        its phase left to send, less how long its oldest unsent bytes have waited here (so a
+        long prompt cannot starve behind a stream of short ones); the earliest queued among
+        equals. Without a bandwidth estimate, the fewest tokens left."""
+        chains = self._chains
+
+        def key(q: _Queued) -> tuple[float, int]:
+            bandwidth = self._bandwidth(q.volume.dest)
+            if bandwidth is None:
+                return float(q.phase_left), q.vid
+            left_s = q.phase_left * q.volume.bytes_per_token / bandwidth
+            return left_s - (now - q.enqueued), q.vid
+
+        eligible = (q for q in self._queues[PREFILL] if chains[q.volume.session][0] == q.vid)
+        return min(eligible, key=key, default=None)
 
     def _chunk_tokens(self, prefill: _Queued, now: float) -> int:
         tokens = self.chunk_tokens(prefill.volume, prefill.left, now)

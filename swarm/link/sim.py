@@ -45,6 +45,7 @@ class PrefillArrival:
     tokens: int
     bytes_per_token: int
     dest: str = "next"
+    phase_left: int = 0  # the prompt's tokens from this volume on, if more follow (Volume's)
 
 
 @dataclass
@@ -129,7 +130,7 @@ def simulate(
         return event
 
     def prefill(p: PrefillArrival) -> Callable[[float], None]:
-        volume = Volume(p.session, p.dest, PREFILL, p.tokens, p.bytes_per_token)
+        volume = Volume(p.session, p.dest, PREFILL, p.tokens, p.bytes_per_token, p.phase_left)
         return lambda now: queue(volume, now)
 
     def free(now: float) -> None:
