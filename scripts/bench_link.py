@@ -16,8 +16,9 @@ link rate and variant: TTFT, TPOT and end-to-end latency of the trace requests (
 the steady sessions' decode step latency while some prefill is in flight (between a request's
 start and its first token) and while none is; the nodes' own figures from their DHT records, each
 hop's bottleneck wait (the relay's 10 ms samples and its decode frames) and each node's decode
-step time (its step log), with and without prefill in flight; then the first variant's figures
-over each other's.
+step time (its step log), with and without prefill in flight; each request's prompt on its way
+(when it reached each node and was done there, from the step logs); the CPU each process used;
+then the first variant's figures over each other's.
 
     .venv/bin/python scripts/bench_link.py                      # 5 and 20 Mbps, 2 rounds each
     .venv/bin/python scripts/bench_link.py --rates 5 --rounds 1 --duration 60
@@ -116,6 +117,7 @@ class Round:
     frames: list[list[tuple[float, int, float]]] = field(default_factory=list)  # (t, size, wait)
     node_steps: list[list[tuple[float, float, float]]] = field(default_factory=list)  # per node
     prompts: list[dict[str, PromptAtNode]] = field(default_factory=list)  # per node, by sid
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per process, measured part
 
 
 @dataclass
@@ -276,6 +278,23 @@ def read_step_log(path: str) -> tuple[list[tuple[float, float, float]], dict[str
     return steps, prompts
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a live process, all its threads (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def cpu_now(nodes: list[NodeProcess], relays: list) -> dict[str, float]:
+    out = {f"node {i}": cpu_seconds(n.proc.pid) for i, n in enumerate(nodes)}
+    out.update({f"relay {i}": cpu_seconds(r.pid) for i, r in enumerate(relays)})
+    out["client"] = time.process_time()
+    return out
+
+
 def run_round(client: Client, peers, trace: list[Request], variant: Variant, rate: float, a):
     logdir = tempfile.mkdtemp(prefix="bench_link_")
     logs = [os.path.join(logdir, f"hop{i}.log") for i in range(len(SPANS) - 1)]
@@ -292,6 +311,7 @@ def run_round(client: Client, peers, trace: list[Request], variant: Variant, rat
         for w in workers:
             w.start()
         time.sleep(a.warmup)
+        cpu0 = cpu_now(nodes, relays)
         t0 = time.monotonic()
         for req in trace:
             time.sleep(max(0.0, t0 + req.at - time.monotonic()))
@@ -303,6 +323,8 @@ def run_round(client: Client, peers, trace: list[Request], variant: Variant, rat
             w.start()
             workers.append(w)
         time.sleep(max(0.0, t0 + a.duration - time.monotonic()))
+        cpu1 = cpu_now(nodes, relays)
+        rnd.cpu = {k: (cpu1[k] - cpu0[k]) / (time.monotonic() - t0) for k in cpu1}
         deadline = time.monotonic() + a.drain
         for w in workers[a.steady :]:
             w.join(max(0.1, deadline - time.monotonic()))
@@ -516,6 +538,12 @@ def report(results: dict[tuple[float, str], list[Round]], variants: list[Variant
             for line in node_figures(rounds):
                 print(line)
             print(prompt_timeline(rounds))
+            cpu = {k: statistics.fmean(r.cpu.get(k, 0.0) for r in rounds) for k in rounds[0].cpu}
+            print(
+                "    CPU while requests arrived, cores: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+                + f"; all {sum(cpu.values()):.2f} of {os.cpu_count()}"
+            )
         print(f"  {'':28}" + "".join(f"{n + ' mean/p50/p99':>26}" for n in names))
         for key in figs[names[0]]:
             print(
