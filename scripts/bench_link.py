@@ -117,6 +117,7 @@ class Round:
     frames: list[list[tuple[float, int, float]]] = field(default_factory=list)  # (t, size, wait)
     node_steps: list[list[tuple[float, float, float]]] = field(default_factory=list)  # per node
     prompts: list[dict[str, PromptAtNode]] = field(default_factory=list)  # per node, by sid
+    passes: list[list[tuple[int, float]]] = field(default_factory=list)  # per node: tokens, s
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per process, measured part
 
 
@@ -259,10 +260,11 @@ def read_queue_log(path: str) -> tuple[list[tuple[float, float]], list[tuple[flo
     return samples, frames
 
 
-def read_step_log(path: str) -> tuple[list[tuple[float, float, float]], dict[str, PromptAtNode]]:
+def read_step_log(path: str):
     """From a node's step log: (arrival, seconds in the node, seconds of compute) of each decode
-    step it ran, and per session, its prompt's arrival and last pass there."""
-    steps, prompts = [], {}
+    step it ran; per session, its prompt's arrival and last pass there; (tokens, seconds of
+    compute) of each prompt pass."""
+    steps, prompts, passes = [], {}, []
     with open(path) as f:
         for line in f:
             parts = line.split()
@@ -272,10 +274,11 @@ def read_step_log(path: str) -> tuple[list[tuple[float, float, float]], dict[str
                 t = float(parts[2])
                 at = prompts.setdefault(parts[1], PromptAtNode(t, t))
                 at.last_in = t
-            elif len(parts) == 7 and parts[0] == "p" and parts[1] in prompts:
-                if int(parts[3]) + int(parts[4]) == int(parts[5]):  # the prompt's last pass
-                    prompts[parts[1]].done = float(parts[2])
-    return steps, prompts
+            elif len(parts) == 7 and parts[0] == "p":
+                passes.append((int(parts[4]), float(parts[6])))
+                if parts[1] in prompts and int(parts[3]) + int(parts[4]) == int(parts[5]):
+                    prompts[parts[1]].done = float(parts[2])  # the prompt's last pass
+    return steps, prompts, passes
 
 
 def cpu_seconds(pid: int) -> float:
@@ -344,9 +347,10 @@ def run_round(client: Client, peers, trace: list[Request], variant: Variant, rat
         rnd.queues.append(samples)
         rnd.frames.append(frames)
     for path in step_logs:
-        steps, prompts = read_step_log(path) if os.path.exists(path) else ([], {})
+        steps, prompts, passes = read_step_log(path) if os.path.exists(path) else ([], {}, [])
         rnd.node_steps.append(steps)
         rnd.prompts.append(prompts)
+        rnd.passes.append(passes)
     shutil.rmtree(logdir, ignore_errors=True)
     return rnd
 
@@ -444,6 +448,15 @@ def prompt_timeline(rounds: list[Round]) -> str:
     if not marks:
         return "    prompt timeline: no request had a full step log"
     mean = [statistics.fmean(col) for col in zip(*marks)]
+    passes = []
+    for i in range(len(SPANS)):
+        rows = [p for r in rounds if i < len(r.passes) for p in r.passes[i]]
+        if rows:
+            tokens, secs = sum(t for t, _ in rows), sum(s for _, s in rows)
+            passes.append(
+                f"node {i} {len(rows) / len(rounds):.0f} of {tokens / len(rows):.1f} tokens,"
+                f" {secs / tokens * 1e3:.1f} ms/token"
+            )
     parts = [
         f"node {i}: in {mean[3 * i]:5.2f}-{mean[3 * i + 1]:5.2f}, done {mean[3 * i + 2]:5.2f}"
         for i in range(len(SPANS))
@@ -451,7 +464,8 @@ def prompt_timeline(rounds: list[Round]) -> str:
     return (
         f"    prompt timeline, mean s after the request ({len(marks)} requests): "
         + "; ".join(parts)
-        + f"; first token {mean[-1]:5.2f}"
+        + f"; first token {mean[-1]:5.2f}\n    prompt passes per round: "
+        + "; ".join(passes)
     )
 
 
