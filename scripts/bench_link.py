@@ -448,6 +448,19 @@ def prompt_timeline(rounds: list[Round]) -> str:
     if not marks:
         return "    prompt timeline: no request had a full step log"
     mean = [statistics.fmean(col) for col in zip(*marks)]
+    parts = [
+        f"node {i}: in {mean[3 * i]:5.2f}-{mean[3 * i + 1]:5.2f}, done {mean[3 * i + 2]:5.2f}"
+        for i in range(len(SPANS))
+    ]
+    return (
+        f"    prompt timeline, mean s after the request ({len(marks)} requests): "
+        + "; ".join(parts)
+        + f"; first token {mean[-1]:5.2f}"
+    )
+
+
+def prompt_passes(rounds: list[Round]) -> str:
+    """Per node, the prompt passes of a round: how many, their mean size, compute per token."""
     passes = []
     for i in range(len(SPANS)):
         rows = [p for r in rounds if i < len(r.passes) for p in r.passes[i]]
@@ -457,16 +470,7 @@ def prompt_timeline(rounds: list[Round]) -> str:
                 f"node {i} {len(rows) / len(rounds):.0f} of {tokens / len(rows):.1f} tokens,"
                 f" {secs / tokens * 1e3:.1f} ms/token"
             )
-    parts = [
-        f"node {i}: in {mean[3 * i]:5.2f}-{mean[3 * i + 1]:5.2f}, done {mean[3 * i + 2]:5.2f}"
-        for i in range(len(SPANS))
-    ]
-    return (
-        f"    prompt timeline, mean s after the request ({len(marks)} requests): "
-        + "; ".join(parts)
-        + f"; first token {mean[-1]:5.2f}\n    prompt passes per round: "
-        + "; ".join(passes)
-    )
+    return "    prompt passes per round: " + "; ".join(passes)
 
 
 def figures(rounds: list[Round]) -> dict[str, tuple[float, float, float]]:
@@ -552,6 +556,7 @@ def report(results: dict[tuple[float, str], list[Round]], variants: list[Variant
             for line in node_figures(rounds):
                 print(line)
             print(prompt_timeline(rounds))
+            print(prompt_passes(rounds))
             cpu = {k: statistics.fmean(r.cpu.get(k, 0.0) for r in rounds) for k in rounds[0].cpu}
             print(
                 "    CPU while requests arrived, cores: "

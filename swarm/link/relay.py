@@ -276,8 +276,8 @@ class _Direction:
         # when measuring: (monotonic time, frame size, seconds its first byte waits to go)
         self.frame_waits: deque[tuple[float, int, float]] | None = None
 
-    def queue_delay(self) -> float:
-        now = trio.current_time()
+    def queue_delay(self, now: float) -> float:
+        """Seconds a byte sent at `now` waits in the bottleneck buffer."""
         return max(0.0, self.link.drained_at() - now)
 
     async def drive(self) -> None:
@@ -355,7 +355,8 @@ class Relay:
 
     def queue_delays(self) -> tuple[float, float]:
         """Seconds a byte sent now would wait in the up and the down bottleneck buffer."""
-        return self._up.queue_delay(), self._down.queue_delay()
+        now = trio.current_time()
+        return self._up.queue_delay(now), self._down.queue_delay(now)
 
     def set_shape(self, up: LinkShape | None = None, down: LinkShape | None = None) -> None:
         """Change either direction's shape from now on. Call from the relay's trio run."""
@@ -463,7 +464,7 @@ async def _pump_in(src: trio.SocketStream, flow: _Flow, d: _Direction) -> None:
 
 def _note_frames(d: _Direction, flow: _Flow, data: bytes, arrived: float) -> None:
     flow.scanner = flow.scanner or FrameScanner()
-    ahead = max(0.0, d.link.drained_at() - arrived)
+    ahead = d.queue_delay(arrived)
     for offset, size in flow.scanner.feed(data):
         wait = ahead + d.link.shape.serialization_s(offset)
         d.frame_waits.append((time.monotonic(), size, wait))

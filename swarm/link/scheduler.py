@@ -56,6 +56,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from swarm.protocol import DECODE, PHASES, PREFILL
@@ -571,18 +572,18 @@ class LinkScheduler:
         period = track.period or track.enqueue_period or 0.0
         return now - max(seen) <= max(self.session_idle_s, 4 * period)
 
+    def _eligible(self, phase: str) -> Iterator[_Queued]:
+        """Queued volumes of `phase` whose session has nothing older left to send, oldest first."""
+        return (q for q in self._queues[phase] if self._chains[q.volume.session][0] == q.vid)
+
     def _first_eligible(self, phase: str) -> _Queued | None:
-        for q in self._queues[phase]:
-            if self._chains[q.volume.session][0] == q.vid:
-                return q
-        return None
+        return next(self._eligible(phase), None)
 
     def _shortest_prefill(self, now: float) -> _Queued | None:
         """The eligible prefill volume whose prompt would be done first: the fewest seconds of
         its phase left to send, less how long its oldest unsent bytes have waited here (so a
         long prompt cannot starve behind a stream of short ones); the earliest queued among
         equals. Without a bandwidth estimate, the fewest tokens left."""
-        chains = self._chains
 
         def key(q: _Queued) -> tuple[float, int]:
             bandwidth = self._bandwidth(q.volume.dest)
@@ -591,8 +592,7 @@ class LinkScheduler:
             left_s = q.phase_left * q.volume.bytes_per_token / bandwidth
             return left_s - (now - q.enqueued), q.vid
 
-        eligible = (q for q in self._queues[PREFILL] if chains[q.volume.session][0] == q.vid)
-        return min(eligible, key=key, default=None)
+        return min(self._eligible(PREFILL), key=key, default=None)
 
     def _chunk_tokens(self, prefill: _Queued, now: float) -> int:
         tokens = self.chunk_tokens(prefill.volume, prefill.left, now)
