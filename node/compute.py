@@ -4,7 +4,13 @@ Two lanes by default, each a long-lived thread: decode steps run in one, prompt 
 other, so a decode step never waits behind a prompt pass in its own node. The prefill thread runs
 at a lower OS priority (a positive nice value), so where cores are short (several nodes on one PC,
 or a volunteer's desktop) the kernel gives a decode step the CPU ahead of any prompt pass.
-With one lane, jobs share one thread, decode first, then by arrival.
+With one lane, jobs share one thread, decode first.
+
+Prompt passes wait in their lane shortest-first by default: a prompt's next pass is ranked by when
+the prompt began to arrive plus the compute its tokens still need (at the node's measured
+seconds per prompt token), so the prompt that would be done first goes first, and a long prompt
+that has waited longer than a newcomer needs goes before it. "round-robin" ranks every pass
+alike: waiting prompts take turns, a pass each.
 
 A job may name its work late: `prepare` runs on the trio thread when the job reaches the head of
 its lane and returns (tokens, run). Prefill uses this to take whatever has arrived by then, up to
@@ -31,14 +37,53 @@ from swarm.protocol import DECODE
 log = logging.getLogger("swarm.node")
 
 
+PREFILL_ORDERS = ("shortest", "round-robin")
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What one job's thread got from the OS: seconds on a CPU, and seconds it was ready to run
+    but waited for one (Linux schedstat; 0 where the kernel does not tell). A job's wall time
+    beyond both was spent blocked (the GIL, a lock)."""
+
+    cpu_s: float = 0.0
+    runqueue_s: float = 0.0
+
+
+class _ThreadClock:
+    """The calling thread's CPU and run-queue time so far, from schedstat if it can be read."""
+
+    def __init__(self) -> None:
+        try:
+            self._file = open(SCHEDSTAT, "rb", buffering=0)  # noqa: SIM115 (kept for the thread)
+        except OSError:
+            self._file = None
+
+    def read(self) -> tuple[float, float]:
+        if self._file is not None:
+            try:
+                self._file.seek(0)
+                run_ns, wait_ns, _ = self._file.read().split()
+                return int(run_ns) / 1e9, int(wait_ns) / 1e9
+            except (OSError, ValueError):
+                self._file = None
+        return time.thread_time(), 0.0
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
 @dataclass(order=True)
 class Job:
     priority: int
+    rank: float  # among jobs of one priority: lower first
     order: int
     phase: str = field(compare=False)
     tokens: int = field(compare=False)
     run: Callable[[], Any] | None = field(compare=False)
-    done: Callable[[Any, Exception | None, float], Any] = field(compare=False)  # async
+    done: Callable[[Any, Exception | None, float, Usage], Any] = field(compare=False)  # async
     prepare: Callable[[], tuple[int, Callable[[], Any]] | None] | None = field(
         default=None, compare=False
     )
@@ -73,37 +118,50 @@ class Lane:
                 os.setpriority(os.PRIO_PROCESS, tid, min(19, own + self.nice))
             except (OSError, AttributeError) as exc:
                 log.warning("cannot set nice %d on the %s thread: %s", self.nice, self.name, exc)
+        clock = _ThreadClock()
         while (item := self._work.get()) is not None:
             fn, token, deliver = item
+            cpu0, wait0 = clock.read()
             result = outcome.capture(fn)
+            cpu1, wait1 = clock.read()
             try:
-                token.run_sync_soon(deliver, result)
+                token.run_sync_soon(deliver, result, Usage(cpu1 - cpu0, wait1 - wait0))
             except trio.RunFinishedError:
                 pass  # the node stopped while this ran
+        clock.close()
 
-    async def run(self, fn: Callable[[], Any]) -> Any:
-        box: list[outcome.Outcome] = []
+    async def run(self, fn: Callable[[], Any]) -> tuple[outcome.Outcome, Usage]:
+        """Run `fn` in this lane's thread: its outcome, and what the thread got from the OS."""
+        box: list[tuple[outcome.Outcome, Usage]] = []
         finished = trio.Event()
 
-        def deliver(result: outcome.Outcome) -> None:
-            box.append(result)
+        def deliver(result: outcome.Outcome, usage: Usage) -> None:
+            box.append((result, usage))
             finished.set()
 
         self._work.put((fn, trio.lowlevel.current_trio_token(), deliver))
         await finished.wait()
-        return box[0].unwrap()
+        return box[0]
 
 
 class ComputeQueue:
-    def __init__(self, lanes: int = 2, prefill_nice: int = 10) -> None:
+    def __init__(
+        self, lanes: int = 2, prefill_nice: int = 10, prefill_order: str = "shortest"
+    ) -> None:
         if lanes not in (1, 2):
             raise ValueError(f"a node computes in 1 or 2 lanes, not {lanes}")
+        if prefill_order not in PREFILL_ORDERS:
+            raise ValueError(
+                f"unknown prompt pass order {prefill_order!r}; choose from {PREFILL_ORDERS}"
+            )
+        self.prefill_order = prefill_order
         self.lanes = (
             [Lane("decode")] if lanes == 1 else [Lane("decode"), Lane("prefill", prefill_nice)]
         )
         self._order = itertools.count()
         self.busy_seconds = 0.0
         self.decode_step_seconds = 0.0  # EWMA of decode job time, for the throughput figure
+        self.prefill_token_seconds: float | None = None  # EWMA of a prompt pass's time per token
 
     def __len__(self) -> int:
         return sum(len(lane.heap) for lane in self.lanes)
@@ -115,14 +173,28 @@ class ComputeQueue:
         run: Callable[[], Any] | None,
         done,
         prepare: Callable[[], tuple[int, Callable[[], Any]] | None] | None = None,
+        rank: float = 0.0,
     ) -> None:
-        """Queue `run`, or the work `prepare` names when the job's turn comes (None: no work)."""
+        """Queue `run`, or the work `prepare` names when the job's turn comes (None: no work).
+        Decode steps go before prompt passes; among jobs of a phase the lowest `rank` goes
+        first (see prefill_rank), then the earliest submitted."""
         priority = 0 if phase == DECODE else 1
         lane = self.lanes[min(priority, len(self.lanes) - 1)]
         heapq.heappush(
-            lane.heap, Job(priority, next(self._order), phase, tokens, run, done, prepare)
+            lane.heap, Job(priority, rank, next(self._order), phase, tokens, run, done, prepare)
         )
         lane.wake.set()
+
+    def prefill_rank(self, since: float, tokens_left: int) -> float:
+        """The rank of a prompt's next pass: (shortest) `since`, when the prompt began to
+        arrive, plus the compute its `tokens_left` need, so the prompt that would be done first
+        goes first and a prompt that has waited longer than a newcomer needs goes before it;
+        by arrival until a pass has been timed. Round-robin: every pass alike."""
+        if self.prefill_order == "round-robin":
+            return 0.0
+        if self.prefill_token_seconds is None:
+            return since
+        return since + tokens_left * self.prefill_token_seconds
 
     async def worker(self, observe: Callable[[str, int, float], None] | None = None) -> None:
         """Run every lane until cancelled."""
@@ -150,8 +222,9 @@ class ComputeQueue:
             assert run is not None
             started = time.perf_counter()
             result, error = None, None
+            ran, usage = await lane.run(run)
             try:
-                result = await lane.run(run)
+                result = ran.unwrap()
             except Exception as exc:  # reported to the session's owner by `done`
                 error = exc
             elapsed = time.perf_counter() - started
@@ -159,6 +232,11 @@ class ComputeQueue:
             if job.phase == DECODE and error is None:
                 a = 0.2 if self.decode_step_seconds else 1.0
                 self.decode_step_seconds += a * (elapsed - self.decode_step_seconds)
+            elif error is None and tokens > 0:
+                per_token, old = elapsed / tokens, self.prefill_token_seconds
+                self.prefill_token_seconds = (
+                    per_token if old is None else old + 0.25 * (per_token - old)
+                )
             if observe is not None and error is None:
                 observe(job.phase, tokens, elapsed)
-            await job.done(result, error, elapsed)
+            await job.done(result, error, elapsed, usage)

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from swarm.link.scheduler import PREFILL_ORDERS
+from swarm.node.compute import PREFILL_ORDERS as COMPUTE_ORDERS
 from swarm.wire import DEFAULT_MAX_FRAME, WIRE_DTYPES
 
 
@@ -37,6 +38,7 @@ class NodeConfig:
     prefill_gather_s: float = 0.1
     compute_lanes: int = 2
     prefill_nice: int = 10
+    prefill_compute_order: str = "shortest"
     link_inflight_gain: float = 2.0
     link_inflight_floor_chunks: int = 3
     link_pacing: bool = False
@@ -219,8 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="append a line per decode step: its arrival (monotonic seconds), seconds until its"
-        " output was queued for the link, seconds of that in compute; and lines 'a' per prompt"
-        " piece arrived and 'p' per prompt pass done (for benchmarks)",
+        " output was queued for the link, seconds of that in compute, and of the compute the"
+        " seconds on a CPU and waiting for one; and lines 'a' per prompt piece arrived and 'p'"
+        " per prompt pass done (for benchmarks)",
     )
     p.add_argument(
         "--prefill-pass-tokens",
@@ -254,6 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=10,
         help="how many nice steps the prompt-pass thread runs below the node's own (0-19; more"
         " yields the CPU to decode steps sooner)",
+    )
+    p.add_argument(
+        "--prefill-compute-order",
+        default="shortest",
+        choices=list(COMPUTE_ORDERS),
+        help="which waiting prompt's pass computes next: the one needing the least compute"
+        " left, less the time it has waited (lower mean time to first token), or in turns",
     )
     return p
 
@@ -294,4 +304,5 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         step_log=a.step_log,
         compute_lanes=a.compute_lanes,
         prefill_nice=a.prefill_nice,
+        prefill_compute_order=a.prefill_compute_order,
     )

@@ -55,7 +55,9 @@ class Node:
         self.sessions = SessionTable(
             config.max_sessions, config.max_cache_tokens, config.max_session_tokens
         )
-        self.compute = ComputeQueue(config.compute_lanes, config.prefill_nice)
+        self.compute = ComputeQueue(
+            config.compute_lanes, config.prefill_nice, config.prefill_compute_order
+        )
         self.uplink = Uplink(config.link_policy, self._stream_broken, **scheduler_options(config))
         self._downstream: dict[str, FramedStream] = {}
         self._connecting: dict[str, trio.Lock] = {}
@@ -308,6 +310,8 @@ class Node:
         now = time.monotonic()
         if not s.pending:
             s.pending_since = now
+        if msg.end != s.prompt_end:  # the first piece of a prompt
+            s.prompt_end, s.prompt_since = msg.end, now
         s.pending.append((msg, hidden))
         if self._step_log is not None:
             self._step_log.write(f"a {s.sid[:8]} {now:.4f} {msg.pos} {hidden.shape[1]} {msg.end}\n")
@@ -351,7 +355,10 @@ class Node:
             hidden = torch.cat([h for _, h in batch], dim=1) if len(batch) > 1 else batch[0][1]
             return hidden.shape[1], self._pass(s, batch[0][0], hidden)
 
-        self.compute.submit(PREFILL, 0, None, self._pass_done(s), prepare)
+        first = s.pending[0][0] if s.pending else None
+        left = first.end - first.pos if first is not None else 0
+        rank = self.compute.prefill_rank(s.prompt_since, left)
+        self.compute.submit(PREFILL, 0, None, self._pass_done(s), prepare, rank=rank)
 
     def _pass(self, s: Session, msg: Step, hidden):
         """The work of one forward pass from position `msg.pos`, run in the compute thread."""
@@ -375,7 +382,7 @@ class Node:
         when a decode step's input came in, for the step log (which also notes each prompt
         piece's arrival and each prompt pass)."""
 
-        async def done(result, error, elapsed):
+        async def done(result, error, elapsed, usage):
             if s.closed:
                 return
             if error is not None:
@@ -393,11 +400,14 @@ class Node:
             if self._step_log is None:
                 return
             now = time.monotonic()
+            os_time = f"{usage.cpu_s:.4f} {usage.runqueue_s:.4f}"
             if arrived is not None:
-                self._step_log.write(f"{arrived:.4f} {now - arrived:.4f} {elapsed:.4f}\n")
+                self._step_log.write(f"{arrived:.4f} {now - arrived:.4f} {elapsed:.4f} {os_time}\n")
             elif msg.phase == PREFILL:
                 n, sid = out.shape[1], s.sid[:8]
-                self._step_log.write(f"p {sid} {now:.4f} {msg.pos} {n} {msg.end} {elapsed:.4f}\n")
+                self._step_log.write(
+                    f"p {sid} {now:.4f} {msg.pos} {n} {msg.end} {elapsed:.4f} {os_time}\n"
+                )
 
         return done
 

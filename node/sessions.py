@@ -34,6 +34,8 @@ class Session:
     pending: list = field(default_factory=list)  # prefill (Step, hidden) not yet computed
     prefill_queued: bool = False  # a compute job will take from `pending`
     pending_since: float = 0.0  # when the oldest piece in `pending` arrived (monotonic)
+    prompt_end: int = -1  # the phase end of the latest prompt pieces, to tell a new prompt
+    prompt_since: float = 0.0  # when that prompt's first piece arrived (monotonic)
     gather: trio.CancelScope | None = None  # a pass waiting for more pieces, until it runs
     compute_lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -115,7 +115,7 @@ class Round:
     links: list[dict] = field(default_factory=list)  # per node, from its DHT record
     queues: list[list[tuple[float, float]]] = field(default_factory=list)  # per hop: (t, wait s)
     frames: list[list[tuple[float, int, float]]] = field(default_factory=list)  # (t, size, wait)
-    node_steps: list[list[tuple[float, float, float]]] = field(default_factory=list)  # per node
+    node_steps: list[list[tuple[float, ...]]] = field(default_factory=list)  # per node
     prompts: list[dict[str, PromptAtNode]] = field(default_factory=list)  # per node, by sid
     passes: list[list[tuple[int, float]]] = field(default_factory=list)  # per node: tokens, s
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per process, measured part
@@ -261,20 +261,20 @@ def read_queue_log(path: str) -> tuple[list[tuple[float, float]], list[tuple[flo
 
 
 def read_step_log(path: str):
-    """From a node's step log: (arrival, seconds in the node, seconds of compute) of each decode
-    step it ran; per session, its prompt's arrival and last pass there; (tokens, seconds of
-    compute) of each prompt pass."""
+    """From a node's step log: (arrival, seconds in the node, seconds of compute, of which on a
+    CPU, of which waiting for one) of each decode step it ran; per session, its prompt's arrival
+    and last pass there; (tokens, seconds of compute) of each prompt pass."""
     steps, prompts, passes = [], {}, []
     with open(path) as f:
         for line in f:
             parts = line.split()
-            if len(parts) == 3:
-                steps.append((float(parts[0]), float(parts[1]), float(parts[2])))
+            if len(parts) == 5 and parts[0] not in ("a", "p"):
+                steps.append(tuple(float(x) for x in parts))
             elif len(parts) == 6 and parts[0] == "a":
                 t = float(parts[2])
                 at = prompts.setdefault(parts[1], PromptAtNode(t, t))
                 at.last_in = t
-            elif len(parts) == 7 and parts[0] == "p":
+            elif len(parts) == 9 and parts[0] == "p":
                 passes.append((int(parts[4]), float(parts[6])))
                 if parts[1] in prompts and int(parts[3]) + int(parts[4]) == int(parts[5]):
                     prompts[parts[1]].done = float(parts[2])  # the prompt's last pass
@@ -410,7 +410,8 @@ def split_rounds(rounds: list[Round], timed_of) -> tuple[list[float], list[float
 
 
 def node_step_split(rounds: list[Round], node: int, column: int):
-    """A node's decode steps, prefill in flight and not: column 1 time in the node, 2 compute."""
+    """A node's decode steps, prefill in flight and not: column 1 time in the node, 2 compute,
+    3 of that on a CPU, 4 waiting for one."""
 
     def timed(rnd: Round):
         steps = rnd.node_steps[node] if node < len(rnd.node_steps) else []
@@ -499,6 +500,17 @@ def node_figures(rounds: list[Round]) -> list[str]:
                 f" {statistics.fmean(quiet) * 1e3:5.1f} ({statistics.fmean(quiet_c) * 1e3:5.1f})"
                 f" ms, p99 {pct(quiet, 0.99) * 1e3:5.1f} ms"
             )
+            split = []
+            for label, column in (("on a CPU", 3), ("waiting for one", 4)):
+                busy_x, quiet_x = node_step_split(rounds, i, column)
+                split.append(
+                    f"{label} {statistics.fmean(busy_x) * 1e3:5.1f}"
+                    f" / {statistics.fmean(quiet_x) * 1e3:5.1f} ms"
+                )
+            lines.append(
+                "      its compute, prefill in flight / none: " + ", ".join(split) + ", the rest"
+                " blocked (the GIL)"
+            )
         links = [r.links[i] for r in rounds if i < len(r.links) and r.links[i]]
         if i == len(SPANS) - 1 or not links:
             continue  # the last node's uplink is the client's result path
@@ -513,6 +525,9 @@ def node_figures(rounds: list[Round]) -> list[str]:
             f" p99 {mean('decode_delay_p99_s') * 1e3:7.1f} ms, chunks {mean('chunks_sent'):5.0f}"
             f" of {mean('chunk_tokens_mean'):5.1f} tokens, W resets {mean('w_resets'):3.0f},"
             f" held for acks {mean('prefill_held'):5.0f}, paced {mean('prefill_paced'):5.0f}"
+            f" (corrected by late acks {mean('pace_corrections'):4.0f}, came back late p50"
+            f" {mean('pace_late_p50_s') * 1e3:4.1f} ms), link idle while a prefill waited"
+            f" {mean('prefill_idle_s'):5.2f} s"
         )
         for what, decode_frames in (("10 ms samples", False), ("decode frames", True)):
             busy, quiet = queue_split(rounds, i, decode_frames)

@@ -145,7 +145,12 @@ def test_tokens_through_a_slow_link_match_the_unsplit_model(
     # the node behind the link logged its decode steps, and each piece of the long prompt as it
     # came in and each prompt pass, ending with the prompt's last token
     lines = [line.split() for line in step_log.read_text().splitlines()]
-    assert sum(len(parts) == 3 for parts in lines) >= 100  # the steady session's decode steps
+    steps = [[float(x) for x in parts] for parts in lines if parts[0] not in ("a", "p")]
+    assert len(steps) >= 100  # the steady session's decode steps
+    # each with its compute's seconds on a CPU and waiting for one, within the compute's time
+    for _, _, compute, cpu, runqueue in steps:
+        assert cpu >= 0 and runqueue >= 0 and cpu + runqueue <= compute + 0.002
+    assert sum(step[3] for step in steps) > 0
     sid = [parts for parts in lines if parts[0] == "a" and parts[5] == str(len(long))][-1][1]
     pieces = [parts for parts in lines if parts[0] == "a" and parts[1] == sid]
     assert [int(p[3]) for p in pieces] == list(

@@ -433,6 +433,33 @@ def test_a_late_acknowledgement_catches_the_pacing_model_up_with_the_link():
     assert plain.stats()["pace_corrections"] == 0
 
 
+def test_how_late_the_driver_comes_back_for_a_paced_chunk_is_counted():
+    sched = paced()
+    sched.enqueue(prefill(), 10.0)
+    send_now(sched, 10.0)  # 40 ms of bytes
+    assert sched.next_send(10.001) is None and sched.hold_until == pytest.approx(10.035)
+    assert sched.next_send(10.02) is None  # woken early (an acknowledgement): not late
+    assert sched.stats()["pace_late_p50_s"] == 0.0
+    send_now(sched, 10.065)  # 30 ms after the chunk could have gone
+    assert sched.stats()["pace_late_p50_s"] == pytest.approx(0.03)
+
+
+def test_the_time_the_link_idled_while_a_prefill_waited_is_counted():
+    sched = paced()
+    sched.enqueue(prefill(), 10.0)
+    send_now(sched, 10.0)  # 40 tokens: the link has them all carried by 10.04
+    assert sched.stats()["prefill_idle_s"] == 0.0  # the first send: nothing before it
+    send_now(sched, 10.07)  # came back 30 ms after the link ran dry
+    assert sched.stats()["prefill_idle_s"] == pytest.approx(0.03)
+    # a prefill that arrives at an idle link has not lost the time before it arrived
+    sched = scheduler()
+    sched.enqueue(prefill("a", tokens=10), 0.0)
+    send_now(sched, 0.0)  # whole (no decode session): carried by 0.01
+    sched.enqueue(prefill("b", tokens=10), 0.5)
+    send_now(sched, 0.52)
+    assert sched.stats()["prefill_idle_s"] == pytest.approx(0.02)
+
+
 def test_pacing_needs_a_decode_session_to_protect_and_is_off_by_default():
     sched = scheduler(pace_lead_s=0.005)
     sched.enqueue(prefill(tokens=700), 0.0)

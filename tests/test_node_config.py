@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from swarm.link.scheduler import LinkScheduler
+from swarm.node.compute import ComputeQueue
 from swarm.node.config import parse_args, scheduler_options
 
 
@@ -46,4 +47,14 @@ def test_the_prefill_order_is_one_of_the_schedulers(capsys):
     assert LinkScheduler(**scheduler_options(config)).prefill_order == "arrival"
     with pytest.raises(SystemExit):
         parse_args(["--layers", "0:10", "--link-prefill-order", "random"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_prompt_passes_compute_shortest_first_unless_asked_to_take_turns(capsys):
+    assert parse_args(["--layers", "0:10"]).prefill_compute_order == "shortest"
+    config = parse_args(["--layers", "0:10", "--prefill-compute-order", "round-robin"])
+    queue = ComputeQueue(config.compute_lanes, config.prefill_nice, config.prefill_compute_order)
+    assert queue.prefill_order == "round-robin"
+    with pytest.raises(SystemExit):
+        parse_args(["--layers", "0:10", "--prefill-compute-order", "arrival"])
     assert "invalid choice" in capsys.readouterr().err

@@ -259,6 +259,8 @@ class LinkScheduler:
         self.hold_until: float | None = None  # ... and when pacing lets it go, if it knows
         self._last_window: Window | None = None
         self._decode_delays: deque[float] = deque(maxlen=delay_samples)
+        self._pace_late: deque[float] = deque(maxlen=delay_samples)
+        self._prefill_idle_s = 0.0
         self._counts = {
             "sends": 0,
             "chunks_sent": 0,
@@ -299,6 +301,8 @@ class LinkScheduler:
     def next_send(self, now: float) -> Send | None:
         """Decide the next send on the uplink, or None if nothing may go now (`holding` tells
         whether something waits for acknowledgements)."""
+        if self.hold_until is not None and now >= self.hold_until:
+            self._pace_late.append(now - self.hold_until)  # how late the driver came back
         self.holding = False
         self.hold_until = None
         decode = self._first_eligible(DECODE)
@@ -330,6 +334,7 @@ class LinkScheduler:
                 return None
             tokens = self._chunk_tokens(prefill, now)
         self._w = 0
+        self._note_idle(prefill.volume.dest, now)
         return self._hand_out(prefill, tokens, now)
 
     def sent(self, send: Send, started: float, finished: float) -> None:
@@ -501,6 +506,18 @@ class LinkScheduler:
             return 0.0  # not pacing, or no decode session to protect
         return self.backlog(dest, now) - self.pace_lead_s
 
+    def _note_idle(self, dest: str, now: float) -> None:
+        """A prefill goes to `dest` now: add how long the link, by the bandwidth estimate, had
+        carried everything sent to it while a prefill waited here (time a prompt lost to the
+        cap, to pacing, or to a driver slow to come back)."""
+        link = self._links.get(dest)
+        bandwidth = self._bandwidth(dest)
+        if link is None or bandwidth is None or link.sent_total == 0:
+            return
+        drained = link.unsent_at + link.unsent / bandwidth
+        waiting_since = self._queues[PREFILL][0].enqueued  # the oldest prefill here
+        self._prefill_idle_s += max(0.0, now - max(drained, waiting_since))
+
     def _must_hold(self, prefill: _Queued, now: float) -> bool:
         """Whether the connection already holds enough unacknowledged bytes to wait for some."""
         dest = prefill.volume.dest
@@ -521,6 +538,7 @@ class LinkScheduler:
         """Flat numeric counters and gauges for logs and the health page."""
         c = self._counts
         delays = sorted(self._decode_delays)
+        late = sorted(self._pace_late)
         bandwidths = [lk.bandwidth for lk in self._links.values() if lk.bandwidth is not None]
         rtts = [lk.rtt for lk in self._links.values() if lk.rtt is not None]
         window = self._last_window
@@ -537,6 +555,9 @@ class LinkScheduler:
             "prefill_held": float(c["prefill_held"]),
             "prefill_paced": float(c["prefill_paced"]),
             "pace_corrections": float(c["pace_corrections"]),
+            "pace_late_p50_s": _percentile(late, 0.50),
+            "pace_late_p99_s": _percentile(late, 0.99),
+            "prefill_idle_s": self._prefill_idle_s,
             "in_flight_bytes": float(sum(lk.in_flight for lk in self._links.values())),
             "bytes_sent_decode": float(c["bytes_sent_decode"]),
             "bytes_sent_prefill": float(c["bytes_sent_prefill"]),
