@@ -37,7 +37,7 @@ from swarm.protocol import DECODE
 log = logging.getLogger("swarm.node")
 
 
-PREFILL_ORDERS = ("shortest", "round-robin")
+PASS_ORDERS = ("shortest", "round-robin")
 SCHEDSTAT = "/proc/thread-self/schedstat"
 
 
@@ -150,9 +150,9 @@ class ComputeQueue:
     ) -> None:
         if lanes not in (1, 2):
             raise ValueError(f"a node computes in 1 or 2 lanes, not {lanes}")
-        if prefill_order not in PREFILL_ORDERS:
+        if prefill_order not in PASS_ORDERS:
             raise ValueError(
-                f"unknown prompt pass order {prefill_order!r}; choose from {PREFILL_ORDERS}"
+                f"unknown prompt pass order {prefill_order!r}; choose from {PASS_ORDERS}"
             )
         self.prefill_order = prefill_order
         self.lanes = (
@@ -230,13 +230,16 @@ class ComputeQueue:
             elapsed = time.perf_counter() - started
             self.busy_seconds += elapsed
             if job.phase == DECODE and error is None:
-                a = 0.2 if self.decode_step_seconds else 1.0
-                self.decode_step_seconds += a * (elapsed - self.decode_step_seconds)
+                self.decode_step_seconds = _ewma(self.decode_step_seconds or None, elapsed, 0.2)
             elif error is None and tokens > 0:
-                per_token, old = elapsed / tokens, self.prefill_token_seconds
-                self.prefill_token_seconds = (
-                    per_token if old is None else old + 0.25 * (per_token - old)
+                self.prefill_token_seconds = _ewma(
+                    self.prefill_token_seconds, elapsed / tokens, 0.25
                 )
             if observe is not None and error is None:
                 observe(job.phase, tokens, elapsed)
             await job.done(result, error, elapsed, usage)
+
+
+def _ewma(old: float | None, sample: float, gain: float) -> float:
+    """An exponentially weighted mean moved `gain` of the way to `sample`; the sample if none."""
+    return sample if old is None else old + gain * (sample - old)

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from swarm.link.scheduler import PREFILL_ORDERS
-from swarm.node.compute import PREFILL_ORDERS as COMPUTE_ORDERS
+from swarm.node.compute import PASS_ORDERS
 from swarm.wire import DEFAULT_MAX_FRAME, WIRE_DTYPES
 
 
@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-compute-order",
         default="shortest",
-        choices=list(COMPUTE_ORDERS),
+        choices=list(PASS_ORDERS),
         help="which waiting prompt's pass computes next: the one needing the least compute"
         " left, less the time it has waited (lower mean time to first token), or in turns",
     )
