@@ -323,8 +323,9 @@ async def test_a_connection_reset_by_one_side_does_not_stop_the_relay(nursery):
     with trio.fail_after(2):
         while relay.connections:
             await trio.sleep(0.01)
-    # still shaping: the relay wakes its timer a little early by design, hence the 10% slack
-    assert (await round_trips(port, pings=1))[0] == pytest.approx(2 * DELAY, rel=0.10)
+    # still shaping: the relay wakes its timer a little early by design, hence the 10% slack;
+    # the fastest of 5 pings, since a busy machine only ever adds to one (CI saw 34 ms for 30 once)
+    assert min(await round_trips(port, pings=5)) == pytest.approx(2 * DELAY, rel=0.10)
     assert relay.served == 2
 
 
