@@ -42,7 +42,7 @@ async def run(cfg: NodeConfig) -> None:
     source = open_model(cfg.model)
     source.config.check_span(cfg.start, cfg.end)
     fingerprint = source.fingerprint()
-    dht = start_dht(cfg.initial_peers, host=cfg.dht_host)
+    dht = start_dht(cfg.initial_peers, host=cfg.dht_host, nice=cfg.dht_nice)
     try:
         if not cfg.initial_peers:
             say("started a new swarm; others join with:")

@@ -32,6 +32,7 @@ from typing import Any
 import outcome
 import trio
 
+from swarm.link.estimator import ewma
 from swarm.protocol import DECODE
 
 log = logging.getLogger("swarm.node")
@@ -146,7 +147,7 @@ class Lane:
 
 class ComputeQueue:
     def __init__(
-        self, lanes: int = 2, prefill_nice: int = 10, prefill_order: str = "shortest"
+        self, lanes: int = 2, prefill_nice: int = 3, prefill_order: str = "shortest"
     ) -> None:
         if lanes not in (1, 2):
             raise ValueError(f"a node computes in 1 or 2 lanes, not {lanes}")
@@ -230,16 +231,11 @@ class ComputeQueue:
             elapsed = time.perf_counter() - started
             self.busy_seconds += elapsed
             if job.phase == DECODE and error is None:
-                self.decode_step_seconds = _ewma(self.decode_step_seconds or None, elapsed, 0.2)
+                self.decode_step_seconds = ewma(self.decode_step_seconds or None, elapsed, 0.2)
             elif error is None and tokens > 0:
-                self.prefill_token_seconds = _ewma(
+                self.prefill_token_seconds = ewma(
                     self.prefill_token_seconds, elapsed / tokens, 0.25
                 )
             if observe is not None and error is None:
                 observe(job.phase, tokens, elapsed)
             await job.done(result, error, elapsed, usage)
-
-
-def _ewma(old: float | None, sample: float, gain: float) -> float:
-    """An exponentially weighted mean moved `gain` of the way to `sample`; the sample if none."""
-    return sample if old is None else old + gain * (sample - old)

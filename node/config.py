@@ -20,6 +20,7 @@ class NodeConfig:
     port: int = 0
     public_address: str | None = None
     dht_host: str = "127.0.0.1"
+    dht_nice: int = 10
     max_sessions: int = 64
     max_cache_tokens: int = 32768
     max_session_tokens: int = 8192
@@ -37,7 +38,7 @@ class NodeConfig:
     prefill_min_pass_tokens: int = 1
     prefill_gather_s: float = 0.1
     compute_lanes: int = 2
-    prefill_nice: int = 10
+    prefill_nice: int = 3
     prefill_compute_order: str = "shortest"
     link_inflight_gain: float = 2.0
     link_inflight_floor_chunks: int = 3
@@ -119,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="announce this address instead (a relay or NAT mapping)",
     )
     p.add_argument("--dht-host", default="127.0.0.1", help="address the DHT listens on")
+    p.add_argument(
+        "--dht-nice",
+        type=_nice_steps,
+        default=10,
+        help="how many nice steps the DHT process (announcements, lookups) runs below the"
+        " node's own (0-19; more leaves the CPU to compute)",
+    )
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument(
         "--max-cache-tokens",
@@ -254,9 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-nice",
         type=_nice_steps,
-        default=10,
+        default=3,
         help="how many nice steps the prompt-pass thread runs below the node's own (0-19; more"
-        " yields the CPU to decode steps sooner)",
+        " yields the CPU to decode steps sooner, at the cost of time to first token)",
     )
     p.add_argument(
         "--prefill-compute-order",
@@ -280,6 +288,7 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         port=a.port,
         public_address=a.public_address,
         dht_host=a.dht_host,
+        dht_nice=a.dht_nice,
         max_sessions=a.max_sessions,
         max_cache_tokens=a.max_cache_tokens,
         max_session_tokens=a.max_session_tokens,

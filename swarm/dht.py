@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,9 +18,13 @@ log = logging.getLogger(__name__)
 
 
 def start_dht(
-    initial_peers: Sequence[str] = (), host: str = "127.0.0.1", client_mode: bool = False
+    initial_peers: Sequence[str] = (),
+    host: str = "127.0.0.1",
+    client_mode: bool = False,
+    nice: int = 0,
 ):
-    """Start a DHT peer with signed-record validation. No initial peers: a new swarm."""
+    """Start a DHT peer with signed-record validation. No initial peers: a new swarm.
+    `nice`: steps the DHT process (and the p2p daemon it starts) runs below this one's."""
     import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
 
@@ -28,6 +33,8 @@ def start_dht(
             from swarm.launch import die_with_parent
 
             die_with_parent()  # a node killed with -9 must not leave its DHT process serving
+            if nice:
+                os.nice(nice)
             super().run()
 
     return DHT(

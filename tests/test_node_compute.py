@@ -8,42 +8,74 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 import trio
 
-from swarm.node.compute import ComputeQueue
+from swarm.node.compute import ComputeQueue, Usage
 from swarm.protocol import DECODE, PREFILL
+
+
+@dataclass
+class Work:
+    """One compute job for `run_all`: submitted, then `then` seconds before the next one."""
+
+    phase: str
+    run: Callable[[], Any]
+    tokens: int = 1
+    rank: float = 0.0
+    then: float = 0.0
+
+
+@dataclass
+class Finished:
+    at: float  # trio time
+    result: Any
+    elapsed: float
+    usage: Usage
+
+
+async def run_all(
+    queue: ComputeQueue, jobs: list[Work], timeout: float = 10
+) -> dict[int, Finished]:
+    """Submit the jobs to a running queue; how each finished, by index, in the order they did."""
+    finished: dict[int, Finished] = {}
+    all_done = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.worker)
+        for i, job in enumerate(jobs):
+
+            async def done(result, error, elapsed, usage, i=i):
+                assert error is None
+                finished[i] = Finished(trio.current_time(), result, elapsed, usage)
+                if len(finished) == len(jobs):
+                    all_done.set()
+
+            queue.submit(job.phase, job.tokens, job.run, done, rank=job.rank)
+            await trio.sleep(job.then)
+        with trio.fail_after(timeout):
+            await all_done.wait()
+        nursery.cancel_scope.cancel()
+    return finished
 
 
 async def run_jobs(queue: ComputeQueue, jobs: list[tuple[str, float]]) -> dict[int, tuple]:
     """Submit (phase, seconds of blocking work) jobs 50 ms apart; each job's (finish time,
     thread name, nice value) by index."""
-    finished: dict[int, tuple] = {}
-    all_done = trio.Event()
 
     def work(seconds: float):
         time.sleep(seconds)  # blocks its thread, as a forward pass does
         tid = threading.get_native_id()
         return threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, tid)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(queue.worker)
-        for i, (phase, seconds) in enumerate(jobs):
-
-            async def done(result, error, _elapsed, _usage, i=i):
-                assert error is None
-                finished[i] = (trio.current_time(), *result)
-                if len(finished) == len(jobs):
-                    all_done.set()
-
-            queue.submit(phase, 1, lambda s=seconds: work(s), done)
-            await trio.sleep(0.05)
-        with trio.fail_after(10):
-            await all_done.wait()
-        nursery.cancel_scope.cancel()
-    return finished
+    got = await run_all(
+        queue, [Work(phase, lambda s=seconds: work(s), then=0.05) for phase, seconds in jobs]
+    )
+    return {i: (f.at, *f.result) for i, f in got.items()}
 
 
 async def test_a_decode_step_runs_while_a_prompt_pass_computes():
@@ -80,29 +112,9 @@ def test_a_node_computes_in_one_or_two_lanes():
 async def run_ranked(queue: ComputeQueue, ranks: list[float]) -> list[int]:
     """Hold the prompt lane with a pass, queue passes of the given ranks behind it: the order
     they ran in, by index."""
-    ran: list[int] = []
-    all_done = trio.Event()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(queue.worker)
-
-        async def nothing(*_):
-            pass
-
-        queue.submit(PREFILL, 1, lambda: time.sleep(0.2), nothing)
-        await trio.sleep(0.05)  # it runs; the rest wait
-        for i, rank in enumerate(ranks):
-
-            async def done(result, error, _elapsed, _usage, i=i):
-                assert error is None
-                ran.append(i)
-                if len(ran) == len(ranks):
-                    all_done.set()
-
-            queue.submit(PREFILL, 1, lambda: None, done, rank=rank)
-        with trio.fail_after(10):
-            await all_done.wait()
-        nursery.cancel_scope.cancel()
-    return ran
+    hold = Work(PREFILL, lambda: time.sleep(0.2), then=0.05)  # it runs; the rest wait
+    got = await run_all(queue, [hold] + [Work(PREFILL, lambda: None, rank=r) for r in ranks])
+    return [i - 1 for i in got if i > 0]
 
 
 async def test_waiting_prompt_passes_go_lowest_rank_first_then_in_order():
@@ -125,17 +137,7 @@ def test_a_prompt_ranks_by_its_arrival_plus_the_compute_it_still_needs():
 
 async def test_the_compute_time_per_prompt_token_is_measured():
     queue = ComputeQueue()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(queue.worker)
-        finished = trio.Event()
-
-        async def done(*_):
-            finished.set()
-
-        queue.submit(PREFILL, 20, lambda: time.sleep(0.2), done)
-        with trio.fail_after(10):
-            await finished.wait()
-        nursery.cancel_scope.cancel()
+    await run_all(queue, [Work(PREFILL, lambda: time.sleep(0.2), tokens=20)])
     assert 0.01 <= queue.prefill_token_seconds < 0.02  # 0.2 s over 20 tokens, and a hand-off
 
 
@@ -147,38 +149,25 @@ def spin(seconds: float) -> None:
 
 
 async def test_each_job_reports_its_threads_cpu_and_its_wait_for_a_cpu():
-    queue = ComputeQueue()
-    usages = {}
     busy = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"])
         for _ in range(os.cpu_count() or 2)
     ]  # every core busy: the spinning job must wait its turns
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(queue.worker)
-            finished = trio.Event()
-            for name, work in (("sleep", lambda: time.sleep(0.3)), ("spin", lambda: spin(0.3))):
-
-                async def done(_result, error, elapsed, usage, name=name):
-                    assert error is None
-                    usages[name] = (elapsed, usage)
-                    if len(usages) == 2:
-                        finished.set()
-
-                queue.submit(DECODE, 1, work, done)
-            with trio.fail_after(30):
-                await finished.wait()
-            nursery.cancel_scope.cancel()
+        got = await run_all(
+            ComputeQueue(),
+            [Work(DECODE, lambda: time.sleep(0.3)), Work(DECODE, lambda: spin(0.3))],
+            timeout=30,
+        )
     finally:
         for p in busy:
             p.kill()
             p.wait()
-    elapsed, usage = usages["sleep"]
-    assert usage.cpu_s < 0.05 and usage.runqueue_s < 0.05 and elapsed >= 0.3
-    elapsed, usage = usages["spin"]
-    assert 0.29 <= usage.cpu_s <= elapsed
-    assert usage.runqueue_s > 0.05  # it shared the cores with the spinning processes
-    assert usage.cpu_s + usage.runqueue_s <= elapsed + 0.002
+    sleep, spun = got[0], got[1]
+    assert sleep.usage.cpu_s < 0.05 and sleep.usage.runqueue_s < 0.05 and sleep.elapsed >= 0.3
+    assert 0.29 <= spun.usage.cpu_s <= spun.elapsed
+    assert spun.usage.runqueue_s > 0.05  # it shared the cores with the spinning processes
+    assert spun.usage.cpu_s + spun.usage.runqueue_s <= spun.elapsed + 0.002
 
 
 def test_a_pass_that_would_run_before_its_sessions_earlier_positions_is_refused(tiny_model_dir):

@@ -24,6 +24,15 @@ def test_the_link_defaults_are_the_capped_molink_without_pacing():
     sched = LinkScheduler(config.link_policy, **options)
     assert sched.pace_lead_s is None and sched.inflight_gain == 2.0
     assert config.prefill_min_pass_tokens == 1  # prompt passes never wait for more pieces
+    assert (config.prefill_nice, config.dht_nice) == (3, 10)
+
+
+def test_nice_steps_are_0_to_19(capsys):
+    assert parse_args(["--layers", "0:10", "--dht-nice", "0"]).dht_nice == 0
+    for flag in ("--dht-nice", "--prefill-nice"):
+        with pytest.raises(SystemExit):
+            parse_args(["--layers", "0:10", flag, "20"])
+        assert "must be 0..19" in capsys.readouterr().err
 
 
 def test_pacing_and_a_timed_chunk_floor_are_asked_for_in_milliseconds():

@@ -76,3 +76,33 @@ def test_killed_nodes_record_expires(bootstrap, tiny_model_dir):
         assert time.monotonic() - t <= TTL + 10
     finally:
         stop_all([node])
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def command(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+
+def test_the_dht_process_and_its_daemon_run_at_the_nice_asked_for(bootstrap, tiny_model_dir):
+    peers = visible_maddrs(bootstrap)
+    node = start_node((0, 2), peers, model=str(tiny_model_dir), extra=["--dht-nice", "7"])
+    try:
+        node.wait_serving()
+        own = os.getpriority(os.PRIO_PROCESS, node.proc.pid)
+        # the DHT process is the node's child that started the p2p daemon
+        dht = [(c, d) for c in children(node.proc.pid) for d in children(c) if command(d) == "p2pd"]
+        assert len(dht) == 1, [(c, command(c)) for c in children(node.proc.pid)]
+        for pid in dht[0]:
+            assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, own + 7)
+        assert own == os.getpriority(os.PRIO_PROCESS, 0)  # the node itself is not niced
+        wait_for(lambda: states(bootstrap, tiny_model_dir).get(node.peer) == "online", 15, "online")
+    finally:
+        stop_all([node])

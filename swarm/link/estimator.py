@@ -251,7 +251,7 @@ class LinkEstimator:
         self._bandwidth = ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
     def _add_rtt(self, rtt: float, now: float) -> None:
-        self.rtt = rtt if self.rtt is None else self.rtt + self.rtt_gain * (rtt - self.rtt)
+        self.rtt = ewma(self.rtt, rtt, self.rtt_gain)
         # monotonic deque: the front is the minimum of the window
         while self._min_rtts and self._min_rtts[-1][1] >= rtt:
             self._min_rtts.pop()
@@ -260,3 +260,8 @@ class LinkEstimator:
             self._min_rtts.popleft()
         self.samples += 1
         self.rtt_samples += 1
+
+
+def ewma(old: float | None, sample: float, gain: float) -> float:
+    """An exponentially weighted mean moved `gain` of the way to `sample`; the sample if none."""
+    return sample if old is None else old + gain * (sample - old)

@@ -59,6 +59,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from swarm.link.estimator import ewma
 from swarm.protocol import DECODE, PHASES, PREFILL
 
 POLICIES = ("molink", "fifo")
@@ -384,10 +385,7 @@ class LinkScheduler:
         """This node's compute time for one step of `phase` (T_d for decode)."""
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-        old = self._compute.get(phase)
-        self._compute[phase] = (
-            seconds if old is None else old + self._compute_gain * (seconds - old)
-        )
+        self._compute[phase] = ewma(self._compute.get(phase), seconds, self._compute_gain)
 
     def update_link(
         self,
