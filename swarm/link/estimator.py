@@ -45,6 +45,7 @@ propagation delay; the difference is queueing).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -243,12 +244,8 @@ class LinkEstimator:
             quantile = 0.5  # not biased low by idle time: the middle is the rate
         else:
             ordered = sorted(r for _, r, _ in self._rates)
-        if not ordered:
-            return
-        rank = quantile * (len(ordered) - 1)
-        lo = int(rank)
-        hi = min(lo + 1, len(ordered) - 1)
-        self._bandwidth = ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+        if ordered:
+            self._bandwidth = percentile(ordered, quantile)
 
     def _add_rtt(self, rtt: float, now: float) -> None:
         self.rtt = ewma(self.rtt, rtt, self.rtt_gain)
@@ -265,3 +262,13 @@ class LinkEstimator:
 def ewma(old: float | None, sample: float, gain: float) -> float:
     """An exponentially weighted mean moved `gain` of the way to `sample`; the sample if none."""
     return sample if old is None else old + gain * (sample - old)
+
+
+def percentile(sorted_values: list[float], p: float) -> float:
+    """The `p` quantile (0..1) of ascending values, interpolated linearly; 0 for none."""
+    if not sorted_values:
+        return 0.0
+    rank = p * (len(sorted_values) - 1)
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (rank - lo)

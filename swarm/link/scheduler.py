@@ -59,7 +59,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from swarm.link.estimator import ewma
+from swarm.link.estimator import ewma, percentile
 from swarm.protocol import DECODE, PHASES, PREFILL
 
 POLICIES = ("molink", "fifo")
@@ -553,14 +553,14 @@ class LinkScheduler:
             "prefill_held": float(c["prefill_held"]),
             "prefill_paced": float(c["prefill_paced"]),
             "pace_corrections": float(c["pace_corrections"]),
-            "pace_late_p50_s": _percentile(late, 0.50),
-            "pace_late_p99_s": _percentile(late, 0.99),
+            "pace_late_p50_s": percentile(late, 0.50),
+            "pace_late_p99_s": percentile(late, 0.99),
             "prefill_idle_s": self._prefill_idle_s,
             "in_flight_bytes": float(sum(lk.in_flight for lk in self._links.values())),
             "bytes_sent_decode": float(c["bytes_sent_decode"]),
             "bytes_sent_prefill": float(c["bytes_sent_prefill"]),
-            "decode_delay_p50_s": _percentile(delays, 0.50),
-            "decode_delay_p99_s": _percentile(delays, 0.99),
+            "decode_delay_p50_s": percentile(delays, 0.50),
+            "decode_delay_p99_s": percentile(delays, 0.99),
             "decode_delay_max_s": delays[-1] if delays else 0.0,
             "bandwidth_Bps": min(bandwidths) if bandwidths else 0.0,
             "rtt_s": max(rtts) if rtts else 0.0,
@@ -658,12 +658,3 @@ class LinkScheduler:
 def _whole_tokens(nbytes: float, bytes_per_token: int) -> int:
     """Whole tokens in `nbytes`; the epsilon keeps 24.0 from flooring to 23 after rounding."""
     return math.floor(nbytes / bytes_per_token + 1e-9)
-
-
-def _percentile(sorted_values: list[float], p: float) -> float:
-    if not sorted_values:
-        return 0.0
-    rank = p * (len(sorted_values) - 1)
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (rank - lo)
