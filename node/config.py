@@ -35,8 +35,8 @@ class NodeConfig:
     link_policy: str = "molink"
     link_max_wait: int = 30
     prefill_pass_tokens: int = 64
-    prefill_min_pass_tokens: int = 1
-    prefill_gather_s: float = 0.1
+    prefill_min_pass_tokens: int = 32
+    prefill_gather_s: float = 0.4
     compute_lanes: int = 2
     prefill_nice: int = 3
     prefill_compute_order: str = "shortest"
@@ -242,14 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-min-pass-tokens",
         type=_positive_int,
-        default=1,
+        default=32,
         help="a prompt pass waits (up to --prefill-gather-ms) for this many tokens to arrive,"
-        " unless the prompt's end has: each pass has a fixed cost (1: never waits)",
+        " unless the prompt's end has: each pass has a fixed cost, and a slow link delivers a"
+        " prompt a few tokens at a time (1: never waits)",
     )
     p.add_argument(
         "--prefill-gather-ms",
         type=_non_negative_float,
-        default=100.0,
+        default=400.0,
         help="longest a prompt pass waits for --prefill-min-pass-tokens",
     )
     p.add_argument(

@@ -433,6 +433,24 @@ def test_a_late_acknowledgement_catches_the_pacing_model_up_with_the_link():
     assert plain.stats()["pace_corrections"] == 0
 
 
+def test_an_acknowledgement_later_than_the_link_model_says_is_counted_as_lag():
+    sched = scheduler()  # not pacing: the lag is counted all the same
+    sched.update_link(DEST, min_rtt=0.03)
+    marks = []
+    for i in range(3):  # 20 kB each at 10.0: through the bottleneck at 10.02, .04, .06
+        sched.enqueue(decode(f"d{i}", bytes_per_token=20_000), 10.0)
+        send_now(sched, 10.0)
+        marks.append(sched.bytes_sent_to(DEST))
+    sched.acked(DEST, marks[0], 10.05)  # 10.02 + 30 ms: on time
+    assert sched.stats()["ack_lag_p50_s"] == pytest.approx(0.0)
+    sched.acked(DEST, marks[2], 10.15)  # the second's never came; 10.06 + 30 ms + 60 ms late
+    stats = sched.stats()
+    assert stats["ack_lag_p50_s"] == pytest.approx(0.03)  # the median of 0 and 60 ms
+    assert stats["ack_lag_p99_s"] == pytest.approx(0.0594)
+    sched.acked(DEST, marks[1], 10.2)  # a mark already passed: nothing to time
+    assert sched.stats()["ack_lag_p99_s"] == pytest.approx(0.0594)
+
+
 def test_how_late_the_driver_comes_back_for_a_paced_chunk_is_counted():
     sched = paced()
     sched.enqueue(prefill(), 10.0)

@@ -23,7 +23,8 @@ def test_the_link_defaults_are_the_capped_molink_without_pacing():
     }
     sched = LinkScheduler(config.link_policy, **options)
     assert sched.pace_lead_s is None and sched.inflight_gain == 2.0
-    assert config.prefill_min_pass_tokens == 1  # prompt passes never wait for more pieces
+    # a pass waits up to 0.4 s for 32 tokens of a prompt that crosses a slow link in chunks
+    assert (config.prefill_min_pass_tokens, config.prefill_gather_s) == (32, 0.4)
     assert (config.prefill_nice, config.dht_nice) == (3, 10)
 
 

@@ -57,12 +57,13 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarm.link.estimator import ewma, percentile
 from swarm.protocol import DECODE, PHASES, PREFILL
 
 POLICIES = ("molink", "fifo")
+MAX_DRAINS = 4096  # sends per connection remembered for the acknowledgement lag
 PREFILL_ORDERS = ("arrival", "shortest")
 
 
@@ -166,6 +167,8 @@ class _Link:
     unsent: float = 0.0  # bytes sent that the link has not carried yet, by the bandwidth estimate
     unsent_at: float = 0.0  # when `unsent` was last brought up to date
     sent_total: int = 0  # bytes handed to the transport for this connection, ever
+    # (mark after a send, when the model has its last byte through the bottleneck), oldest first
+    drains: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=MAX_DRAINS))
 
     @property
     def base_rtt(self) -> float | None:
@@ -261,6 +264,7 @@ class LinkScheduler:
         self._last_window: Window | None = None
         self._decode_delays: deque[float] = deque(maxlen=delay_samples)
         self._pace_late: deque[float] = deque(maxlen=delay_samples)
+        self._ack_lags: deque[float] = deque(maxlen=delay_samples)
         self._prefill_idle_s = 0.0
         self._counts = {
             "sends": 0,
@@ -348,6 +352,7 @@ class LinkScheduler:
         if bandwidth is not None:
             link.unsent = self._unsent(link, bandwidth, started) + send.nbytes
             link.unsent_at = max(started, link.unsent_at)
+            link.drains.append((link.sent_total, link.unsent_at + link.unsent / bandwidth))
         if send.phase == DECODE and send.last and send.session in self._tracks:
             self._tracks[send.session].last_sent = finished
 
@@ -362,10 +367,22 @@ class LinkScheduler:
         The last of those left the bottleneck about a min RTT ago, so what was sent after them
         has had at most that long (and ack_slack_s) to drain. When pacing, that bounds what the
         link still holds from below: an estimate reading high makes the model drain too fast, and
-        this catches it up."""
+        this catches it up.
+
+        Whether pacing or not, it also counts the acknowledgement's lag: how much later than
+        the model's drain time of the acknowledged send plus the min RTT it came (the next hop
+        reading late, the way back queueing; `ack_lag_p50_s`). An in-flight cap must cover
+        it to keep the link busy."""
         link = self._links.get(dest)
+        if link is None:
+            return
+        while link.drains and link.drains[0][0] < through:
+            link.drains.popleft()
+        if link.drains and link.drains[0][0] == through:
+            drained = link.drains.popleft()[1]
+            self._ack_lags.append(max(0.0, now - drained - (link.base_rtt or 0.0)))
         bandwidth = self._bandwidth(dest)
-        if self.pace_lead_s is None or link is None or bandwidth is None:
+        if self.pace_lead_s is None or bandwidth is None:
             return
         window = (link.base_rtt or 0.0) + self.ack_slack_s
         behind = link.sent_total - through - bandwidth * window
@@ -537,6 +554,7 @@ class LinkScheduler:
         c = self._counts
         delays = sorted(self._decode_delays)
         late = sorted(self._pace_late)
+        lags = sorted(self._ack_lags)
         bandwidths = [lk.bandwidth for lk in self._links.values() if lk.bandwidth is not None]
         rtts = [lk.rtt for lk in self._links.values() if lk.rtt is not None]
         window = self._last_window
@@ -555,6 +573,8 @@ class LinkScheduler:
             "pace_corrections": float(c["pace_corrections"]),
             "pace_late_p50_s": percentile(late, 0.50),
             "pace_late_p99_s": percentile(late, 0.99),
+            "ack_lag_p50_s": percentile(lags, 0.50),
+            "ack_lag_p99_s": percentile(lags, 0.99),
             "prefill_idle_s": self._prefill_idle_s,
             "in_flight_bytes": float(sum(lk.in_flight for lk in self._links.values())),
             "bytes_sent_decode": float(c["bytes_sent_decode"]),
