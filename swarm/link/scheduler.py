@@ -63,8 +63,8 @@ from swarm.link.estimator import ewma, percentile
 from swarm.protocol import DECODE, PHASES, PREFILL
 
 POLICIES = ("molink", "fifo")
-MAX_DRAINS = 4096  # sends per connection remembered for the acknowledgement lag
 PREFILL_ORDERS = ("arrival", "shortest")
+MAX_DRAINS = 4096  # sends per connection remembered for the acknowledgement lag
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,10 @@ class _Link:
     sent_total: int = 0  # bytes handed to the transport for this connection, ever
     # (mark after a send, when the model has its last byte through the bottleneck), oldest first
     drains: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=MAX_DRAINS))
+
+    def drained_at(self, bandwidth: float) -> float:
+        """When the link, at `bandwidth`, has carried everything sent to it so far."""
+        return self.unsent_at + self.unsent / bandwidth
 
     @property
     def base_rtt(self) -> float | None:
@@ -352,7 +356,7 @@ class LinkScheduler:
         if bandwidth is not None:
             link.unsent = self._unsent(link, bandwidth, started) + send.nbytes
             link.unsent_at = max(started, link.unsent_at)
-            link.drains.append((link.sent_total, link.unsent_at + link.unsent / bandwidth))
+            link.drains.append((link.sent_total, link.drained_at(bandwidth)))
         if send.phase == DECODE and send.last and send.session in self._tracks:
             self._tracks[send.session].last_sent = finished
 
@@ -529,7 +533,7 @@ class LinkScheduler:
         bandwidth = self._bandwidth(dest)
         if link is None or bandwidth is None or link.sent_total == 0:
             return
-        drained = link.unsent_at + link.unsent / bandwidth
+        drained = link.drained_at(bandwidth)
         waiting_since = self._queues[PREFILL][0].enqueued  # the oldest prefill here
         self._prefill_idle_s += max(0.0, now - max(drained, waiting_since))
 
