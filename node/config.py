@@ -41,7 +41,7 @@ class NodeConfig:
     prefill_nice: int = 3
     prefill_compute_order: str = "shortest"
     link_inflight_gain: float = 2.0
-    link_inflight_floor_chunks: int = 3
+    link_inflight_floor_chunks: int = 2
     link_pacing: bool = False
     link_pace_lead_ms: float = 10.0
     link_min_chunk_ms: float = 0.0
@@ -199,9 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--link-inflight-floor-chunks",
         type=_positive_int,
-        default=3,
+        default=2,
         help="with --link-inflight-gain: a connection may always hold this many smallest"
-        " chunks unacknowledged",
+        " prompt chunks unacknowledged (decode frames do not count)",
     )
     p.add_argument(
         "--link-pacing",

@@ -65,7 +65,7 @@ class Node:
         self.nursery: trio.Nursery | None = None
         self.errors_sent = 0
         self.steps_done = 0
-        self._pings: dict[tuple[str, int], float] = {}
+        self._pings: dict[tuple[str, int], tuple[float, bool]] = {}  # -> (sent, path clear)
         # lines, so a killed node loses none
         self._step_log = open(config.step_log, "a", buffering=1) if config.step_log else None
 
@@ -516,9 +516,10 @@ class Node:
                 if isinstance(msg, Pong):
                     if self.uplink.on_pong(dest, msg.nonce, msg.rx_bytes, msg.rx_us / 1e6):
                         continue
-                    sent = self._pings.pop((dest, msg.nonce), None)
-                    if sent is not None:
-                        self.uplink.on_ping(dest, time.monotonic() - sent)
+                    ping = self._pings.pop((dest, msg.nonce), None)
+                    if ping is not None:
+                        sent, clear = ping
+                        self.uplink.on_ping(dest, time.monotonic() - sent, queued=not clear)
                     continue
                 s = self.sessions.lookup(getattr(msg, "sid", ""))
                 if s is None or s.downstream != dest:
@@ -561,7 +562,7 @@ class Node:
             await trio.sleep(PING_INTERVAL)
             for dest, ds in list(self._downstream.items()):
                 nonce += 1
-                self._pings[(dest, nonce)] = time.monotonic()
+                self._pings[(dest, nonce)] = (time.monotonic(), self.uplink.path_clear(dest))
                 self.uplink.send_control(ds, Ping(nonce=nonce))
             if len(self._pings) > 1000:
                 self._pings.clear()

@@ -23,7 +23,7 @@ import trio
 from swarm.link.estimator import LinkEstimator, SentFrame
 from swarm.link.scheduler import LinkScheduler, Volume
 from swarm.link.tcpinfo import read_tcp_info, set_notsent_lowat
-from swarm.protocol import Message, Ping, Result, Step, to_wire
+from swarm.protocol import PREFILL, Message, Ping, Result, Step, to_wire
 from swarm.transport import FramedStream
 from swarm.wire import encode_frame, pack_tensor, tensor_nbytes
 
@@ -68,8 +68,9 @@ class Uplink:
         self._wake = trio.Event()
         self._clock0 = time.monotonic()
         self.bytes_sent = 0
-        # dest -> (nonce, frame, the scheduler's mark after it), oldest first
-        self._acks: dict[str, deque[tuple[int, SentFrame, int]]] = {}
+        # dest -> (nonce, frame, the scheduler's mark after it, the prompt bytes the scheduler
+        # counted in it (0 for a decode frame)), oldest first
+        self._acks: dict[str, deque[tuple[int, SentFrame, int, int]]] = {}
         self._ack_nonce = ACK_NONCE_BASE
 
     def now(self) -> float:
@@ -120,7 +121,7 @@ class Uplink:
         est = self.estimator(dest)
         acked = None  # the scheduler's mark after the acknowledged frame
         while waiting:
-            n, frame, mark = waiting.popleft()
+            n, frame, mark, _ = waiting.popleft()
             if n == nonce:
                 est.on_acked(frame, self.now())
                 if rx_bytes > 0 and rx_s > 0:
@@ -137,16 +138,21 @@ class Uplink:
     def forget_dest(self, dest: str) -> None:
         """The connection to `dest` is gone: its outstanding acknowledgements will not come."""
         est = self._estimators.get(dest)
-        for _, frame, _ in self._acks.pop(dest, ()):
+        for _, frame, _, _ in self._acks.pop(dest, ()):
             if est is not None:
                 est.on_ack_lost(frame)
         if est is not None:
             self._push_estimate(dest, est)
             self._wake.set()
 
-    def on_ping(self, dest: str, rtt: float) -> None:
+    def path_clear(self, dest: str) -> bool:
+        """Nothing sent to `dest` is unacknowledged: a ping sent now queues behind nothing."""
+        return self.estimator(dest).in_flight == 0
+
+    def on_ping(self, dest: str, rtt: float, queued: bool = False) -> None:
+        """A round trip to `dest`; `queued` unless path_clear held when the ping was sent."""
         est = self.estimator(dest)
-        est.on_ping(rtt, self.now())
+        est.on_ping(rtt, self.now(), queued)
         self._push_estimate(dest, est)
 
     def _push_estimate(self, dest: str, est: LinkEstimator) -> None:
@@ -158,6 +164,7 @@ class Uplink:
             forget_bandwidth=est.bandwidth is None,
             min_rtt=est.min_rtt,
             in_flight=est.in_flight,
+            prefill_in_flight=sum(prompt for _, _, _, prompt in self._acks.get(dest, ())),
         )
 
     def stats(self) -> dict[str, float]:
@@ -215,15 +222,14 @@ class Uplink:
                 continue
             frame = self._frame(p, send.offset, send.tokens)
             sent = None if p.result else self.estimator(p.dest).on_frame_sent(len(frame))
-            if sent is not None:
-                self._push_estimate(p.dest, self.estimator(p.dest))  # in flight grew
             ok = await self._write(p.stream, frame)
             finished = self.now()
             self.scheduler.sent(send, started=started, finished=finished)
             if ok:
                 self._measure(p, len(frame), started, finished)
             if sent is not None:
-                await self._ask_ack(p, sent, ok, self.scheduler.bytes_sent_to(p.dest))
+                prompt = send.nbytes if send.phase == PREFILL else 0
+                await self._ask_ack(p, sent, ok, self.scheduler.bytes_sent_to(p.dest), prompt)
 
     def _hold_timeout(self) -> float:
         if not self.scheduler.holding:
@@ -232,15 +238,20 @@ class Uplink:
             return HOLD_RECHECK_S
         return min(HOLD_RECHECK_S, max(MIN_HOLD_S, self.scheduler.hold_until - self.now()))
 
-    async def _ask_ack(self, p: Payload, sent: SentFrame, written: bool, mark: int) -> None:
-        """A ping right behind the frame: its pong means the next hop has read the frame."""
+    async def _ask_ack(
+        self, p: Payload, sent: SentFrame, written: bool, mark: int, prompt: int
+    ) -> None:
+        """A ping right behind the frame: its pong means the next hop has read the frame.
+        `prompt`: the frame's prompt bytes as the scheduler counts them (the tensor, not the
+        frame's header: the in-flight cap compares them with its chunks)."""
         waiting = self._acks.setdefault(p.dest, deque())
         if not written or len(waiting) >= MAX_UNACKED:
             self.estimator(p.dest).on_ack_lost(sent)
             self._push_estimate(p.dest, self.estimator(p.dest))
             return
         self._ack_nonce += 1
-        waiting.append((self._ack_nonce, sent, mark))
+        waiting.append((self._ack_nonce, sent, mark, prompt))
+        self._push_estimate(p.dest, self.estimator(p.dest))  # in flight grew
         await self._write(p.stream, encode_frame(to_wire(Ping(nonce=self._ack_nonce))))
 
     def _frame(self, p: Payload, offset: int, tokens: int) -> bytes:
@@ -259,6 +270,10 @@ class Uplink:
             info = read_tcp_info(sock)
             if info is not None:
                 est.on_tcp_info(
-                    info.rtt_s, info.delivery_rate_Bps, finished, info.delivery_rate_app_limited
+                    info.rtt_s,
+                    info.delivery_rate_Bps,
+                    finished,
+                    info.delivery_rate_app_limited,
+                    info.min_rtt_s,
                 )
         self._push_estimate(p.dest, est)

@@ -520,7 +520,8 @@ def node_figures(rounds: list[Round]) -> list[str]:
 
         lines.append(
             f"    node {span[0]}:{span[1]} uplink: bandwidth est"
-            f" {mean('bandwidth_Bps') * 8 / 1e6:5.2f} Mbps, rtt est {mean('rtt_s') * 1e3:5.1f} ms,"
+            f" {mean('bandwidth_Bps') * 8 / 1e6:5.2f} Mbps, rtt est {mean('rtt_s') * 1e3:5.1f} ms"
+            f" (min {mean('min_rtt_s') * 1e3:5.1f}),"
             f" decode queueing p50 {mean('decode_delay_p50_s') * 1e3:6.1f} ms"
             f" p99 {mean('decode_delay_p99_s') * 1e3:7.1f} ms, chunks {mean('chunks_sent'):5.0f}"
             f" of {mean('chunk_tokens_mean'):5.1f} tokens, W resets {mean('w_resets'):3.0f},"

@@ -138,6 +138,26 @@ def test_min_rtt_remembers_the_propagation_delay_for_its_window():
     assert est.min_rtt == 0.050
 
 
+def test_pings_that_queued_behind_unacknowledged_bytes_leave_the_minimum_alone():
+    est = LinkEstimator(min_rtt_window_s=10.0)
+    est.on_ping(0.200, 0.0, queued=True)
+    assert est.min_rtt == 0.200  # no clear ping yet: the best there is
+    est.on_ping(0.030, 1.0)
+    est.on_ping(0.250, 5.0, queued=True)  # a prompt keeps the link busy for longer than
+    est.on_ping(0.180, 15.0, queued=True)  # the window: every ping waits behind it
+    assert est.min_rtt == 0.030 and est.rtt > 0.1  # the smoothed RTT sees the queue
+    est.on_ping(0.050, 16.0)  # a clear ping again, after the window: it sets the minimum
+    assert est.min_rtt == 0.050
+
+
+def test_the_kernels_minimum_rtt_is_the_minimum_when_tcp_info_gives_one():
+    est = LinkEstimator()
+    est.on_tcp_info(0.200, None, 0.0, min_rtt_s=0.031)
+    assert est.min_rtt == 0.031 and est.rtt == 0.200
+    est.on_tcp_info(0.180, None, 1.0)  # an older kernel: its smoothed RTT is all there is
+    assert est.min_rtt == 0.031
+
+
 def test_samples_counts_each_accepted_reading():
     est = LinkEstimator()
     est.on_tcp_info(0.03, 5 * MBPS, 0.0)

@@ -342,6 +342,33 @@ def test_the_cap_always_allows_a_few_floor_chunks_on_a_thin_link():
     assert sched.next_send(10.0) is None and sched.holding
 
 
+def test_the_cap_counts_prompt_bytes_not_the_decode_frames_beside_them():
+    sched = LinkScheduler(min_chunk_tokens=8, inflight_gain=2.0, inflight_floor_chunks=2)
+    sched.update_link(DEST, rtt=0.001, min_rtt=0.001, bandwidth=BW, in_flight=8_000 + 3_000)
+    sched.observe_compute("decode", 1, TD)
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(), 10.0)
+    assert sched.next_send(10.0) is None  # told no more: all 11 kB count, + 8 kB > 16 kB
+    sched.update_link(DEST, prefill_in_flight=8_000)  # 3 kB of it are decode frames
+    assert send_now(sched, 10.0).phase == "prefill"  # 8 kB of prompt + 8 kB <= 2 chunks
+    sched.update_link(DEST, prefill_in_flight=8_001)
+    assert sched.next_send(10.0) is None and sched.holding
+
+
+def test_the_cap_floor_is_counted_in_the_smallest_chunks_the_link_allows():
+    # min_chunk_s 2 ms at 1 MB/s: chunks of 2 tokens, so 3 floor chunks are 6 kB, not 24
+    sched = LinkScheduler(
+        min_chunk_tokens=8, min_chunk_s=0.002, inflight_gain=2.0, inflight_floor_chunks=3
+    )
+    sched.update_link(DEST, rtt=0.001, min_rtt=0.001, bandwidth=BW, prefill_in_flight=4_000)
+    sched.observe_compute("decode", 1, TD)
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(), 10.0)
+    assert send_now(sched, 10.0).phase == "prefill"  # 4 kB + a 2 kB chunk <= 6 kB
+    sched.update_link(DEST, prefill_in_flight=4_001)
+    assert sched.next_send(10.0) is None and sched.holding
+
+
 def test_nothing_is_held_without_a_decode_session_to_protect():
     sched = scheduler(inflight_gain=2.0)
     sched.update_link(DEST, min_rtt=0.03, in_flight=500_000)

@@ -16,7 +16,7 @@ def test_the_link_defaults_are_the_capped_molink_without_pacing():
     assert options == {
         "max_wait": 30,
         "inflight_gain": 2.0,
-        "inflight_floor_chunks": 3,
+        "inflight_floor_chunks": 2,
         "pace_lead_s": None,
         "min_chunk_s": 0.0,
         "prefill_order": "shortest",

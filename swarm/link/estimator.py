@@ -40,7 +40,10 @@ is under half the lowest application ping, TCP_INFO is taken to be blind to the 
 samples are dropped, past and future.
 
 RTT: an EWMA of kernel smoothed RTTs and application pings, plus a windowed minimum (the
-propagation delay; the difference is queueing).
+propagation delay; the difference is queueing). A busy link queues every ping, and a prompt can
+keep it busy longer than the window, so the minimum takes only samples that did not queue: pings
+sent with nothing unacknowledged ahead of them (once there has been one), and the kernel's own
+minimum RTT where TCP_INFO gives it. Without such a sample the minimum holds.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class LinkEstimator:
         self._delivered_at: float | None = None
         self._in_flight = 0
         self._min_ping: float | None = None
+        self._clear_pinged = False  # a ping has gone with nothing unacknowledged ahead of it
         self._min_tcp_rtt: float | None = None
         self.tcp_blind = False
         self.ack_samples = 0
@@ -126,7 +130,7 @@ class LinkEstimator:
 
     @property
     def min_rtt(self) -> float | None:
-        """Lowest RTT seen within `min_rtt_window_s` of the latest RTT sample."""
+        """Lowest RTT seen within `min_rtt_window_s` of the latest sample that did not queue."""
         return self._min_rtts[0][1] if self._min_rtts else None
 
     def on_tcp_info(
@@ -135,26 +139,34 @@ class LinkEstimator:
         delivery_rate_Bps: float | None,
         now: float,
         app_limited: bool = False,
+        min_rtt_s: float | None = None,
     ) -> None:
-        """A TCP_INFO reading: the kernel's smoothed RTT and latest per-ACK delivery rate."""
+        """A TCP_INFO reading: the kernel's smoothed RTT and latest per-ACK delivery rate, and
+        its minimum RTT (over minutes of per-ACK samples) if it gives one."""
         if rtt_s is not None and rtt_s > 0:
             if self._min_tcp_rtt is None or rtt_s < self._min_tcp_rtt:
                 self._min_tcp_rtt = rtt_s
             self._check_blind(now)
             if not self.tcp_blind:
-                self._add_rtt(rtt_s, now)
+                kernel_min = min_rtt_s is not None and min_rtt_s > 0
+                self._add_rtt(rtt_s, now, to_min=not kernel_min)
+                if kernel_min:
+                    self._add_min_rtt(min_rtt_s, now)
         if self.tcp_blind:
             return
         if delivery_rate_Bps and delivery_rate_Bps > 0 and not app_limited:
             self._add_rate(float(delivery_rate_Bps), now, TCP)
 
-    def on_ping(self, rtt_s: float, now: float) -> None:
-        """An application-level round trip."""
+    def on_ping(self, rtt_s: float, now: float, queued: bool = False) -> None:
+        """An application-level round trip. `queued`: the ping went while bytes sent before it
+        were unacknowledged, so it may have waited behind them; it then moves the smoothed RTT
+        but not the minimum (unless no ping has gone clear yet)."""
         if rtt_s > 0:
             if self._min_ping is None or rtt_s < self._min_ping:
                 self._min_ping = rtt_s
             self._check_blind(now)
-            self._add_rtt(rtt_s, now)
+            self._add_rtt(rtt_s, now, to_min=not (queued and self._clear_pinged))
+            self._clear_pinged = self._clear_pinged or not queued
 
     def on_frame_sent(self, nbytes: int) -> SentFrame:
         """A frame went out and an acknowledgement will follow; keep the result for on_acked."""
@@ -247,16 +259,20 @@ class LinkEstimator:
         if ordered:
             self._bandwidth = percentile(ordered, quantile)
 
-    def _add_rtt(self, rtt: float, now: float) -> None:
+    def _add_rtt(self, rtt: float, now: float, to_min: bool = True) -> None:
         self.rtt = ewma(self.rtt, rtt, self.rtt_gain)
+        if to_min:
+            self._add_min_rtt(rtt, now)
+        self.samples += 1
+        self.rtt_samples += 1
+
+    def _add_min_rtt(self, rtt: float, now: float) -> None:
         # monotonic deque: the front is the minimum of the window
         while self._min_rtts and self._min_rtts[-1][1] >= rtt:
             self._min_rtts.pop()
         self._min_rtts.append((now, rtt))
         while self._min_rtts[0][0] < now - self.min_rtt_window_s:
             self._min_rtts.popleft()
-        self.samples += 1
-        self.rtt_samples += 1
 
 
 def ewma(old: float | None, sample: float, gain: float) -> float:

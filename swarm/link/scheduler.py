@@ -21,13 +21,14 @@ Bytes already sent are not yet on the wire: a home router's buffer (and, here, t
 hold many of them, and a decode volume sent now waits behind them all. The driver reports the
 bytes sent to each connection and not yet acknowledged by the next hop (`in_flight`). About
 bandwidth x min RTT of those are simply on their way; the rest is a backlog of
-(in_flight / bandwidth - min_rtt) seconds, which comes off T_a. And while in_flight exceeds
-`inflight_gain` x bandwidth x min RTT (at least `inflight_floor_chunks` floor chunks), no
-prefill chunk goes to that connection: the prefill waits here, where the next decode volume can
-still pass it, instead of in a buffer where it cannot. (BBR caps its own flight at 2 x BDP for
-the same reason.) Without a bandwidth or RTT estimate there is no cap. This object's default is
-gain 0 (no cap); a node asks for gain 2 (`--link-inflight-gain`), which needs a bandwidth
-estimate that does not read low: the next hop's arrival spreads give it one.
+(in_flight / bandwidth - min_rtt) seconds, which comes off T_a. And while the prompt bytes
+among them (`prefill_in_flight`) exceed `inflight_gain` x bandwidth x min RTT (at least
+`inflight_floor_chunks` floor chunks), no prefill chunk goes to that connection: the prefill
+waits here, where the next decode volume can still pass it, instead of in a buffer where it
+cannot. (BBR caps its own flight at 2 x BDP for the same reason.) Decode frames do not count:
+they are what the cap protects. Without a bandwidth or RTT estimate there is no cap. This
+object's default is gain 0 (no cap); a node asks for gain 2 (`--link-inflight-gain`), which
+needs a bandwidth estimate that does not read low: the next hop's arrival spreads give it one.
 
 Acknowledgements are coarse, though: a frame is acknowledged a round trip after its last byte,
 so the cap must allow a few chunks to keep the link busy, and a decode volume waits behind them.
@@ -164,6 +165,7 @@ class _Link:
     min_rtt: float | None = None
     bandwidth: float | None = None
     in_flight: int = 0  # bytes sent and not yet acknowledged by the next hop
+    prefill_in_flight: int | None = None  # of those, prompt bytes (None: not told; in_flight)
     unsent: float = 0.0  # bytes sent that the link has not carried yet, by the bandwidth estimate
     unsent_at: float = 0.0  # when `unsent` was last brought up to date
     sent_total: int = 0  # bytes handed to the transport for this connection, ever
@@ -216,7 +218,7 @@ class LinkScheduler:
         compute_gain: float = 0.25,
         delay_samples: int = 1024,
         inflight_gain: float = 0.0,
-        inflight_floor_chunks: int = 3,
+        inflight_floor_chunks: int = 2,
         pace_lead_s: float | None = None,
         ack_slack_s: float = 0.02,
         min_chunk_s: float = 0.0,
@@ -417,9 +419,12 @@ class LinkScheduler:
         forget_bandwidth: bool = False,
         min_rtt: float | None = None,
         in_flight: int | None = None,
+        prefill_in_flight: int | None = None,
     ) -> None:
         """Latest estimates for the connection to `dest` (bandwidth in bytes per second).
 
+        `in_flight`: bytes sent and not yet acknowledged; `prefill_in_flight`: the prompt bytes
+        among them, which the in-flight cap counts (a driver that does not tell: all of them).
         None leaves a figure as it was; `forget_bandwidth` drops an estimate found to be wrong.
         """
         link = self._links.setdefault(dest, _Link())
@@ -429,6 +434,8 @@ class LinkScheduler:
             link.min_rtt = min_rtt
         if in_flight is not None:
             link.in_flight = max(0, int(in_flight))
+        if prefill_in_flight is not None:
+            link.prefill_in_flight = max(0, int(prefill_in_flight))
         if forget_bandwidth:
             link.bandwidth = None
         if bandwidth is not None and bandwidth > 0:
@@ -538,20 +545,24 @@ class LinkScheduler:
         self._prefill_idle_s += max(0.0, now - max(drained, waiting_since))
 
     def _must_hold(self, prefill: _Queued, now: float) -> bool:
-        """Whether the connection already holds enough unacknowledged bytes to wait for some."""
+        """Whether the connection already holds enough unacknowledged prompt bytes to wait for
+        some. Decode frames do not count: they are what the cap protects, and counting them
+        would leave a small floor room for one chunk beside them, the link idle while its
+        acknowledgement comes back."""
         dest = prefill.volume.dest
         link = self._links.get(dest)
         bandwidth = self._bandwidth(dest)
-        if self.inflight_gain == 0 or link is None or not link.in_flight or bandwidth is None:
+        if self.inflight_gain == 0 or link is None or bandwidth is None:
             return False
+        held = link.in_flight if link.prefill_in_flight is None else link.prefill_in_flight
         rtt = link.base_rtt
-        if rtt is None:
+        if not held or rtt is None:
             return False
         if self.available_time(now) is None:
             return False  # no decode session to protect
-        floor = self.inflight_floor_chunks * self.min_chunk_tokens * prefill.volume.bytes_per_token
-        cap = max(self.inflight_gain * bandwidth * rtt, floor)
-        return link.in_flight + self.min_chunk_tokens * prefill.volume.bytes_per_token > cap
+        chunk = self.floor_tokens(prefill.volume) * prefill.volume.bytes_per_token
+        cap = max(self.inflight_gain * bandwidth * rtt, self.inflight_floor_chunks * chunk)
+        return held + chunk > cap
 
     def stats(self) -> dict[str, float]:
         """Flat numeric counters and gauges for logs and the health page."""
@@ -561,6 +572,7 @@ class LinkScheduler:
         lags = sorted(self._ack_lags)
         bandwidths = [lk.bandwidth for lk in self._links.values() if lk.bandwidth is not None]
         rtts = [lk.rtt for lk in self._links.values() if lk.rtt is not None]
+        min_rtts = [lk.min_rtt for lk in self._links.values() if lk.min_rtt is not None]
         window = self._last_window
         out: dict[str, float] = {
             "waiting_weight": float(self._w),
@@ -588,6 +600,7 @@ class LinkScheduler:
             "decode_delay_max_s": delays[-1] if delays else 0.0,
             "bandwidth_Bps": min(bandwidths) if bandwidths else 0.0,
             "rtt_s": max(rtts) if rtts else 0.0,
+            "min_rtt_s": max(min_rtts) if min_rtts else 0.0,
             "decode_compute_s": self._compute.get(DECODE, 0.0),
             "decode_sessions_tracked": float(len(self._tracks)),
             "last_t_a_s": window.t_a if window else 0.0,
