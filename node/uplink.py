@@ -224,12 +224,15 @@ class Uplink:
             sent = None if p.result else self.estimator(p.dest).on_frame_sent(len(frame))
             ok = await self._write(p.stream, frame)
             finished = self.now()
-            self.scheduler.sent(send, started=started, finished=finished)
+            ack = None if sent is None else self._ack_ping()
+            wire = len(frame) + (len(ack[1]) if ack else 0)
+            self.scheduler.sent(send, started=started, finished=finished, wire_bytes=wire)
             if ok:
                 self._measure(p, len(frame), started, finished)
-            if sent is not None:
+            if sent is not None and ack is not None:
                 prompt = send.nbytes if send.phase == PREFILL else 0
-                await self._ask_ack(p, sent, ok, self.scheduler.bytes_sent_to(p.dest), prompt)
+                mark = self.scheduler.bytes_sent_to(p.dest)
+                await self._ask_ack(p, sent, ok, mark, prompt, ack)
 
     def _hold_timeout(self) -> float:
         if not self.scheduler.holding:
@@ -238,10 +241,21 @@ class Uplink:
             return HOLD_RECHECK_S
         return min(HOLD_RECHECK_S, max(MIN_HOLD_S, self.scheduler.hold_until - self.now()))
 
+    def _ack_ping(self) -> tuple[int, bytes]:
+        """The next acknowledgement request: its nonce and its frame."""
+        self._ack_nonce += 1
+        return self._ack_nonce, encode_frame(to_wire(Ping(nonce=self._ack_nonce)))
+
     async def _ask_ack(
-        self, p: Payload, sent: SentFrame, written: bool, mark: int, prompt: int
+        self,
+        p: Payload,
+        sent: SentFrame,
+        written: bool,
+        mark: int,
+        prompt: int,
+        ack: tuple[int, bytes],
     ) -> None:
-        """A ping right behind the frame: its pong means the next hop has read the frame.
+        """A ping (`ack`) right behind the frame: its pong means the next hop has read the frame.
         `prompt`: the frame's prompt bytes as the scheduler counts them (the tensor, not the
         frame's header: the in-flight cap compares them with its chunks)."""
         waiting = self._acks.setdefault(p.dest, deque())
@@ -249,10 +263,10 @@ class Uplink:
             self.estimator(p.dest).on_ack_lost(sent)
             self._push_estimate(p.dest, self.estimator(p.dest))
             return
-        self._ack_nonce += 1
-        waiting.append((self._ack_nonce, sent, mark, prompt))
+        nonce, frame = ack
+        waiting.append((nonce, sent, mark, prompt))
         self._push_estimate(p.dest, self.estimator(p.dest))  # in flight grew
-        await self._write(p.stream, encode_frame(to_wire(Ping(nonce=self._ack_nonce))))
+        await self._write(p.stream, frame)
 
     def _frame(self, p: Payload, offset: int, tokens: int) -> bytes:
         hidden = pack_tensor(p.hidden[:, offset : offset + tokens], p.wire_dtype)

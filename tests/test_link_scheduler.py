@@ -478,6 +478,21 @@ def test_an_acknowledgement_later_than_the_link_model_says_is_counted_as_lag():
     assert sched.stats()["ack_lag_p99_s"] == pytest.approx(0.0594)
 
 
+def test_the_link_model_drains_the_bytes_the_sends_put_on_the_wire():
+    sched = scheduler()
+    sched.update_link(DEST, min_rtt=0.03)
+    marks = []
+    for i in range(2):  # 20 kB of tensor each, 21 kB with framing: through at 10.021, 10.042
+        sched.enqueue(decode(f"d{i}", bytes_per_token=20_000), 10.0)
+        send = sched.next_send(10.0)
+        sched.sent(send, 10.0, 10.0, wire_bytes=21_000)
+        marks.append(sched.bytes_sent_to(DEST))
+    assert marks == [21_000, 42_000]
+    sched.acked(DEST, marks[1], 10.072)  # 10.042 + 30 ms: on time by the wire bytes
+    assert sched.stats()["ack_lag_p50_s"] == pytest.approx(0.0, abs=1e-9)
+    assert sched.stats()["bytes_sent_decode"] == 40_000  # the tensors, as before
+
+
 def test_how_late_the_driver_comes_back_for_a_paced_chunk_is_counted():
     sched = paced()
     sched.enqueue(prefill(), 10.0)
