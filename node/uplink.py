@@ -165,6 +165,7 @@ class Uplink:
             min_rtt=est.min_rtt,
             in_flight=est.in_flight,
             prefill_in_flight=sum(prompt for _, _, _, prompt in self._acks.get(dest, ())),
+            prefill_frames=sum(1 for _, _, _, prompt in self._acks.get(dest, ()) if prompt),
         )
 
     def stats(self) -> dict[str, float]:

@@ -355,6 +355,24 @@ def test_the_cap_counts_prompt_bytes_not_the_decode_frames_beside_them():
     assert sched.next_send(10.0) is None and sched.holding
 
 
+def test_the_cap_floor_counts_chunks_when_the_driver_tells_how_many():
+    # a 12-token chunk (12 kB) in flight: more than 2 floor chunks' worth of bytes would allow
+    # beside it, yet only one chunk, and a floor of 2 is there to keep the link busy
+    sched = LinkScheduler(min_chunk_tokens=8, inflight_gain=2.0, inflight_floor_chunks=2)
+    sched.update_link(DEST, rtt=0.001, min_rtt=0.001, bandwidth=BW, prefill_in_flight=12_000)
+    sched.observe_compute("decode", 1, TD)
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(), 10.0)
+    assert sched.next_send(10.0) is None  # not told the count: 12 kB + 8 kB > 16 kB
+    sched.update_link(DEST, prefill_frames=1)
+    assert send_now(sched, 10.0).phase == "prefill"  # one chunk of a floor of 2
+    sched.update_link(DEST, prefill_in_flight=24_000, prefill_frames=2)
+    assert sched.next_send(10.0) is None and sched.holding
+    # the byte cap (2 x BW x min RTT, 2 kB here) still bounds what the floor allows beyond
+    sched.update_link(DEST, min_rtt=0.02, prefill_in_flight=24_000, prefill_frames=2)
+    assert send_now(sched, 10.0).phase == "prefill"  # 24 kB + 8 kB <= 40 kB
+
+
 def test_the_cap_floor_is_counted_in_the_smallest_chunks_the_link_allows():
     # min_chunk_s 2 ms at 1 MB/s: chunks of 2 tokens, so 3 floor chunks are 6 kB, not 24
     sched = LinkScheduler(

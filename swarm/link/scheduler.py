@@ -22,13 +22,14 @@ hold many of them, and a decode volume sent now waits behind them all. The drive
 bytes sent to each connection and not yet acknowledged by the next hop (`in_flight`). About
 bandwidth x min RTT of those are simply on their way; the rest is a backlog of
 (in_flight / bandwidth - min_rtt) seconds, which comes off T_a. And while the prompt bytes
-among them (`prefill_in_flight`) exceed `inflight_gain` x bandwidth x min RTT (at least
-`inflight_floor_chunks` floor chunks), no prefill chunk goes to that connection: the prefill
-waits here, where the next decode volume can still pass it, instead of in a buffer where it
-cannot. (BBR caps its own flight at 2 x BDP for the same reason.) Decode frames do not count:
-they are what the cap protects. Without a bandwidth or RTT estimate there is no cap. This
-object's default is gain 0 (no cap); a node asks for gain 2 (`--link-inflight-gain`), which
-needs a bandwidth estimate that does not read low: the next hop's arrival spreads give it one.
+among them (`prefill_in_flight`) exceed `inflight_gain` x bandwidth x min RTT and they are at
+least `inflight_floor_chunks` chunks (`prefill_frames`), no prefill chunk goes to that
+connection: the prefill waits here, where the next decode volume can still pass it, instead of
+in a buffer where it cannot. (BBR caps its own flight at 2 x BDP for the same reason.) Decode
+frames do not count: they are what the cap protects. Without a bandwidth or RTT estimate there
+is no cap. This object's default is gain 0 (no cap); a node asks for gain 2
+(`--link-inflight-gain`), which needs a bandwidth estimate that does not read low: the next
+hop's arrival spreads give it one.
 
 Acknowledgements are coarse, though: a frame is acknowledged a round trip after its last byte,
 so the cap must allow a few chunks to keep the link busy, and a decode volume waits behind them.
@@ -166,6 +167,7 @@ class _Link:
     bandwidth: float | None = None
     in_flight: int = 0  # bytes sent and not yet acknowledged by the next hop
     prefill_in_flight: int | None = None  # of those, prompt bytes (None: not told; in_flight)
+    prefill_frames: int | None = None  # prompt frames unacknowledged (None: not told)
     unsent: float = 0.0  # bytes sent that the link has not carried yet, by the bandwidth estimate
     unsent_at: float = 0.0  # when `unsent` was last brought up to date
     sent_total: int = 0  # bytes handed to the transport for this connection, ever
@@ -193,7 +195,8 @@ class LinkScheduler:
     session_idle_s: a decode session silent for max(this, 4 periods) no longer holds prefill back.
     inflight_gain: prefill chunks wait while a connection has more than this many bandwidth x
         min RTT unacknowledged (0, the default here: never wait).
-    inflight_floor_chunks: ... but a connection may always hold this many floor-sized chunks.
+    inflight_floor_chunks: ... but a connection may always hold this many prompt chunks (told
+        through update_link's prefill_frames; otherwise this many floor-sized chunks' bytes).
     pace_lead_s: pace prefill chunks: one goes only when the bytes already sent to its
         connection would be carried, at the estimated bandwidth, within this many seconds
         (None, the default here: no pacing).
@@ -428,11 +431,14 @@ class LinkScheduler:
         min_rtt: float | None = None,
         in_flight: int | None = None,
         prefill_in_flight: int | None = None,
+        prefill_frames: int | None = None,
     ) -> None:
         """Latest estimates for the connection to `dest` (bandwidth in bytes per second).
 
         `in_flight`: bytes sent and not yet acknowledged; `prefill_in_flight`: the prompt bytes
-        among them, which the in-flight cap counts (a driver that does not tell: all of them).
+        among them, which the in-flight cap counts (a driver that does not tell: all of them);
+        `prefill_frames`: how many prompt chunks those are, which its floor counts (a driver
+        that does not tell: the floor is floor-sized chunks' bytes).
         None leaves a figure as it was; `forget_bandwidth` drops an estimate found to be wrong.
         """
         link = self._links.setdefault(dest, _Link())
@@ -444,6 +450,8 @@ class LinkScheduler:
             link.in_flight = max(0, int(in_flight))
         if prefill_in_flight is not None:
             link.prefill_in_flight = max(0, int(prefill_in_flight))
+        if prefill_frames is not None:
+            link.prefill_frames = max(0, int(prefill_frames))
         if forget_bandwidth:
             link.bandwidth = None
         if bandwidth is not None and bandwidth > 0:
@@ -569,8 +577,12 @@ class LinkScheduler:
         if self.available_time(now) is None:
             return False  # no decode session to protect
         chunk = self.floor_tokens(prefill.volume) * prefill.volume.bytes_per_token
-        cap = max(self.inflight_gain * bandwidth * rtt, self.inflight_floor_chunks * chunk)
-        return held + chunk > cap
+        cap = self.inflight_gain * bandwidth * rtt
+        if link.prefill_frames is not None:
+            # the floor in chunks, whatever their size: chunks the free time makes a little
+            # bigger than the smallest would otherwise fill a floor counted in bytes alone
+            return link.prefill_frames >= self.inflight_floor_chunks and held + chunk > cap
+        return held + chunk > max(cap, self.inflight_floor_chunks * chunk)
 
     def stats(self) -> dict[str, float]:
         """Flat numeric counters and gauges for logs and the health page."""
