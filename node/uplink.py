@@ -156,6 +156,7 @@ class Uplink:
         self._push_estimate(dest, est)
 
     def _push_estimate(self, dest: str, est: LinkEstimator) -> None:
+        prompts = [prompt for _, _, _, prompt in self._acks.get(dest, ()) if prompt]
         self.scheduler.update_link(
             dest,
             rtt=est.rtt,
@@ -164,8 +165,8 @@ class Uplink:
             forget_bandwidth=est.bandwidth is None,
             min_rtt=est.min_rtt,
             in_flight=est.in_flight,
-            prefill_in_flight=sum(prompt for _, _, _, prompt in self._acks.get(dest, ())),
-            prefill_frames=sum(1 for _, _, _, prompt in self._acks.get(dest, ()) if prompt),
+            prefill_in_flight=sum(prompts),
+            prefill_frames=len(prompts),
         )
 
     def stats(self) -> dict[str, float]:

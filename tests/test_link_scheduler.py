@@ -331,23 +331,33 @@ def test_a_prefill_chunk_waits_while_the_connection_holds_more_than_the_cap():
     assert send.phase == "prefill" and not sched.holding
 
 
-def test_the_cap_always_allows_a_few_floor_chunks_on_a_thin_link():
-    sched = LinkScheduler(min_chunk_tokens=8, inflight_gain=2.0, inflight_floor_chunks=3)
-    sched.update_link(DEST, rtt=0.001, min_rtt=0.001, bandwidth=BW, in_flight=16_000)
+def thin_link_with_a_prompt(
+    floor_chunks: int, min_chunk_s: float = 0.0, **link: int
+) -> LinkScheduler:
+    """A capped scheduler (floor chunks of 8 tokens) on a 1 MB/s link with a 1 ms RTT, where a
+    decode session computes and a prompt waits; `link`: update_link's figures (bytes in flight)."""
+    sched = LinkScheduler(
+        min_chunk_tokens=8,
+        inflight_gain=2.0,
+        inflight_floor_chunks=floor_chunks,
+        min_chunk_s=min_chunk_s,
+    )
+    sched.update_link(DEST, rtt=0.001, min_rtt=0.001, bandwidth=BW, **link)
     sched.observe_compute("decode", 1, TD)
     sched.observe_decode_arrival("d", 10.0)
     sched.enqueue(prefill(), 10.0)
+    return sched
+
+
+def test_the_cap_always_allows_a_few_floor_chunks_on_a_thin_link():
+    sched = thin_link_with_a_prompt(3, in_flight=16_000)
     assert send_now(sched, 10.0).phase == "prefill"  # 16 kB + 8 kB <= 3 floor chunks (24 kB)
     sched.update_link(DEST, in_flight=17_000)
     assert sched.next_send(10.0) is None and sched.holding
 
 
 def test_the_cap_counts_prompt_bytes_not_the_decode_frames_beside_them():
-    sched = LinkScheduler(min_chunk_tokens=8, inflight_gain=2.0, inflight_floor_chunks=2)
-    sched.update_link(DEST, rtt=0.001, min_rtt=0.001, bandwidth=BW, in_flight=8_000 + 3_000)
-    sched.observe_compute("decode", 1, TD)
-    sched.observe_decode_arrival("d", 10.0)
-    sched.enqueue(prefill(), 10.0)
+    sched = thin_link_with_a_prompt(2, in_flight=8_000 + 3_000)
     assert sched.next_send(10.0) is None  # told no more: all 11 kB count, + 8 kB > 16 kB
     sched.update_link(DEST, prefill_in_flight=8_000)  # 3 kB of it are decode frames
     assert send_now(sched, 10.0).phase == "prefill"  # 8 kB of prompt + 8 kB <= 2 chunks
@@ -358,11 +368,7 @@ def test_the_cap_counts_prompt_bytes_not_the_decode_frames_beside_them():
 def test_the_cap_floor_counts_chunks_when_the_driver_tells_how_many():
     # a 12-token chunk (12 kB) in flight: more than 2 floor chunks' worth of bytes would allow
     # beside it, yet only one chunk, and a floor of 2 is there to keep the link busy
-    sched = LinkScheduler(min_chunk_tokens=8, inflight_gain=2.0, inflight_floor_chunks=2)
-    sched.update_link(DEST, rtt=0.001, min_rtt=0.001, bandwidth=BW, prefill_in_flight=12_000)
-    sched.observe_compute("decode", 1, TD)
-    sched.observe_decode_arrival("d", 10.0)
-    sched.enqueue(prefill(), 10.0)
+    sched = thin_link_with_a_prompt(2, prefill_in_flight=12_000)
     assert sched.next_send(10.0) is None  # not told the count: 12 kB + 8 kB > 16 kB
     sched.update_link(DEST, prefill_frames=1)
     assert send_now(sched, 10.0).phase == "prefill"  # one chunk of a floor of 2
@@ -375,13 +381,7 @@ def test_the_cap_floor_counts_chunks_when_the_driver_tells_how_many():
 
 def test_the_cap_floor_is_counted_in_the_smallest_chunks_the_link_allows():
     # min_chunk_s 2 ms at 1 MB/s: chunks of 2 tokens, so 3 floor chunks are 6 kB, not 24
-    sched = LinkScheduler(
-        min_chunk_tokens=8, min_chunk_s=0.002, inflight_gain=2.0, inflight_floor_chunks=3
-    )
-    sched.update_link(DEST, rtt=0.001, min_rtt=0.001, bandwidth=BW, prefill_in_flight=4_000)
-    sched.observe_compute("decode", 1, TD)
-    sched.observe_decode_arrival("d", 10.0)
-    sched.enqueue(prefill(), 10.0)
+    sched = thin_link_with_a_prompt(3, min_chunk_s=0.002, prefill_in_flight=4_000)
     assert send_now(sched, 10.0).phase == "prefill"  # 4 kB + a 2 kB chunk <= 6 kB
     sched.update_link(DEST, prefill_in_flight=4_001)
     assert sched.next_send(10.0) is None and sched.holding
