@@ -134,6 +134,14 @@ def test_a_real_connection_reports_its_rtt_and_bytes_after_traffic():
     assert info.notsent_bytes == 0 and info.delivery_rate_Bps > 0
 
 
+def test_a_closed_socket_has_no_figures_rather_than_an_error():
+    """A node's uplink reads TCP_INFO after each write; a peer task may have closed the
+    connection in between, and that must not raise (it once took a node down)."""
+    with loopback_pair() as (client, _):
+        client.close()
+        assert read_tcp_info(client) is None
+
+
 @linux_only
 def test_notsent_lowat_is_set_and_read_back():
     with loopback_pair() as (client, _):

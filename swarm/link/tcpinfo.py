@@ -116,10 +116,14 @@ def parse_tcp_info(raw: bytes) -> TcpInfo:
 
 
 def read_tcp_info(sock: socket.socket) -> TcpInfo | None:
-    """The kernel's view of `sock`, or None where TCP_INFO is not the Linux structure."""
+    """The kernel's view of `sock`, or None where TCP_INFO is not the Linux structure or the
+    socket has closed (another task may close a connection between a write and this read)."""
     if TCP_INFO is None:
         return None
-    raw = sock.getsockopt(socket.IPPROTO_TCP, TCP_INFO, TCP_INFO_BUFFER)
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, TCP_INFO, TCP_INFO_BUFFER)
+    except OSError:
+        return None
     return parse_tcp_info(raw)
 
 
