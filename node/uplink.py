@@ -21,7 +21,7 @@ import torch
 import trio
 
 from swarm.link.estimator import LinkEstimator, SentFrame
-from swarm.link.scheduler import LinkScheduler, Volume
+from swarm.link.scheduler import LinkScheduler, Send, Volume
 from swarm.link.tcpinfo import read_tcp_info, set_notsent_lowat
 from swarm.protocol import PREFILL, Message, Ping, Result, Step, to_wire
 from swarm.transport import FramedStream
@@ -218,23 +218,34 @@ class Uplink:
             p = self._payloads.get(send.vid)
             if p is not None and send.last:
                 del self._payloads[send.vid]
-            started = self.now()
             if p is None or p.stream.closed:
-                self.scheduler.sent(send, started=started, finished=started)
+                self.scheduler.sent(send, started=self.now(), finished=self.now())
                 continue
-            frame = self._frame(p, send.offset, send.tokens)
-            sent = None if p.result else self.estimator(p.dest).on_frame_sent(len(frame))
-            ok = await self._write(p.stream, frame)
-            finished = self.now()
-            ack = None if sent is None else self._ack_ping()
-            wire = len(frame) + (len(ack[1]) if ack else 0)
-            self.scheduler.sent(send, started=started, finished=finished, wire_bytes=wire)
-            if ok:
-                self._measure(p, len(frame), started, finished)
-            if sent is not None and ack is not None:
-                prompt = send.nbytes if send.phase == PREFILL else 0
-                mark = self.scheduler.bytes_sent_to(p.dest)
-                await self._ask_ack(p, sent, ok, mark, prompt, ack)
+            try:
+                await self._send(send, p)
+            except Exception as exc:
+                # a bug must cost the connection it hit, never the node and everyone else's
+                # sessions: the sessions behind that connection fail, the rest go on
+                log.exception("uplink: internal error sending to %s; dropping it", p.dest)
+                await self._on_broken(p.stream, exc)
+
+    async def _send(self, send: Send, p: Payload) -> None:
+        """Write `send`, cut from `p`, with an acknowledgement request behind it if it is
+        an activation for the next node, and feed the scheduler and estimator what it took."""
+        started = self.now()
+        frame = self._frame(p, send.offset, send.tokens)
+        sent = None if p.result else self.estimator(p.dest).on_frame_sent(len(frame))
+        ok = await self._write(p.stream, frame)
+        finished = self.now()
+        ack = None if sent is None else self._ack_ping()
+        wire = len(frame) + (len(ack[1]) if ack else 0)
+        self.scheduler.sent(send, started=started, finished=finished, wire_bytes=wire)
+        if ok:
+            self._measure(p, len(frame), started, finished)
+        if sent is not None and ack is not None:
+            prompt = send.nbytes if send.phase == PREFILL else 0
+            mark = self.scheduler.bytes_sent_to(p.dest)
+            await self._ask_ack(p, sent, ok, mark, prompt, ack)
 
     def _hold_timeout(self) -> float:
         if not self.scheduler.holding:

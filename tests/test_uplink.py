@@ -1,0 +1,76 @@
+"""The node's uplink keeps serving when one send fails from a bug: that connection goes, the node
+and every other connection stay (a TCP_INFO read on a just-closed socket once took a node down)."""
+
+from __future__ import annotations
+
+import torch
+import trio
+
+from swarm.node.uplink import Payload, Uplink
+from swarm.protocol import PREFILL, Step
+from swarm.transport import FramedStream, connect
+
+HIDDEN = 16
+
+
+class Receiver:
+    """Reads frames as the next node would; records the sessions of the steps it got."""
+
+    def __init__(self):
+        self.sids: list[str] = []
+        self.got = trio.Event()
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        conn = FramedStream(stream)
+        while (msg := await conn.receive()) is not None:
+            if isinstance(msg, Step):
+                self.sids.append(msg.sid)
+                self.got.set()
+
+
+class BuggyUplink(Uplink):
+    """Fails to build any frame of session "bad", the way an unforeseen error would."""
+
+    def _frame(self, p: Payload, offset: int, tokens: int) -> bytes:
+        if p.sid == "bad":
+            raise RuntimeError("injected fault")
+        return super()._frame(p, offset, tokens)
+
+
+async def open_receiver(nursery) -> tuple[Receiver, FramedStream, str]:
+    receiver = Receiver()
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    nursery.start_soon(trio.serve_listeners, receiver.serve, listeners)
+    return receiver, await connect("127.0.0.1", port), f"127.0.0.1:{port}"
+
+
+def prompt(conn: FramedStream, dest: str, sid: str) -> Payload:
+    hidden = torch.randn(1, 4, HIDDEN)
+    return Payload(conn, dest, sid, PREFILL, 0, 100, hidden, "float16", result=False)
+
+
+async def test_a_failing_send_drops_its_connection_and_the_uplink_serves_the_others(nursery):
+    broken: list[tuple[FramedStream, Exception]] = []
+
+    async def on_broken(stream: FramedStream, exc: Exception) -> None:
+        broken.append((stream, exc))
+        stream.closed = True
+
+    uplink = BuggyUplink("molink", on_broken)
+    nursery.start_soon(uplink.run)
+    _, bad_conn, bad_dest = await open_receiver(nursery)
+    good, good_conn, good_dest = await open_receiver(nursery)
+
+    uplink.send_activations(prompt(bad_conn, bad_dest, "bad"))
+    uplink.send_activations(prompt(good_conn, good_dest, "good"))
+    with trio.fail_after(10):
+        await good.got.wait()
+    assert [(s, type(e)) for s, e in broken] == [(bad_conn, RuntimeError)]
+    assert bad_conn.closed and not good_conn.closed
+
+    good.got = trio.Event()
+    uplink.send_activations(prompt(good_conn, good_dest, "good-again"))
+    with trio.fail_after(10):
+        await good.got.wait()
+    assert good.sids == ["good", "good-again"]
