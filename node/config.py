@@ -9,6 +9,8 @@ from swarm.link.scheduler import PREFILL_ORDERS
 from swarm.node.compute import PASS_ORDERS
 from swarm.wire import DEFAULT_MAX_FRAME, WIRE_DTYPES
 
+PACING_MODES = ("off", "on", "auto")
+
 
 @dataclass(frozen=True)
 class NodeConfig:
@@ -42,8 +44,9 @@ class NodeConfig:
     prefill_compute_order: str = "shortest"
     link_inflight_gain: float = 2.0
     link_inflight_floor_chunks: int = 2
-    link_pacing: bool = False
+    link_pacing: str = "off"  # "on", "off", or "auto": on links slower than link_pace_slow_ms
     link_pace_lead_ms: float = 10.0
+    link_pace_slow_ms: float = 30.0
     link_min_chunk_ms: float = 0.0
     link_prefill_order: str = "shortest"
     step_log: str | None = None
@@ -56,7 +59,8 @@ def scheduler_options(config: NodeConfig) -> dict:
         "max_wait": config.link_max_wait,
         "inflight_gain": config.link_inflight_gain,
         "inflight_floor_chunks": config.link_inflight_floor_chunks,
-        "pace_lead_s": config.link_pace_lead_ms / 1000 if config.link_pacing else None,
+        "pace_lead_s": None if config.link_pacing == "off" else config.link_pace_lead_ms / 1000,
+        "pace_slow_s": config.link_pace_slow_ms / 1000 if config.link_pacing == "auto" else 0.0,
         "min_chunk_s": config.link_min_chunk_ms / 1000,
         "prefill_order": config.link_prefill_order,
     }
@@ -205,11 +209,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--link-pacing",
-        action=argparse.BooleanOptionalAction,
-        default=False,
+        nargs="?",
+        const="on",
+        default="off",
+        choices=PACING_MODES,
         help="molink: a prefill chunk goes only when the link, at its estimated bandwidth, is"
         " about to have carried what was sent before it (keeps the router's buffer nearly"
-        " empty; costs prompt throughput)",
+        " empty; costs prompt throughput). auto: only on links where 8 prompt tokens take"
+        " --link-pace-slow-ms or longer. Alone: on",
+    )
+    p.add_argument("--no-link-pacing", dest="link_pacing", action="store_const", const="off")
+    p.add_argument(
+        "--link-pace-slow-ms",
+        type=_non_negative_float,
+        default=30.0,
+        help="with --link-pacing auto: pace links where the smallest prompt chunk takes this"
+        " long or longer (30 ms: 8 tokens of the default model under about 2.4 Mbps)",
     )
     p.add_argument(
         "--link-pace-lead-ms",
@@ -309,6 +324,7 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         link_inflight_floor_chunks=a.link_inflight_floor_chunks,
         link_pacing=a.link_pacing,
         link_pace_lead_ms=a.link_pace_lead_ms,
+        link_pace_slow_ms=a.link_pace_slow_ms,
         link_min_chunk_ms=a.link_min_chunk_ms,
         link_prefill_order=a.link_prefill_order,
         step_log=a.step_log,

@@ -444,6 +444,17 @@ def test_a_paced_chunk_is_sized_to_the_window_left_after_what_the_link_still_hol
     assert send.tokens == 8  # without the 4 ms: 11
 
 
+def test_auto_pacing_paces_a_link_only_while_its_smallest_chunk_takes_long():
+    sched = paced(pace_slow_s=0.010)  # 8 tokens of 1000 bytes: 8 ms at 1 MB/s, not slow
+    sched.enqueue(prefill(), 10.0)
+    assert send_now(sched, 10.0).tokens == 40
+    assert not sched.pacing(DEST)
+    assert send_now(sched, 10.001).offset == 40  # no wait for the link to carry the first
+    sched.update_link(DEST, bandwidth=BW / 2)  # now 16 ms: the link is slow
+    assert sched.pacing(DEST) and sched.stats()["paced_links"] == 1
+    assert sched.next_send(10.002) is None and sched.hold_until is not None
+
+
 def test_pacing_goes_by_its_own_model_and_the_in_flight_cap_stays_the_safety_net():
     sched = paced(inflight_gain=2.0)
     sched.update_link(DEST, min_rtt=0.03, in_flight=30_000 + 20_000)  # 20 ms beyond the pipe

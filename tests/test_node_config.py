@@ -18,6 +18,7 @@ def test_the_link_defaults_are_the_capped_molink_without_pacing():
         "inflight_gain": 2.0,
         "inflight_floor_chunks": 2,
         "pace_lead_s": None,
+        "pace_slow_s": 0.0,
         "min_chunk_s": 0.0,
         "prefill_order": "shortest",
     }
@@ -41,8 +42,13 @@ def test_pacing_and_a_timed_chunk_floor_are_asked_for_in_milliseconds():
     options = scheduler_options(parse_args([*argv, "--link-min-chunk-ms", "40"]))
     assert options["pace_lead_s"] == pytest.approx(0.015)
     assert options["min_chunk_s"] == pytest.approx(0.04)
+    assert options["pace_slow_s"] == 0  # on: every link
     off = scheduler_options(parse_args([*argv, "--no-link-pacing"]))
     assert off["pace_lead_s"] is None
+    auto = ["--link-pacing", "auto", "--link-pace-slow-ms", "25"]
+    options = scheduler_options(parse_args(["--layers", "0:10", *auto]))
+    assert options["pace_lead_s"] == pytest.approx(0.010)
+    assert options["pace_slow_s"] == pytest.approx(0.025)
 
 
 @pytest.mark.parametrize("bad", [["--link-pace-lead-ms", "-1"], ["--link-min-chunk-ms", "nan"]])

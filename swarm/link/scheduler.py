@@ -171,6 +171,7 @@ class _Link:
     unsent: float = 0.0  # bytes sent that the link has not carried yet, by the bandwidth estimate
     unsent_at: float = 0.0  # when `unsent` was last brought up to date
     sent_total: int = 0  # bytes handed to the transport for this connection, ever
+    bytes_per_token: int | None = None  # of the last prompt queued for this connection
     # (mark after a send, when the model has its last byte through the bottleneck), oldest first
     drains: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=MAX_DRAINS))
 
@@ -200,6 +201,10 @@ class LinkScheduler:
     pace_lead_s: pace prefill chunks: one goes only when the bytes already sent to its
         connection would be carried, at the estimated bandwidth, within this many seconds
         (None, the default here: no pacing).
+    pace_slow_s: pace only connections where a chunk of min_chunk_tokens takes at least this
+        long on the link, at its estimated bandwidth (0, the default here: every connection).
+        On a fast link a chunk is a short wait for a decode volume behind it anyway, and pacing
+        costs prompt throughput there (the link idles whenever the driver comes back late).
     ack_slack_s: pacing: how late an acknowledgement may come (the next hop's reading, the
         way back) before it shows the link holding more than the pacing model says.
     min_chunk_s: with a bandwidth estimate, the chunk floor is the tokens the link carries in
@@ -223,6 +228,7 @@ class LinkScheduler:
         inflight_gain: float = 0.0,
         inflight_floor_chunks: int = 2,
         pace_lead_s: float | None = None,
+        pace_slow_s: float = 0.0,
         ack_slack_s: float = 0.02,
         min_chunk_s: float = 0.0,
         prefill_order: str = "shortest",
@@ -242,6 +248,8 @@ class LinkScheduler:
             )
         if pace_lead_s is not None and pace_lead_s < 0:
             raise ValueError(f"pace_lead_s must be >= 0 or None, got {pace_lead_s}")
+        if pace_slow_s < 0:
+            raise ValueError(f"pace_slow_s must be >= 0, got {pace_slow_s}")
         if min_chunk_s < 0:
             raise ValueError(f"min_chunk_s must be >= 0, got {min_chunk_s}")
         if prefill_order not in PREFILL_ORDERS:
@@ -251,6 +259,7 @@ class LinkScheduler:
         self.prefill_order = prefill_order
         self.policy = policy
         self.pace_lead_s = pace_lead_s
+        self.pace_slow_s = pace_slow_s
         self.ack_slack_s = ack_slack_s
         self.min_chunk_s = min_chunk_s
         self.inflight_gain = inflight_gain
@@ -303,6 +312,8 @@ class LinkScheduler:
         vid = next(self._ids)
         self._queues[volume.phase].append(_Queued(vid, volume, now))
         self._chains.setdefault(volume.session, deque()).append(vid)
+        if volume.phase == PREFILL:
+            self._links.setdefault(volume.dest, _Link()).bytes_per_token = volume.bytes_per_token
         if volume.phase == DECODE:
             track = self._track(volume.session)
             if track.last_enqueue is not None and now > track.last_enqueue:
@@ -399,7 +410,7 @@ class LinkScheduler:
             drained = link.drains.popleft()[1]
             self._ack_lags.append(max(0.0, now - drained - (link.base_rtt or 0.0)))
         bandwidth = self._bandwidth(dest)
-        if self.pace_lead_s is None or bandwidth is None:
+        if bandwidth is None or not self.pacing(dest):
             return
         window = (link.base_rtt or 0.0) + self.ack_slack_s
         behind = link.sent_total - through - bandwidth * window
@@ -535,7 +546,7 @@ class LinkScheduler:
         bandwidth = self._bandwidth(dest)
         if link is None or bandwidth is None:
             return 0.0
-        if self.pace_lead_s is not None and now is not None:
+        if now is not None and self.pacing(dest):
             return self._unsent(link, bandwidth, now) / bandwidth
         return max(0.0, link.in_flight / bandwidth - (link.base_rtt or 0.0))
 
@@ -544,9 +555,22 @@ class LinkScheduler:
 
     def _pace_wait(self, dest: str, now: float) -> float:
         """Seconds a prefill chunk to `dest` should wait for the link to carry what it has."""
-        if self.pace_lead_s is None or self.available_time(now) is None:
+        if not self.pacing(dest) or self.pace_lead_s is None or self.available_time(now) is None:
             return 0.0  # not pacing, or no decode session to protect
         return self.backlog(dest, now) - self.pace_lead_s
+
+    def pacing(self, dest: str) -> bool:
+        """Whether prefill chunks to `dest` are paced: pacing is on (pace_lead_s), and the link is
+        slow enough for it (pace_slow_s), by its bandwidth estimate now."""
+        if self.pace_lead_s is None:
+            return False
+        if self.pace_slow_s == 0:
+            return True
+        link = self._links.get(dest)
+        bandwidth = self._bandwidth(dest)
+        if link is None or bandwidth is None or link.bytes_per_token is None:
+            return False
+        return self.min_chunk_tokens * link.bytes_per_token >= self.pace_slow_s * bandwidth
 
     def _note_idle(self, dest: str, now: float) -> None:
         """A prefill goes to `dest` now: add how long the link, by the bandwidth estimate, had
@@ -607,6 +631,7 @@ class LinkScheduler:
             "prefill_held": float(c["prefill_held"]),
             "prefill_paced": float(c["prefill_paced"]),
             "pace_corrections": float(c["pace_corrections"]),
+            "paced_links": float(sum(self.pacing(dest) for dest in self._links)),
             "pace_late_p50_s": percentile(late, 0.50),
             "pace_late_p99_s": percentile(late, 0.99),
             "ack_lag_p50_s": percentile(lags, 0.50),
