@@ -44,7 +44,7 @@ class NodeConfig:
     prefill_compute_order: str = "shortest"
     link_inflight_gain: float = 2.0
     link_inflight_floor_chunks: int = 2
-    link_pacing: str = "off"  # "on", "off", or "auto": on links slower than link_pace_slow_ms
+    link_pacing: str = "auto"  # "on", "off", or "auto": on links slower than link_pace_slow_ms
     link_pace_lead_ms: float = 10.0
     link_pace_slow_ms: float = 30.0
     link_min_chunk_ms: float = 0.0
@@ -211,12 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--link-pacing",
         nargs="?",
         const="on",
-        default="off",
+        default="auto",
         choices=PACING_MODES,
         help="molink: a prefill chunk goes only when the link, at its estimated bandwidth, is"
         " about to have carried what was sent before it (keeps the router's buffer nearly"
-        " empty; costs prompt throughput). auto: only on links where 8 prompt tokens take"
-        " --link-pace-slow-ms or longer. Alone: on",
+        " empty; costs prompt throughput). auto (the default): only on links where 8 prompt"
+        " tokens take --link-pace-slow-ms or longer; the flag alone: on every link",
     )
     p.add_argument("--no-link-pacing", dest="link_pacing", action="store_const", const="off")
     p.add_argument(

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.link.scheduler import LinkScheduler
+from swarm.link.scheduler import LinkScheduler, Volume
 from swarm.node.compute import ComputeQueue
 from swarm.node.config import parse_args, scheduler_options
 
 
-def test_the_link_defaults_are_the_capped_molink_without_pacing():
+def test_the_link_defaults_are_the_capped_molink_pacing_slow_links_only():
     config = parse_args(["--layers", "0:10"])
     options = scheduler_options(config)
     assert config.link_policy == "molink"
@@ -17,13 +17,19 @@ def test_the_link_defaults_are_the_capped_molink_without_pacing():
         "max_wait": 30,
         "inflight_gain": 2.0,
         "inflight_floor_chunks": 2,
-        "pace_lead_s": None,
-        "pace_slow_s": 0.0,
+        "pace_lead_s": 0.010,
+        "pace_slow_s": 0.030,
         "min_chunk_s": 0.0,
         "prefill_order": "shortest",
     }
     sched = LinkScheduler(config.link_policy, **options)
-    assert sched.pace_lead_s is None and sched.inflight_gain == 2.0
+    assert sched.inflight_gain == 2.0
+    # 8 tokens of 576 float16 activations: 74 ms at 1 Mbps (paced), 15 ms at 5 (not)
+    sched.enqueue(Volume("p", "hop", "prefill", 100, 1152), 0.0)
+    sched.update_link("hop", bandwidth=1e6 / 8)
+    assert sched.pacing("hop")
+    sched.update_link("hop", bandwidth=5e6 / 8)
+    assert not sched.pacing("hop")
     # a pass waits up to 0.4 s for 32 tokens of a prompt that crosses a slow link in chunks
     assert (config.prefill_min_pass_tokens, config.prefill_gather_s) == (32, 0.4)
     assert (config.prefill_nice, config.dht_nice) == (3, 10)
