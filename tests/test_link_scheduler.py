@@ -332,7 +332,7 @@ def test_a_prefill_chunk_waits_while_the_connection_holds_more_than_the_cap():
 
 
 def thin_link_with_a_prompt(
-    floor_chunks: int, min_chunk_s: float = 0.0, **link: int
+    floor_chunks: int, min_chunk_s: float = 0.0, pace_lead_s: float | None = None, **link: int
 ) -> LinkScheduler:
     """A capped scheduler (floor chunks of 8 tokens) on a 1 MB/s link with a 1 ms RTT, where a
     decode session computes and a prompt waits; `link`: update_link's figures (bytes in flight)."""
@@ -341,6 +341,7 @@ def thin_link_with_a_prompt(
         inflight_gain=2.0,
         inflight_floor_chunks=floor_chunks,
         min_chunk_s=min_chunk_s,
+        pace_lead_s=pace_lead_s,
     )
     sched.update_link(DEST, rtt=0.001, min_rtt=0.001, bandwidth=BW, **link)
     sched.observe_compute("decode", 1, TD)
@@ -385,6 +386,18 @@ def test_the_cap_floor_is_counted_in_the_smallest_chunks_the_link_allows():
     assert send_now(sched, 10.0).phase == "prefill"  # 4 kB + a 2 kB chunk <= 6 kB
     sched.update_link(DEST, prefill_in_flight=4_001)
     assert sched.next_send(10.0) is None and sched.holding
+
+
+def test_a_paced_link_holds_the_floor_chunks_on_top_of_the_cap():
+    # cap 2 kB (2 x 1 MB/s x 1 ms); unpaced, two 8 kB chunks in flight stop a third
+    plain = thin_link_with_a_prompt(2, prefill_in_flight=9_000, prefill_frames=2)
+    assert plain.next_send(10.0) is None and plain.holding
+    # paced: the floor's 16 kB come on top of the cap's 2 kB
+    sched = thin_link_with_a_prompt(2, pace_lead_s=0.005, prefill_in_flight=9_000, prefill_frames=2)
+    assert sched.pacing(DEST)
+    assert send_now(sched, 10.0).phase == "prefill"  # 9 kB + 8 kB <= 18 kB
+    sched.update_link(DEST, prefill_in_flight=10_001, prefill_frames=3)
+    assert sched.next_send(10.0) is None and sched.holding and sched.hold_until is None
 
 
 def test_nothing_is_held_without_a_decode_session_to_protect():
@@ -461,8 +474,8 @@ def test_pacing_goes_by_its_own_model_and_the_in_flight_cap_stays_the_safety_net
     sched.enqueue(prefill(), 10.0)
     assert sched.backlog(DEST, 10.0) == 0.0  # nothing sent by this scheduler yet
     assert sched.backlog(DEST) == pytest.approx(0.02)  # what acknowledgements alone say
-    assert send_now(sched, 10.0).phase == "prefill"  # 50 kB + 8 kB <= 60 kB
-    sched.update_link(DEST, in_flight=58_000)  # an estimate reading high shows up here
+    assert send_now(sched, 10.0).phase == "prefill"  # 50 kB + 8 kB <= 60 kB + 2 x 8 kB
+    sched.update_link(DEST, in_flight=68_001)  # an estimate reading high shows up here
     assert sched.next_send(10.04) is None and sched.holding and sched.hold_until is None
 
 

@@ -38,7 +38,9 @@ has sent to each connection and drains that at the estimated bandwidth, and the 
 only when less than `pace_lead_s` of it is left. The link stays busy, and a decode volume waits
 at most one chunk and the lead. The chunk floor can then shrink with the link (`min_chunk_s`):
 on a slow link a chunk of 8 tokens is itself a long wait for a decode volume behind it. The cap
-stays as the safety net for a bandwidth estimate that reads high.
+stays as the safety net for a bandwidth estimate that reads high, with the floor's chunks on top
+of it: under a cap of 2 x bandwidth x min RTT alone, chunks of a few tokens wait a round trip
+for acknowledgements while the link idles.
 
 Which waiting prefill goes next is not Algorithm 1's concern (it takes the head of one queue).
 Here, by default, it is the one whose prompt needs the least link time left, less the time its
@@ -198,6 +200,7 @@ class LinkScheduler:
         min RTT unacknowledged (0, the default here: never wait).
     inflight_floor_chunks: ... but a connection may always hold this many prompt chunks (told
         through update_link's prefill_frames; otherwise this many floor-sized chunks' bytes).
+        On a paced connection this many floor-sized chunks' bytes come on top of the cap.
     pace_lead_s: pace prefill chunks: one goes only when the bytes already sent to its
         connection would be carried, at the estimated bandwidth, within this many seconds
         (None, the default here: no pacing).
@@ -602,6 +605,11 @@ class LinkScheduler:
             return False  # no decode session to protect
         chunk = self.floor_tokens(prefill.volume) * prefill.volume.bytes_per_token
         cap = self.inflight_gain * bandwidth * rtt
+        if self.pacing(dest):
+            # pacing keeps the bottleneck short itself; the cap only catches an estimate reading
+            # high, so the floor's chunks come on top of it: small paced chunks under the cap
+            # alone wait a round trip for acknowledgements while the link idles
+            return held + chunk > cap + self.inflight_floor_chunks * chunk
         if link.prefill_frames is not None:
             # the floor in chunks, whatever their size: chunks the free time makes a little
             # bigger than the smallest would otherwise fill a floor counted in bytes alone
