@@ -219,7 +219,8 @@ class Uplink:
             if p is not None and send.last:
                 del self._payloads[send.vid]
             if p is None or p.stream.closed:
-                self.scheduler.sent(send, started=self.now(), finished=self.now())
+                now = self.now()
+                self.scheduler.sent(send, started=now, finished=now)
                 continue
             try:
                 await self._send(send, p)
