@@ -117,7 +117,8 @@ class Round:
     frames: list[list[tuple[float, int, float]]] = field(default_factory=list)  # (t, size, wait)
     node_steps: list[list[tuple[float, ...]]] = field(default_factory=list)  # per node
     prompts: list[dict[str, PromptAtNode]] = field(default_factory=list)  # per node, by sid
-    passes: list[list[tuple[int, float]]] = field(default_factory=list)  # per node: tokens, s
+    # per node: tokens, seconds of compute, of which on a CPU, of which waiting for one
+    passes: list[list[tuple[int, float, float, float]]] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per process, measured part
 
 
@@ -263,7 +264,8 @@ def read_queue_log(path: str) -> tuple[list[tuple[float, float]], list[tuple[flo
 def read_step_log(path: str):
     """From a node's step log: (arrival, seconds in the node, seconds of compute, of which on a
     CPU, of which waiting for one) of each decode step it ran; per session, its prompt's arrival
-    and last pass there; (tokens, seconds of compute) of each prompt pass."""
+    and last pass there; (tokens, seconds of compute, on a CPU, waiting for one) of each prompt
+    pass."""
     steps, prompts, passes = [], {}, []
     with open(path) as f:
         for line in f:
@@ -275,7 +277,7 @@ def read_step_log(path: str):
                 at = prompts.setdefault(parts[1], PromptAtNode(t, t))
                 at.last_in = t
             elif len(parts) == 9 and parts[0] == "p":
-                passes.append((int(parts[4]), float(parts[6])))
+                passes.append((int(parts[4]), *(float(x) for x in parts[6:9])))
                 if parts[1] in prompts and int(parts[3]) + int(parts[4]) == int(parts[5]):
                     prompts[parts[1]].done = float(parts[2])  # the prompt's last pass
     return steps, prompts, passes
@@ -376,6 +378,16 @@ def prefill_windows(rnd: Round) -> list[tuple[float, float]]:
     return [(d.start, d.first if d.first else d.end) for d in rnd.requests]
 
 
+def covered(windows: list[tuple[float, float]]) -> float:
+    """Seconds that at least one of `windows` covers."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(windows):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def step_split(rounds: list[Round]) -> tuple[list[float], list[float]]:
     """Steady decode step latencies while some trace request was in prefill, and while none was."""
     busy, quiet = [], []
@@ -461,17 +473,23 @@ def prompt_timeline(rounds: list[Round]) -> str:
 
 
 def prompt_passes(rounds: list[Round]) -> str:
-    """Per node, the prompt passes of a round: how many, their mean size, compute per token."""
+    """Per node, the prompt passes of a round: how many, their mean size, compute per token (of
+    which on a CPU and waiting for one)."""
     passes = []
     for i in range(len(SPANS)):
         rows = [p for r in rounds if i < len(r.passes) for p in r.passes[i]]
         if rows:
-            tokens, secs = sum(t for t, _ in rows), sum(s for _, s in rows)
+            tokens, secs, cpu, runq = (sum(col) for col in zip(*rows))
             passes.append(
                 f"node {i} {len(rows) / len(rounds):.0f} of {tokens / len(rows):.1f} tokens,"
-                f" {secs / tokens * 1e3:.1f} ms/token"
+                f" {secs / tokens * 1e3:.1f} ms/token ({cpu / tokens * 1e3:.1f} on a CPU,"
+                f" {runq / tokens * 1e3:.1f} waiting)"
             )
-    return "    prompt passes per round: " + "; ".join(passes)
+    in_flight = statistics.fmean(covered(prefill_windows(r)) for r in rounds)
+    return (
+        f"    prompt passes per round ({in_flight:.1f} s with a prefill in flight): "
+        + "; ".join(passes)
+    )
 
 
 def figures(rounds: list[Round]) -> dict[str, tuple[float, float, float]]:
@@ -507,9 +525,11 @@ def node_figures(rounds: list[Round]) -> list[str]:
                     f"{label} {statistics.fmean(busy_x) * 1e3:5.1f}"
                     f" / {statistics.fmean(quiet_x) * 1e3:5.1f} ms"
                 )
+            busy_cpu, _ = node_step_split(rounds, i, 3)
             lines.append(
                 "      its compute, prefill in flight / none: " + ", ".join(split) + ", the rest"
-                " blocked (the GIL)"
+                f" blocked (the GIL); with prefill in flight {len(busy) / len(rounds):.0f} steps"
+                f" a round, {sum(busy_cpu) / len(rounds):.1f} s on a CPU"
             )
         links = [r.links[i] for r in rounds if i < len(r.links) and r.links[i]]
         if i == len(SPANS) - 1 or not links:
