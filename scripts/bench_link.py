@@ -518,14 +518,16 @@ def node_figures(rounds: list[Round]) -> list[str]:
                 f" {statistics.fmean(quiet) * 1e3:5.1f} ({statistics.fmean(quiet_c) * 1e3:5.1f})"
                 f" ms, p99 {pct(quiet, 0.99) * 1e3:5.1f} ms"
             )
-            split = []
-            for label, column in (("on a CPU", 3), ("waiting for one", 4)):
-                busy_x, quiet_x = node_step_split(rounds, i, column)
-                split.append(
-                    f"{label} {statistics.fmean(busy_x) * 1e3:5.1f}"
-                    f" / {statistics.fmean(quiet_x) * 1e3:5.1f} ms"
+            on_cpu = node_step_split(rounds, i, 3)
+            split = [
+                f"{label} {statistics.fmean(busy_x) * 1e3:5.1f}"
+                f" / {statistics.fmean(quiet_x) * 1e3:5.1f} ms"
+                for label, (busy_x, quiet_x) in (
+                    ("on a CPU", on_cpu),
+                    ("waiting for one", node_step_split(rounds, i, 4)),
                 )
-            busy_cpu, _ = node_step_split(rounds, i, 3)
+            ]
+            busy_cpu = on_cpu[0]
             lines.append(
                 "      its compute, prefill in flight / none: " + ", ".join(split) + ", the rest"
                 f" blocked (the GIL); with prefill in flight {len(busy) / len(rounds):.0f} steps"
