@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from swarm.link.scheduler import PREFILL_ORDERS
+from swarm.link.options import PREFILL_ORDERS, LinkOptions
 from swarm.node.compute import PASS_ORDERS
 from swarm.wire import DEFAULT_MAX_FRAME, WIRE_DTYPES
 
@@ -53,17 +53,18 @@ class NodeConfig:
     extra: dict = field(default_factory=dict)
 
 
-def scheduler_options(config: NodeConfig) -> dict:
-    """The LinkScheduler's keyword arguments (but the policy) that the node's options set."""
-    return {
-        "max_wait": config.link_max_wait,
-        "inflight_gain": config.link_inflight_gain,
-        "inflight_floor_chunks": config.link_inflight_floor_chunks,
-        "pace_lead_s": None if config.link_pacing == "off" else config.link_pace_lead_ms / 1000,
-        "pace_slow_s": config.link_pace_slow_ms / 1000 if config.link_pacing == "auto" else 0.0,
-        "min_chunk_s": config.link_min_chunk_ms / 1000,
-        "prefill_order": config.link_prefill_order,
-    }
+def scheduler_options(config: NodeConfig) -> LinkOptions:
+    """The LinkScheduler's options that the node's options set."""
+    return LinkOptions(
+        policy=config.link_policy,
+        max_wait=config.link_max_wait,
+        inflight_gain=config.link_inflight_gain,
+        inflight_floor_chunks=config.link_inflight_floor_chunks,
+        pace_lead_s=None if config.link_pacing == "off" else config.link_pace_lead_ms / 1000,
+        pace_slow_s=config.link_pace_slow_ms / 1000 if config.link_pacing == "auto" else 0.0,
+        min_chunk_s=config.link_min_chunk_ms / 1000,
+        prefill_order=config.link_prefill_order,
+    )
 
 
 def parse_layers(text: str) -> tuple[int, int]:

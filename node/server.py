@@ -58,7 +58,7 @@ class Node:
         self.compute = ComputeQueue(
             config.compute_lanes, config.prefill_nice, config.prefill_compute_order
         )
-        self.uplink = Uplink(config.link_policy, self._stream_broken, **scheduler_options(config))
+        self.uplink = Uplink(scheduler_options(config), self._stream_broken)
         self._downstream: dict[str, FramedStream] = {}
         self._connecting: dict[str, trio.Lock] = {}
         self.port: int | None = None

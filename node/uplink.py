@@ -21,6 +21,7 @@ import torch
 import trio
 
 from swarm.link.estimator import LinkEstimator, SentFrame
+from swarm.link.options import LinkOptions
 from swarm.link.scheduler import LinkScheduler, Send, Volume
 from swarm.link.tcpinfo import read_tcp_info, set_notsent_lowat
 from swarm.protocol import PREFILL, Message, Ping, Result, Step, to_wire
@@ -52,13 +53,11 @@ class Payload:
 class Uplink:
     def __init__(
         self,
-        policy: str,
+        options: LinkOptions,
         on_broken: Callable[[FramedStream, Exception], Awaitable[None]],
         send_timeout: float = 60.0,
-        **scheduler_options,
     ):
-        """`scheduler_options`: LinkScheduler's keyword arguments (max_wait, inflight_gain, ...)."""
-        self.scheduler = LinkScheduler(policy=policy, **scheduler_options)
+        self.scheduler = LinkScheduler(options)
         self._on_broken = on_broken
         self._send_timeout = send_timeout
         self._control: deque[tuple[FramedStream, bytes]] = deque()

@@ -15,6 +15,7 @@ import pytest
 import torch
 import trio
 
+from swarm.link.options import LinkOptions
 from swarm.link.relay import LinkShape, Relay
 from swarm.node.uplink import Payload, Uplink
 from swarm.protocol import PREFILL, Ping, Pong, Step
@@ -74,7 +75,7 @@ async def test_the_estimate_follows_a_live_link_through_rate_changes(nursery):
     async def broken(stream, exc):
         raise AssertionError(f"the uplink lost its connection: {exc!r}")
 
-    uplink = Uplink("molink", broken)
+    uplink = Uplink(LinkOptions(), broken)
     nursery.start_soon(uplink.run)
     conn = await connect("127.0.0.1", port)
     dest = f"127.0.0.1:{port}"
@@ -136,7 +137,7 @@ async def test_the_in_flight_cap_lets_its_floor_of_prompt_chunks_go_unacknowledg
     async def broken(stream, exc):
         raise AssertionError(f"the uplink lost its connection: {exc!r}")
 
-    uplink = Uplink("molink", broken, inflight_gain=2.0, inflight_floor_chunks=2)
+    uplink = Uplink(LinkOptions(inflight_gain=2.0, inflight_floor_chunks=2), broken)
     nursery.start_soon(uplink.run)
     conn = await connect("127.0.0.1", port)
     dest = f"127.0.0.1:{port}"

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarm.link.options import LinkOptions
 from swarm.link.scheduler import LinkScheduler, Send, Volume
 from swarm.link.sim import DecodeStream, PrefillArrival, SimLink, simulate
 
@@ -26,7 +27,7 @@ def decode(session: str = "d", bytes_per_token: int = 1000) -> Volume:
 
 def scheduler(**kwargs) -> LinkScheduler:
     """A molink scheduler that knows its link (1 MB/s, 30 ms RTT) and T_d = 50 ms."""
-    sched = LinkScheduler("molink", **kwargs)
+    sched = LinkScheduler(LinkOptions("molink", **kwargs))
     sched.update_link(DEST, rtt=0.03, bandwidth=BW, now=0.0)
     sched.observe_compute("decode", 1, TD)
     return sched
@@ -54,13 +55,13 @@ def test_a_volume_must_carry_at_least_one_token():
 
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy"):
-        LinkScheduler("lifo")
+        LinkScheduler(LinkOptions("lifo"))
 
 
 def test_max_wait_below_one_is_refused():
     # with N = 0 a lone decode volume could never be sent (W < N never holds)
     with pytest.raises(ValueError, match="max_wait"):
-        LinkScheduler(max_wait=0)
+        LinkScheduler(LinkOptions(max_wait=0))
 
 
 # --- Algorithm 1 on hand-made timelines ------------------------------------------------------
@@ -180,7 +181,7 @@ def test_a_volume_cannot_leave_less_of_its_phase_than_it_carries():
     with pytest.raises(ValueError, match="phase_left"):
         Volume("s", DEST, "prefill", 10, 1, 5)
     with pytest.raises(ValueError, match="prefill order"):
-        LinkScheduler(prefill_order="random")
+        LinkScheduler(LinkOptions(prefill_order="random"))
 
 
 # --- just-in-time chunk size: MoLink's three cases --------------------------------------------
@@ -279,7 +280,7 @@ def test_the_floor_never_exceeds_what_is_left():
 
 
 def test_without_a_bandwidth_estimate_chunks_are_the_floor():
-    sched = LinkScheduler(min_chunk_tokens=8)
+    sched = LinkScheduler(LinkOptions(min_chunk_tokens=8))
     sched.observe_compute("decode", 1, TD)
     sched.observe_decode_arrival("d", 10.0)
     sched.enqueue(prefill(), 10.0)
@@ -337,11 +338,13 @@ def thin_link_with_a_prompt(
     """A capped scheduler (floor chunks of 8 tokens) on a 1 MB/s link with a 1 ms RTT, where a
     decode session computes and a prompt waits; `link`: update_link's figures (bytes in flight)."""
     sched = LinkScheduler(
-        min_chunk_tokens=8,
-        inflight_gain=2.0,
-        inflight_floor_chunks=floor_chunks,
-        min_chunk_s=min_chunk_s,
-        pace_lead_s=pace_lead_s,
+        LinkOptions(
+            min_chunk_tokens=8,
+            inflight_gain=2.0,
+            inflight_floor_chunks=floor_chunks,
+            min_chunk_s=min_chunk_s,
+            pace_lead_s=pace_lead_s,
+        )
     )
     sched.update_link(DEST, rtt=0.001, min_rtt=0.001, bandwidth=BW, **link)
     sched.observe_compute("decode", 1, TD)
@@ -576,7 +579,7 @@ def test_pacing_needs_a_decode_session_to_protect_and_is_off_by_default():
 
 
 def test_the_chunk_floor_follows_the_link_when_given_in_seconds():
-    sched = LinkScheduler(min_chunk_tokens=8, min_chunk_s=0.02)
+    sched = LinkScheduler(LinkOptions(min_chunk_tokens=8, min_chunk_s=0.02))
     sched.observe_compute("decode", 1, TD)
     sched.observe_decode_arrival("d", 10.0)
     volume = prefill(bytes_per_token=1152)
@@ -593,9 +596,9 @@ def test_the_chunk_floor_follows_the_link_when_given_in_seconds():
 
 def test_pacing_and_floor_options_are_checked():
     with pytest.raises(ValueError, match="pace_lead_s"):
-        LinkScheduler(pace_lead_s=-0.001)
+        LinkScheduler(LinkOptions(pace_lead_s=-0.001))
     with pytest.raises(ValueError, match="min_chunk_s"):
-        LinkScheduler(min_chunk_s=-1)
+        LinkScheduler(LinkOptions(min_chunk_s=-1))
 
 
 # --- stats ------------------------------------------------------------------------------------
@@ -742,7 +745,7 @@ waits = st.integers(1, 5)
 @settings(max_examples=150, deadline=None)
 @given(ops_lists, waits, st.sampled_from(("arrival", "shortest")))
 def test_decode_goes_first_while_the_waiting_weight_is_below_max_wait(ops, n, order):
-    run = drive(LinkScheduler("molink", max_wait=n, prefill_order=order), ops)
+    run = drive(LinkScheduler(LinkOptions("molink", max_wait=n, prefill_order=order)), ops)
     w = 0
     for d in run.decisions:
         if d.eligible_decode and d.eligible_prefill:
@@ -766,7 +769,7 @@ def test_decode_goes_first_while_the_waiting_weight_is_below_max_wait(ops, n, or
 @settings(max_examples=150, deadline=None)
 @given(ops_lists, waits)
 def test_no_prefill_waits_behind_more_than_max_wait_decode_sends(ops, n):
-    run = drive(LinkScheduler("molink", max_wait=n), ops)
+    run = drive(LinkScheduler(LinkOptions("molink", max_wait=n)), ops)
     passed = 0  # decode sends made while a prefill was waiting, since the last prefill send
     for d in run.decisions:
         if d.send is None:
@@ -784,9 +787,9 @@ def test_no_prefill_waits_behind_more_than_max_wait_decode_sends(ops, n):
 @given(ops_lists, waits, st.sampled_from(("molink", "fifo", "shortest")))
 def test_every_token_of_every_volume_is_sent_exactly_once_in_order_per_session(ops, n, policy):
     if policy == "shortest":
-        sched = LinkScheduler("molink", max_wait=n, prefill_order="shortest")
+        sched = LinkScheduler(LinkOptions("molink", max_wait=n, prefill_order="shortest"))
     else:
-        sched = LinkScheduler(policy, max_wait=n)
+        sched = LinkScheduler(LinkOptions(policy, max_wait=n))
     run = drive(sched, ops)
     next_token = {vid: 0 for vid in run.volumes}
     last_vid: dict[str, int] = {}
@@ -802,7 +805,7 @@ def test_every_token_of_every_volume_is_sent_exactly_once_in_order_per_session(o
 @settings(max_examples=150, deadline=None)
 @given(ops_lists, waits)
 def test_chunks_are_whole_tokens_of_their_volume(ops, n):
-    run = drive(LinkScheduler("molink", max_wait=n, min_chunk_tokens=4), ops)
+    run = drive(LinkScheduler(LinkOptions("molink", max_wait=n, min_chunk_tokens=4)), ops)
     for s in run.sends:
         volume = run.volumes[s.vid]
         assert s.tokens >= 1
@@ -814,7 +817,7 @@ def test_chunks_are_whole_tokens_of_their_volume(ops, n):
 @settings(max_examples=150, deadline=None)
 @given(ops_lists)
 def test_fifo_sends_whole_volumes_in_arrival_order(ops):
-    run = drive(LinkScheduler("fifo"), ops)
+    run = drive(LinkScheduler(LinkOptions("fifo")), ops)
     assert [s.vid for s in run.sends] == sorted(run.volumes)
     assert all(s.offset == 0 and s.last for s in run.sends)
 
@@ -834,8 +837,8 @@ def p99(values: list[float]) -> float:
 
 
 def test_sim_molink_cuts_decode_send_delay_far_below_fifo():
-    fifo = simulate(LinkScheduler("fifo"), SLOW, [STEADY], LONG_PROMPTS)
-    molink = simulate(LinkScheduler("molink"), SLOW, [STEADY], LONG_PROMPTS)
+    fifo = simulate(LinkScheduler(LinkOptions("fifo")), SLOW, [STEADY], LONG_PROMPTS)
+    molink = simulate(LinkScheduler(LinkOptions("molink")), SLOW, [STEADY], LONG_PROMPTS)
     # fifo: a decode step queued behind a 2.3 MB prompt waits its ~3.7 s on the wire
     assert p99(fifo.decode_delays()) > 1.0
     assert p99(molink.decode_delays()) < 0.5 * p99(fifo.decode_delays())
@@ -843,13 +846,13 @@ def test_sim_molink_cuts_decode_send_delay_far_below_fifo():
 
 
 def test_sim_molink_finishes_prefill_nearly_as_soon_as_fifo():
-    fifo = simulate(LinkScheduler("fifo"), SLOW, [STEADY], LONG_PROMPTS)
-    molink = simulate(LinkScheduler("molink"), SLOW, [STEADY], LONG_PROMPTS)
+    fifo = simulate(LinkScheduler(LinkOptions("fifo")), SLOW, [STEADY], LONG_PROMPTS)
+    molink = simulate(LinkScheduler(LinkOptions("molink")), SLOW, [STEADY], LONG_PROMPTS)
     assert molink.prefill_completion() <= 1.1 * fifo.prefill_completion()
 
 
 def test_sim_molink_sends_prompts_in_chunks_between_decode_steps():
-    sched = LinkScheduler("molink")
+    sched = LinkScheduler(LinkOptions("molink"))
     result = simulate(sched, SLOW, [STEADY], LONG_PROMPTS)
     prompt = result.of_phase("prefill")[0]
     assert prompt.sends > 10
@@ -863,7 +866,9 @@ def test_sim_shortest_order_lowers_mean_prompt_completion_at_the_same_decode_del
     prompts += [PrefillArrival(f"short{i}", 1.5 + 0.2 * i, 300, 1152) for i in range(4)]
 
     def run(order: str):
-        result = simulate(LinkScheduler("molink", prefill_order=order), SLOW, [STEADY], prompts)
+        result = simulate(
+            LinkScheduler(LinkOptions("molink", prefill_order=order)), SLOW, [STEADY], prompts
+        )
         prefills = result.of_phase("prefill")
         done = {v.session: v.finished + SLOW.latency - v.enqueued for v in prefills}
         return done, result.prefill_completion(), p99(result.decode_delays())
@@ -879,13 +884,16 @@ def test_sim_shortest_order_lowers_mean_prompt_completion_at_the_same_decode_del
 
 
 def test_sim_is_deterministic():
-    runs = [simulate(LinkScheduler("molink"), SLOW, [STEADY], LONG_PROMPTS) for _ in range(2)]
+    runs = [
+        simulate(LinkScheduler(LinkOptions("molink")), SLOW, [STEADY], LONG_PROMPTS)
+        for _ in range(2)
+    ]
     assert runs[0].sends == runs[1].sends
 
 
 def test_sim_decode_session_is_a_closed_loop_slowed_by_fifo():
-    fifo = simulate(LinkScheduler("fifo"), SLOW, [STEADY], LONG_PROMPTS)
-    molink = simulate(LinkScheduler("molink"), SLOW, [STEADY], LONG_PROMPTS)
+    fifo = simulate(LinkScheduler(LinkOptions("fifo")), SLOW, [STEADY], LONG_PROMPTS)
+    molink = simulate(LinkScheduler(LinkOptions("molink")), SLOW, [STEADY], LONG_PROMPTS)
     fifo_done, molink_done = (
         max(v.finished or 0 for v in r.of_phase("decode")) for r in (fifo, molink)
     )
@@ -894,7 +902,7 @@ def test_sim_decode_session_is_a_closed_loop_slowed_by_fifo():
 
 def test_sim_a_bandwidth_overestimate_costs_decode_delay_an_underestimate_only_chunks():
     def run(believed: float) -> tuple[float, float, float]:
-        sched = LinkScheduler("molink")
+        sched = LinkScheduler(LinkOptions("molink"))
         link = SimLink(SLOW.bandwidth, SLOW.latency, believed_bandwidth=believed)
         result = simulate(sched, link, [STEADY], LONG_PROMPTS)
         return (
@@ -914,7 +922,9 @@ def test_sim_a_bandwidth_overestimate_costs_decode_delay_an_underestimate_only_c
 def test_sim_pacing_costs_nothing_on_a_true_estimate_but_idles_the_link_on_a_low_one():
     def run(pace: float | None, believed: float) -> tuple[float, float]:
         link = SimLink(SLOW.bandwidth, SLOW.latency, believed_bandwidth=believed)
-        result = simulate(LinkScheduler("molink", pace_lead_s=pace), link, [STEADY], LONG_PROMPTS)
+        result = simulate(
+            LinkScheduler(LinkOptions("molink", pace_lead_s=pace)), link, [STEADY], LONG_PROMPTS
+        )
         return p99(result.decode_delays()), result.prefill_completion()
 
     plain_delay, plain_completion = run(None, SLOW.bandwidth)

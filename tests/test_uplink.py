@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import trio
 
+from swarm.link.options import LinkOptions
 from swarm.node.uplink import Payload, Uplink
 from swarm.protocol import PREFILL, Step
 from swarm.transport import FramedStream, connect
@@ -57,7 +58,7 @@ async def test_a_failing_send_drops_its_connection_and_the_uplink_serves_the_oth
         broken.append((stream, exc))
         stream.closed = True
 
-    uplink = BuggyUplink("molink", on_broken)
+    uplink = BuggyUplink(LinkOptions(), on_broken)
     nursery.start_soon(uplink.run)
     _, bad_conn, bad_dest = await open_receiver(nursery)
     good, good_conn, good_dest = await open_receiver(nursery)

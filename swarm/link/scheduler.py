@@ -64,10 +64,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from swarm.link.estimator import ewma, percentile
+from swarm.link.options import LinkOptions
 from swarm.protocol import DECODE, PHASES, PREFILL
 
-POLICIES = ("molink", "fifo")
-PREFILL_ORDERS = ("arrival", "shortest")
 MAX_DRAINS = 4096  # sends per connection remembered for the acknowledgement lag
 
 
@@ -190,89 +189,11 @@ class _Link:
 class LinkScheduler:
     """One per node uplink. Feed it volumes and observations; ask it what to send next.
 
-    max_wait: N, decode sends that may pass a waiting prefill before it goes whole (MoLink: 30).
-    min_chunk_tokens: floor on a chunk, so a prefill advances even when T_a <= 0 and each chunk
-        is worth its frame and the downstream step it becomes.
-    margin: fraction of bandwidth x T_a to fill; a chunk too small costs one more frame, one too
-        large delays a decode step, so err small.
-    session_idle_s: a decode session silent for max(this, 4 periods) no longer holds prefill back.
-    inflight_gain: prefill chunks wait while a connection has more than this many bandwidth x
-        min RTT unacknowledged (0, the default here: never wait).
-    inflight_floor_chunks: ... but a connection may always hold this many prompt chunks (told
-        through update_link's prefill_frames; otherwise this many floor-sized chunks' bytes).
-        On a paced connection this many floor-sized chunks' bytes come on top of the cap.
-    pace_lead_s: pace prefill chunks: one goes only when the bytes already sent to its
-        connection would be carried, at the estimated bandwidth, within this many seconds
-        (None, the default here: no pacing).
-    pace_slow_s: pace only connections where a chunk of min_chunk_tokens takes at least this
-        long on the link, at its estimated bandwidth (0, the default here: every connection).
-        On a fast link a chunk is a short wait for a decode volume behind it anyway, and pacing
-        costs prompt throughput there (the link idles whenever the driver comes back late).
-    ack_slack_s: pacing: how late an acknowledgement may come (the next hop's reading, the
-        way back) before it shows the link holding more than the pacing model says.
-    min_chunk_s: with a bandwidth estimate, the chunk floor is the tokens the link carries in
-        this long, between 1 and min_chunk_tokens (0, the default here: min_chunk_tokens).
-    prefill_order: which waiting prefill goes next (molink): "shortest" (the default), the one
-        whose prompt needs the least link time left, less the time it has waited (a prompt
-        waiting longer than a newcomer needs goes before it); or "arrival", the oldest.
+    Its policy and tuning come once, as LinkOptions (swarm/link/options.py says what each does).
     """
 
-    def __init__(
-        self,
-        policy: str = "molink",
-        *,
-        max_wait: int = 30,
-        min_chunk_tokens: int = 8,
-        margin: float = 0.8,
-        session_idle_s: float = 2.0,
-        period_samples: int = 8,
-        compute_gain: float = 0.25,
-        delay_samples: int = 1024,
-        inflight_gain: float = 0.0,
-        inflight_floor_chunks: int = 2,
-        pace_lead_s: float | None = None,
-        pace_slow_s: float = 0.0,
-        ack_slack_s: float = 0.02,
-        min_chunk_s: float = 0.0,
-        prefill_order: str = "shortest",
-    ):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown link policy {policy!r}; choose from {POLICIES}")
-        if max_wait < 1:
-            raise ValueError(f"max_wait must be at least 1, got {max_wait}")
-        if min_chunk_tokens < 1:
-            raise ValueError(f"min_chunk_tokens must be at least 1, got {min_chunk_tokens}")
-        if not 0 < margin <= 1:
-            raise ValueError(f"margin must be in (0, 1], got {margin}")
-        if inflight_gain < 0 or inflight_floor_chunks < 1:
-            raise ValueError(
-                f"need inflight_gain >= 0 and inflight_floor_chunks >= 1, got {inflight_gain}"
-                f" and {inflight_floor_chunks}"
-            )
-        if pace_lead_s is not None and pace_lead_s < 0:
-            raise ValueError(f"pace_lead_s must be >= 0 or None, got {pace_lead_s}")
-        if pace_slow_s < 0:
-            raise ValueError(f"pace_slow_s must be >= 0, got {pace_slow_s}")
-        if min_chunk_s < 0:
-            raise ValueError(f"min_chunk_s must be >= 0, got {min_chunk_s}")
-        if prefill_order not in PREFILL_ORDERS:
-            raise ValueError(
-                f"unknown prefill order {prefill_order!r}; choose from {PREFILL_ORDERS}"
-            )
-        self.prefill_order = prefill_order
-        self.policy = policy
-        self.pace_lead_s = pace_lead_s
-        self.pace_slow_s = pace_slow_s
-        self.ack_slack_s = ack_slack_s
-        self.min_chunk_s = min_chunk_s
-        self.inflight_gain = inflight_gain
-        self.inflight_floor_chunks = inflight_floor_chunks
-        self.max_wait = max_wait
-        self.min_chunk_tokens = min_chunk_tokens
-        self.margin = margin
-        self.session_idle_s = session_idle_s
-        self._period_samples = period_samples
-        self._compute_gain = compute_gain
+    def __init__(self, options: LinkOptions | None = None):
+        self.options = options = options or LinkOptions()
         self._ids = itertools.count()
         self._queues: dict[str, list[_Queued]] = {DECODE: [], PREFILL: []}
         self._chains: dict[str, deque[int]] = {}  # session -> unfinished vids, oldest first
@@ -283,9 +204,9 @@ class LinkScheduler:
         self.holding = False  # the last next_send held a prefill back (acknowledgements, pacing)
         self.hold_until: float | None = None  # ... and when pacing lets it go, if it knows
         self._last_window: Window | None = None
-        self._decode_delays: deque[float] = deque(maxlen=delay_samples)
-        self._pace_late: deque[float] = deque(maxlen=delay_samples)
-        self._ack_lags: deque[float] = deque(maxlen=delay_samples)
+        self._decode_delays: deque[float] = deque(maxlen=options.delay_samples)
+        self._pace_late: deque[float] = deque(maxlen=options.delay_samples)
+        self._ack_lags: deque[float] = deque(maxlen=options.delay_samples)
         self._prefill_idle_s = 0.0
         self._counts = {
             "sends": 0,
@@ -335,16 +256,16 @@ class LinkScheduler:
         self.hold_until = None
         decode = self._first_eligible(DECODE)
         prefill = self._first_eligible(PREFILL)
-        if self.policy == "fifo":
+        if self.options.policy == "fifo":
             pick = min((q for q in (decode, prefill) if q), key=lambda q: q.vid, default=None)
             return None if pick is None else self._hand_out(pick, pick.left, now)
         if decode and prefill:
             self._w += 1
-        if decode and self._w < self.max_wait:
+        if decode and self._w < self.options.max_wait:
             return self._hand_out(decode, decode.left, now)
         if prefill is None:
             return None
-        if self.prefill_order == "shortest":
+        if self.options.prefill_order == "shortest":
             prefill = self._shortest_prefill(now)
         if decode:  # W reached N: the prefill has waited long enough
             tokens = prefill.left
@@ -415,7 +336,7 @@ class LinkScheduler:
         bandwidth = self._bandwidth(dest)
         if bandwidth is None or not self.pacing(dest):
             return
-        window = (link.base_rtt or 0.0) + self.ack_slack_s
+        window = (link.base_rtt or 0.0) + self.options.ack_slack_s
         behind = link.sent_total - through - bandwidth * window
         if behind > self._unsent(link, bandwidth, now):
             link.unsent, link.unsent_at = behind, now
@@ -433,7 +354,7 @@ class LinkScheduler:
         """This node's compute time for one step of `phase` (T_d for decode)."""
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-        self._compute[phase] = ewma(self._compute.get(phase), seconds, self._compute_gain)
+        self._compute[phase] = ewma(self._compute.get(phase), seconds, self.options.compute_gain)
 
     def update_link(
         self,
@@ -525,17 +446,17 @@ class LinkScheduler:
         tokens = 0
         t_a = window.t_a - self.backlog(volume.dest, now)
         if bandwidth is not None and t_a > 0:
-            tokens = _whole_tokens(self.margin * bandwidth * t_a, volume.bytes_per_token)
+            tokens = _whole_tokens(self.options.margin * bandwidth * t_a, volume.bytes_per_token)
         return min(left, max(self.floor_tokens(volume), tokens))
 
     def floor_tokens(self, volume: Volume) -> int:
         """The smallest chunk of `volume`: min_chunk_tokens, or the tokens its link carries in
         min_chunk_s if fewer (at least 1)."""
         bandwidth = self._bandwidth(volume.dest)
-        if self.min_chunk_s == 0 or bandwidth is None:
-            return self.min_chunk_tokens
-        fit = _whole_tokens(bandwidth * self.min_chunk_s, volume.bytes_per_token)
-        return max(1, min(self.min_chunk_tokens, fit))
+        if self.options.min_chunk_s == 0 or bandwidth is None:
+            return self.options.min_chunk_tokens
+        fit = _whole_tokens(bandwidth * self.options.min_chunk_s, volume.bytes_per_token)
+        return max(1, min(self.options.min_chunk_tokens, fit))
 
     def backlog(self, dest: str, now: float | None = None) -> float:
         """Seconds of sent bytes queued ahead of a send to `dest` now (0 if unknown).
@@ -558,22 +479,29 @@ class LinkScheduler:
 
     def _pace_wait(self, dest: str, now: float) -> float:
         """Seconds a prefill chunk to `dest` should wait for the link to carry what it has."""
-        if not self.pacing(dest) or self.pace_lead_s is None or self.available_time(now) is None:
+        if (
+            not self.pacing(dest)
+            or self.options.pace_lead_s is None
+            or self.available_time(now) is None
+        ):
             return 0.0  # not pacing, or no decode session to protect
-        return self.backlog(dest, now) - self.pace_lead_s
+        return self.backlog(dest, now) - self.options.pace_lead_s
 
     def pacing(self, dest: str) -> bool:
         """Whether prefill chunks to `dest` are paced: pacing is on (pace_lead_s), and the link is
         slow enough for it (pace_slow_s), by its bandwidth estimate now."""
-        if self.pace_lead_s is None:
+        if self.options.pace_lead_s is None:
             return False
-        if self.pace_slow_s == 0:
+        if self.options.pace_slow_s == 0:
             return True
         link = self._links.get(dest)
         bandwidth = self._bandwidth(dest)
         if link is None or bandwidth is None or link.bytes_per_token is None:
             return False
-        return self.min_chunk_tokens * link.bytes_per_token >= self.pace_slow_s * bandwidth
+        return (
+            self.options.min_chunk_tokens * link.bytes_per_token
+            >= self.options.pace_slow_s * bandwidth
+        )
 
     def _note_idle(self, dest: str, now: float) -> None:
         """A prefill goes to `dest` now: add how long the link, by the bandwidth estimate, had
@@ -595,7 +523,7 @@ class LinkScheduler:
         dest = prefill.volume.dest
         link = self._links.get(dest)
         bandwidth = self._bandwidth(dest)
-        if self.inflight_gain == 0 or link is None or bandwidth is None:
+        if self.options.inflight_gain == 0 or link is None or bandwidth is None:
             return False
         held = link.in_flight if link.prefill_in_flight is None else link.prefill_in_flight
         rtt = link.base_rtt
@@ -604,17 +532,17 @@ class LinkScheduler:
         if self.available_time(now) is None:
             return False  # no decode session to protect
         chunk = self.floor_tokens(prefill.volume) * prefill.volume.bytes_per_token
-        cap = self.inflight_gain * bandwidth * rtt
+        cap = self.options.inflight_gain * bandwidth * rtt
         if self.pacing(dest):
             # pacing keeps the bottleneck short itself; the cap only catches an estimate reading
             # high, so the floor's chunks come on top of it: small paced chunks under the cap
             # alone wait a round trip for acknowledgements while the link idles
-            return held + chunk > cap + self.inflight_floor_chunks * chunk
+            return held + chunk > cap + self.options.inflight_floor_chunks * chunk
         if link.prefill_frames is not None:
             # the floor in chunks, whatever their size: chunks the free time makes a little
             # bigger than the smallest would otherwise fill a floor counted in bytes alone
-            return link.prefill_frames >= self.inflight_floor_chunks and held + chunk > cap
-        return held + chunk > max(cap, self.inflight_floor_chunks * chunk)
+            return link.prefill_frames >= self.options.inflight_floor_chunks and held + chunk > cap
+        return held + chunk > max(cap, self.options.inflight_floor_chunks * chunk)
 
     def stats(self) -> dict[str, float]:
         """Flat numeric counters and gauges for logs and the health page."""
@@ -670,7 +598,7 @@ class LinkScheduler:
     def _track(self, session: str) -> _DecodeTrack:
         track = self._tracks.get(session)
         if track is None:
-            n = self._period_samples
+            n = self.options.period_samples
             track = self._tracks[session] = _DecodeTrack(deque(maxlen=n), deque(maxlen=n))
         return track
 
@@ -679,7 +607,7 @@ class LinkScheduler:
         if not seen:
             return False
         period = track.period or track.enqueue_period or 0.0
-        return now - max(seen) <= max(self.session_idle_s, 4 * period)
+        return now - max(seen) <= max(self.options.session_idle_s, 4 * period)
 
     def _eligible(self, phase: str) -> Iterator[_Queued]:
         """Queued volumes of `phase` whose session has nothing older left to send, oldest first."""
