@@ -1,0 +1,156 @@
+"""Write a random-weight Llama GGUF file with a big model's layer shapes, quantized as Q4_1 or Q8_0.
+
+Benchmarks need 8B-sized layers without an 8B download: by default this writes Llama-3-8B's
+shapes (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, head_dim 128) with a small
+vocabulary, so a 2-layer file is ~0.3 GB as Q4_1. It carries the llama metadata GGUFSource reads
+and no tokenizer. Tensors are generated, quantized and written one at a time (rows in chunks), so
+writing never holds more than one quantized tensor in memory.
+
+Example: .venv/bin/python scripts/synthetic_gguf.py /tmp/llama8b-2.Q4_1.gguf --layers 2 --qtype Q4_1
+"""
+
+from __future__ import annotations
+
+import argparse
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+QTYPES = {"Q4_1": gguf.GGMLQuantizationType.Q4_1, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
+_CHUNK_ROWS = 512  # rows generated and quantized at once: bounds the float32 temporaries
+
+
+@dataclass(frozen=True)
+class Shapes:
+    hidden: int = 4096
+    intermediate: int = 14336
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    vocab: int = 4096
+    layers: int = 2
+    rope_theta: float = 500000.0
+    rms_eps: float = 1e-5
+    context: int = 8192
+
+
+def tensor_plan(s: Shapes) -> list[tuple[str, tuple[int, ...]]]:
+    """GGUF tensor names and numpy shapes ([out, in] for linears), in file order."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    plan = [("token_embd.weight", (s.vocab, s.hidden))]
+    for b in range(s.layers):
+        p = f"blk.{b}."
+        plan += [
+            (p + "attn_norm.weight", (s.hidden,)),
+            (p + "attn_q.weight", (q, s.hidden)),
+            (p + "attn_k.weight", (kv, s.hidden)),
+            (p + "attn_v.weight", (kv, s.hidden)),
+            (p + "attn_output.weight", (s.hidden, q)),
+            (p + "ffn_norm.weight", (s.hidden,)),
+            (p + "ffn_gate.weight", (s.intermediate, s.hidden)),
+            (p + "ffn_up.weight", (s.intermediate, s.hidden)),
+            (p + "ffn_down.weight", (s.hidden, s.intermediate)),
+        ]
+    plan.append(("output_norm.weight", (s.hidden,)))
+    return plan
+
+
+def synthetic_rows(
+    name: str, shape: tuple[int, ...], seed: int, lo: int, hi: int, std: float = 0.02
+) -> np.ndarray:
+    """Rows [lo, hi) of a tensor's float32 values; the same on every call (chunk-seeded).
+
+    Norm weights are ones, as a trained model's are near; linears are N(0, std), which keeps
+    activations of 8B-sized layers finite (std 0.02 as Llama's initializer).
+    """
+    if len(shape) == 1:
+        return np.ones(shape, dtype=np.float32)
+    assert lo % _CHUNK_ROWS == 0, "rows are generated in whole chunks"
+    parts = []
+    for r0 in range(lo, hi, _CHUNK_ROWS):
+        r1 = min(r0 + _CHUNK_ROWS, hi)
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode()), r0 // _CHUNK_ROWS])
+        parts.append(rng.standard_normal((r1 - r0, *shape[1:]), dtype=np.float32) * np.float32(std))
+    return np.concatenate(parts)
+
+
+def synthetic_tensor(name: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """The whole float32 tensor the writer quantized (for checks on small files)."""
+    return synthetic_rows(name, shape, seed, 0, shape[0])
+
+
+def _quantized(name: str, shape: tuple[int, ...], qtype, seed: int) -> np.ndarray:
+    rows = shape[0]
+    out = None
+    for r0 in range(0, rows, _CHUNK_ROWS):
+        r1 = min(r0 + _CHUNK_ROWS, rows)
+        q = gguf.quants.quantize(synthetic_rows(name, shape, seed, r0, r1), qtype)
+        if out is None:
+            out = np.empty((rows, q.shape[1]), dtype=np.uint8)
+        out[r0:r1] = q
+    return out
+
+
+def write_synthetic_gguf(
+    path: str | Path, shapes: Shapes = Shapes(), qtype: str = "Q4_1", seed: int = 0
+) -> Path:
+    """Write the file; 2-D weights as `qtype`, norms as F32. Returns the path."""
+    path = Path(path)
+    gq = QTYPES[qtype]
+    block, type_size = gguf.GGML_QUANT_SIZES[gq]
+    s = shapes
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"synthetic-llama-{s.hidden}x{s.layers}-{qtype}")
+    w.add_block_count(s.layers)
+    w.add_context_length(s.context)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.intermediate)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_rope_freq_base(s.rope_theta)
+    w.add_layer_norm_rms_eps(s.rms_eps)
+    w.add_vocab_size(s.vocab)
+    w.add_file_type(
+        {"Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+    )
+    plan = tensor_plan(s)
+    for name, shape in plan:
+        if len(shape) == 1:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
+        else:
+            if shape[-1] % block:
+                raise ValueError(f"{name}: {shape[-1]} columns are not a multiple of {block}")
+            row_bytes = shape[-1] // block * type_size
+            w.add_tensor_info(
+                name, (shape[0], row_bytes), np.dtype(np.uint8), shape[0] * row_bytes, raw_dtype=gq
+            )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shape in plan:
+        if len(shape) == 1:
+            w.write_tensor_data(synthetic_tensor(name, shape, seed))
+        else:
+            w.write_tensor_data(_quantized(name, shape, gq, seed))
+    w.close()
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("out", type=Path)
+    p.add_argument("--qtype", choices=sorted(QTYPES), default="Q4_1")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    path = write_synthetic_gguf(a.out, Shapes(layers=a.layers, vocab=a.vocab), a.qtype, a.seed)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The benchmark's synthetic GGUF writer makes files our loader and gguf's reader accept."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from swarm.model.source import open_model
+
+_SPEC = importlib.util.spec_from_file_location(
+    "synthetic_gguf", Path(__file__).parent.parent / "scripts" / "synthetic_gguf.py"
+)
+synthetic_gguf = importlib.util.module_from_spec(_SPEC)
+sys.modules["synthetic_gguf"] = synthetic_gguf  # its dataclasses look their module up
+_SPEC.loader.exec_module(synthetic_gguf)
+
+# small, but with GQA, two layers and more rows than one generation chunk (vocab 600)
+SHAPES = synthetic_gguf.Shapes(
+    hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16, vocab=600, layers=2
+)
+
+
+def _block_error_bound(values: np.ndarray, qtype: str) -> np.ndarray:
+    """Largest error a block's quantization may make, per element: half a grid step, plus the
+    rounding of the block's scale (and minimum) to float16 times the largest value they make."""
+    blocks = values.reshape(-1, 32)
+    lo, hi = blocks.min(1, keepdims=True), blocks.max(1, keepdims=True)
+    if qtype == "Q4_1":
+        step, reach = (hi - lo) / 15, (hi - lo) + np.abs(lo)
+    else:
+        reach = np.maximum(np.abs(lo), np.abs(hi))
+        step = reach / 127
+    bound = step / 2 + reach * 2.0**-10 + 1e-7
+    return np.broadcast_to(bound, blocks.shape).reshape(values.shape)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_synthetic_gguf_opens_as_a_llama_model_of_the_given_shapes(tmp_path, qtype):
+    path = synthetic_gguf.write_synthetic_gguf(tmp_path / f"s.{qtype}.gguf", SHAPES, qtype)
+    c = open_model(path).config
+    shapes = (c.num_layers, c.hidden, c.intermediate, c.heads, c.kv_heads, c.head_dim, c.vocab)
+    assert shapes == (2, 64, 160, 4, 2, 16, 600)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_synthetic_gguf_tensors_dequantize_to_the_written_values(tmp_path, qtype):
+    path = synthetic_gguf.write_synthetic_gguf(tmp_path / f"s.{qtype}.gguf", SHAPES, qtype)
+    plan = dict(synthetic_gguf.tensor_plan(SHAPES))
+    reader = gguf.GGUFReader(str(path))
+    assert {t.name for t in reader.tensors} == set(plan)
+    for t in reader.tensors:
+        written = synthetic_gguf.synthetic_tensor(t.name, plan[t.name])
+        read = gguf.dequantize(t.data, t.tensor_type)
+        assert read.shape == written.shape, t.name
+        if written.ndim == 1:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32
+            np.testing.assert_array_equal(read, written)
+        else:
+            assert t.tensor_type.name == qtype, t.name
+            assert np.all(np.abs(read - written) <= _block_error_bound(written, qtype)), t.name
+            # and the values are the random ones, not a constant the bound would also accept
+            assert np.corrcoef(read.ravel(), written.ravel())[0, 1] > 0.98, t.name
