@@ -1,7 +1,7 @@
 """Link scheduler benchmark: molink vs fifo on shaped links, real nodes, real model compute.
 
 Three nodes split the default model (0:10, 10:20, 20:30). Nodes 2 and 3 sit behind shaped relays
-(`python -m swarm.link.relay`, announced with --public-address), so both node-to-node hops cross a
+(`python -m devtools.relay`, announced with --public-address), so both node-to-node hops cross a
 link of --rates Mbps with --rtt-ms round trip and a bounded bottleneck buffer; the client reaches
 node 1 directly. Per round the nodes start fresh with one variant's options and carry:
 
@@ -42,6 +42,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -51,6 +52,7 @@ from swarm.client.client import Client  # noqa: E402
 from swarm.dht import start_dht, visible_maddrs  # noqa: E402
 from swarm.launch import NodeProcess, start_node, stop_all  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 SPANS = [(0, 10), (10, 20), (20, 30)]
 # Azure LLM inference trace 2023, conversation: medians ~1020 input and ~130 output tokens
 TRACE_IN_MEDIAN, TRACE_IN_SIGMA, TRACE_IN_MAX = 1020, 0.6, 2048
@@ -154,7 +156,7 @@ def start_relay(listen: int, target: int, a, rate: float, log: str) -> subproces
     cmd = [
         sys.executable,
         "-m",
-        "swarm.link.relay",
+        "devtools.relay",
         "--listen",
         f"127.0.0.1:{listen}",
         "--target",
@@ -168,7 +170,8 @@ def start_relay(listen: int, target: int, a, rate: float, log: str) -> subproces
         "--queue-log",
         log,
     ]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # devtools/ is not installed: the relay runs from this checkout
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def start_nodes(

@@ -15,12 +15,15 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from swarm.client.client import Client
 from swarm.launch import start_node, stop_all
 from tests.conftest import reference_greedy
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RATE_MBPS = 1.0
 DELAY_MS = 10.0
@@ -47,7 +50,7 @@ def shaped_swarm(request, tiny_model_dir, tmp_path):
         [
             sys.executable,
             "-m",
-            "swarm.link.relay",
+            "devtools.relay",
             "--listen",
             f"127.0.0.1:{public}",
             "--target",
@@ -59,6 +62,7 @@ def shaped_swarm(request, tiny_model_dir, tmp_path):
             "--buffer-kb",
             "16",
         ],
+        cwd=ROOT,  # devtools/ is not installed: the relay runs from this checkout
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

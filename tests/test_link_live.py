@@ -15,8 +15,8 @@ import pytest
 import torch
 import trio
 
+from devtools.relay import LinkShape, Relay
 from swarm.link.options import LinkOptions
-from swarm.link.relay import LinkShape, Relay
 from swarm.node.uplink import Payload, Uplink
 from swarm.protocol import PREFILL, Ping, Pong, Step
 from swarm.transport import FramedStream, connect

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from devtools.sim import DecodeStream, PrefillArrival, SimLink, simulate
 from swarm.link.options import LinkOptions
 from swarm.link.scheduler import LinkScheduler, Send, Volume
-from swarm.link.sim import DecodeStream, PrefillArrival, SimLink, simulate
 
 DEST = "127.0.0.1:7001"
 BW = 1_000_000.0  # bytes/s: 1000 tokens/s at 1000 bytes per token

@@ -6,16 +6,18 @@ import statistics
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import trio
 
-from swarm.link.relay import FrameScanner, LinkShape, Relay, ShapedLink
+from devtools.relay import FrameScanner, LinkShape, Relay, ShapedLink
 from swarm.wire import encode_frame
 
 MBPS = 1e6
 DELAY = 0.015
 BUFFER = 64 * 1024
+ROOT = Path(__file__).resolve().parents[1]  # devtools/ is not installed: run it from here
 
 
 # --- the sans-IO link model -------------------------------------------------------------------
@@ -344,11 +346,11 @@ async def test_an_unreachable_target_closes_the_client_and_keeps_serving(nursery
 
 async def test_the_command_line_relays_with_the_configured_shape(nursery):
     target = await start_target(nursery, echo=True)
-    command = [sys.executable, "-m", "swarm.link.relay", "--listen", "127.0.0.1:0"]
+    command = [sys.executable, "-m", "devtools.relay", "--listen", "127.0.0.1:0"]
     command += ["--target", f"127.0.0.1:{target.port}", "--rate-mbps", "5", "--delay-ms", "15"]
     process = await nursery.start(
         lambda task_status: trio.run_process(
-            command, stdout=subprocess.PIPE, check=False, task_status=task_status
+            command, stdout=subprocess.PIPE, check=False, cwd=ROOT, task_status=task_status
         )
     )
     try:

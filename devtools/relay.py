@@ -1,6 +1,7 @@
 """A shaped TCP link on loopback: bandwidth, one-way delay and a bounded bottleneck buffer.
 
-This kernel has no netem, so tests and benchmarks put this user-space relay between peers. Every
+This kernel has no netem, so tests and benchmarks put this user-space relay between peers
+(from a checkout: it is a developer tool, not part of the installed package). Every
 connection through one relay shares the same two links (one per direction), the way every
 connection of a node shares its access link. Per direction, bytes read from a sender wait in a
 FIFO bottleneck buffer; when it is full the relay stops reading, so the sender's TCP backs off.
@@ -9,7 +10,7 @@ its last bit left the bottleneck.
 
 `ShapedLink` is the sans-IO model of one direction; `Relay` is the trio shell around two of them.
 
-    python -m swarm.link.relay --listen 127.0.0.1:9000 --target 127.0.0.1:7000 \\
+    python -m devtools.relay --listen 127.0.0.1:9000 --target 127.0.0.1:7000 \\
         --rate-mbps 5 --delay-ms 15 --buffer-kb 64
 """
 
@@ -565,7 +566,7 @@ def _host_port(text: str) -> tuple[str, int]:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m swarm.link.relay",
+        prog="python -m devtools.relay",
         description="A shaped TCP relay: bandwidth, one-way delay and a bottleneck buffer, "
         "the same both ways unless --down-* (target -> peers) says otherwise.",
     )
