@@ -16,7 +16,8 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from swarm.link.scheduler import LinkScheduler, Send, Volume
+from swarm.link.queues import Send, Volume
+from swarm.link.scheduler import LinkScheduler
 from swarm.protocol import DECODE, PREFILL
 
 
