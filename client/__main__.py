@@ -9,6 +9,7 @@ import time
 
 from swarm.client.client import Client
 from swarm.errors import SwarmError
+from swarm.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--wire-dtype", default=None, choices=["float16", "bfloat16", "float32"])
+    p.add_argument(
+        "--wire-dtype",
+        default=None,
+        choices=sorted(WIRE_DTYPES),
+        help=f"dtype of the activations sent (default: {DEFAULT_WIRE_DTYPE})",
+    )
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)

@@ -17,9 +17,9 @@ from swarm.dht import read_nodes, start_dht
 from swarm.errors import RouteUnavailable, SwarmError
 from swarm.model.blocks import Head
 from swarm.model.source import open_model
-from swarm.protocol import Hop, Ping, Pong
+from swarm.protocol import Hop
 from swarm.records import NodeRecord
-from swarm.transport import connect
+from swarm.transport import ping
 
 log = logging.getLogger("swarm.client")
 
@@ -71,7 +71,7 @@ class Client:
         records = usable(self.nodes(), self.fingerprint, exclude)
         if missing_blocks(records, self.config.num_layers):
             find_route(records, self.config.num_layers, self.fingerprint, model=self.config.name)
-        rtts = self.loop.run(ping_all, {r.peer: r.host_port for r in records}, 2.0)
+        rtts = self.loop.run(ping_all, {r.peer: r.addr for r in records}, 2.0)
         self._rtts.update(rtts)
         reachable = [r for r in records if r.peer in rtts]
         return find_route(
@@ -181,7 +181,7 @@ class InferenceSession:
             self.client.loop.run(remote.aclose)
             raise
         self.remote = remote
-        log.info("route: %s", " -> ".join(f"{h.host}:{h.port}[{h.start}:{h.end}]" for h in route))
+        log.info("route: %s", " -> ".join(f"{h.addr}[{h.start}:{h.end}]" for h in route))
 
     def feed(self, ids: list[int]) -> torch.Tensor:
         """Append tokens; return logits [vocab] for the next one."""
@@ -222,7 +222,7 @@ class InferenceSession:
         if self.remote is None:
             return
         # nobody named: a hop hung. Ping each; exclude the silent ones.
-        hops = {h.peer: (h.host, h.port) for h in self.remote.route}
+        hops = {h.peer: h.addr for h in self.remote.route}
         alive = self.client.loop.run(ping_all, hops, 2.0)
         self.excluded.update(p for p in hops if p not in alive)
 
@@ -252,32 +252,16 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-async def ping(host: str, port: int, timeout: float) -> float | None:
-    try:
-        with trio.fail_after(timeout):
-            conn = await connect(host, port, max_frame=4096)
-            try:
-                t = time.perf_counter()
-                await conn.send(Ping(nonce=1))
-                msg = await conn.receive()
-                if isinstance(msg, Pong):
-                    return time.perf_counter() - t
-            finally:
-                await conn.aclose()
-    except (OSError, trio.TooSlowError, SwarmError, trio.BrokenResourceError):
-        return None
-    return None
-
-
-async def ping_all(addrs: dict[str, tuple[str, int]], timeout: float) -> dict[str, float]:
+async def ping_all(addrs: dict[str, str], timeout: float) -> dict[str, float]:
+    """Round trips in seconds of the peers whose "host:port" answered a ping within `timeout`."""
     out: dict[str, float] = {}
 
-    async def one(peer, host, port):
-        rtt = await ping(host, port, timeout)
-        if rtt is not None:
-            out[peer] = rtt
+    async def one(peer: str, addr: str) -> None:
+        reach = await ping(addr, timeout=timeout)
+        if reach.rtt_s is not None:
+            out[peer] = reach.rtt_s
 
     async with trio.open_nursery() as nursery:
-        for peer, (host, port) in addrs.items():
-            nursery.start_soon(one, peer, host, port)
+        for peer, addr in addrs.items():
+            nursery.start_soon(one, peer, addr)
     return out

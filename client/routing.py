@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from swarm.errors import RouteUnavailable
 from swarm.protocol import Hop
-from swarm.records import ONLINE, NodeRecord
+from swarm.records import ONLINE, NodeRecord, block_coverage, coverage_gaps
 
 DEFAULT_RTT = 0.05  # seconds, for nodes not pinged yet
 DEFAULT_BLOCK_TIME = 0.005  # seconds per block per token, for nodes without a throughput figure
@@ -22,21 +22,7 @@ def usable(records: Iterable[NodeRecord], fingerprint: str, exclude: set[str] = 
 
 
 def missing_blocks(records: Iterable[NodeRecord], num_layers: int) -> list[tuple[int, int]]:
-    covered = [False] * num_layers
-    for r in records:
-        for b in range(r.start, min(r.end, num_layers)):
-            covered[b] = True
-    gaps, b = [], 0
-    while b < num_layers:
-        if covered[b]:
-            b += 1
-            continue
-        e = b
-        while e < num_layers and not covered[e]:
-            e += 1
-        gaps.append((b, e))
-        b = e
-    return gaps
+    return coverage_gaps(block_coverage(records, num_layers))
 
 
 def hop_cost(r: NodeRecord, start: int, end: int, rtts: dict[str, float]) -> float:

@@ -22,7 +22,7 @@ from swarm.protocol import (
     Step,
 )
 from swarm.transport import FramedStream, connect
-from swarm.wire import DEFAULT_MAX_FRAME, pack_tensor, unpack_tensor
+from swarm.wire import DEFAULT_MAX_FRAME, DEFAULT_WIRE_DTYPE, pack_tensor, unpack_tensor
 
 PREFILL_CHUNK = 256  # tokens per prefill step the client sends
 
@@ -87,7 +87,7 @@ class RemoteSession:
     def _failed(self, hop: int, why: str) -> PeerFailed:
         h = self.route[hop]
         return PeerFailed(
-            f"hop {hop} ({h.host}:{h.port}, blocks {h.start}:{h.end}) failed: {why}",
+            f"hop {hop} ({h.addr}, blocks {h.start}:{h.end}) failed: {why}",
             hop=hop,
             peer=h.peer,
         )
@@ -135,7 +135,7 @@ class RemoteSession:
                     phase=phase,
                     pos=self.position + lo,
                     end=end,
-                    hidden=pack_tensor(piece, self.wire_dtype or "float16"),
+                    hidden=pack_tensor(piece, self.wire_dtype or DEFAULT_WIRE_DTYPE),
                 )
             )
         timeout = self.step_timeout + 0.05 * n

@@ -9,6 +9,7 @@ import time
 
 from swarm.launch import even_spans, start_swarm, stop_all
 from swarm.model.source import open_model
+from swarm.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 
 
 def main() -> int:
@@ -17,7 +18,7 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--model", default=None)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--wire-dtype", default="float16")
+    p.add_argument("--wire-dtype", default=DEFAULT_WIRE_DTYPE, choices=sorted(WIRE_DTYPES))
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     num_layers = open_model(a.model).config.num_layers

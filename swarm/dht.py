@@ -12,7 +12,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from swarm.records import MAX_MODELS, MODELS_KEY, ModelRecord, NodeRecord, block_key
+from swarm.records import (
+    MAX_LAYERS,
+    MAX_MODELS,
+    MODELS_KEY,
+    ModelRecord,
+    NodeRecord,
+    block_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +95,8 @@ def announce(dht, records: Sequence[NodeRecord], ttl: float) -> int:
 async def get_latest(_dht, node, keys):
     """{key: {subkey: (value, expiration)}} of dict records, asked of peers (run in the DHT).
 
-    Latest: without it a cached, unexpired copy satisfies the search and newcomers stay unseen."""
+    Latest: without it a cached, unexpired copy satisfies the search (for a client-mode peer,
+    often its own cache, up to a TTL old), so newcomers stay unseen and leavers look online."""
     found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
     out = {}
     for key, item in found.items():
@@ -108,24 +116,35 @@ class SwarmView:
     malformed: int = 0
 
 
-def read_models(dht) -> tuple[dict[str, ModelRecord], int]:
+def read_models(
+    dht, max_models: int = MAX_MODELS, max_layers: int = MAX_LAYERS
+) -> tuple[dict[str, ModelRecord], int]:
+    """The model index: the first `max_models` models by name, and how many entries were skipped.
+
+    Anyone can write the index, and each layer of a listed model costs a DHT key to read, so
+    models claiming more than `max_layers` layers, or beyond the first `max_models`, are skipped.
+    """
     raw = dht.run_coroutine(functools.partial(get_latest, keys=[MODELS_KEY]))
-    models, malformed = {}, 0
+    models: dict[str, ModelRecord] = {}
+    malformed = 0
     for value, _exp in raw.get(MODELS_KEY, {}).values():
         try:
             m = ModelRecord.from_wire(value)
         except ValueError:
             malformed += 1
             continue
-        if m.model not in models and len(models) >= MAX_MODELS:
-            malformed += 1  # a flood of made-up models must not make every reader scan them all
+        if m.num_layers > max_layers:
+            malformed += 1
             continue
         models.setdefault(m.model, m)
-    return models, malformed
+    names = sorted(models)
+    malformed += len(names[max_models:])
+    return {name: models[name] for name in names[:max_models]}, malformed
 
 
 def read_nodes(dht, model: str, num_layers: int) -> tuple[list[NodeRecord], dict[str, float], int]:
-    """Distinct node records of a model (a node is stored once per block, returned once)."""
+    """Distinct node records of a model (a node is stored once per block, returned once), each
+    peer's newest; their expirations by peer; how many entries failed validation."""
     keys = [block_key(model, b) for b in range(num_layers)]
     raw = dht.run_coroutine(functools.partial(get_latest, keys=keys))
     by_peer: dict[str, NodeRecord] = {}
@@ -150,9 +169,10 @@ def read_nodes(dht, model: str, num_layers: int) -> tuple[list[NodeRecord], dict
     return list(by_peer.values()), expirations, malformed
 
 
-def read_swarm(dht) -> SwarmView:
+def read_swarm(dht, max_models: int = MAX_MODELS, max_layers: int = MAX_LAYERS) -> SwarmView:
+    """Every model in the index and its nodes, in one pass (blocking). Skipped entries counted."""
     view = SwarmView()
-    view.models, view.malformed = read_models(dht)
+    view.models, view.malformed = read_models(dht, max_models, max_layers)
     for name, m in view.models.items():
         nodes, exps, bad = read_nodes(dht, name, m.num_layers)
         view.nodes[name] = nodes

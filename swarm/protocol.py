@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarm.address import join_host_port
 from swarm.errors import ProtocolError, SwarmError, error_from_code
 
 PREFILL = "prefill"
@@ -19,6 +20,10 @@ class Hop:
     start: int
     end: int
     peer: str = ""
+
+    @property
+    def addr(self) -> str:
+        return join_host_port(self.host, self.port)
 
     def to_wire(self) -> list:
         return [self.host, self.port, self.start, self.end, self.peer]

@@ -6,8 +6,11 @@ hivemind's RSASignatureValidator lets only that owner change it. `swarm.models` 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from swarm.address import parse_host_port
 
 JOINING, ONLINE, OFFLINE = "joining", "online", "offline"
 STATES = (JOINING, ONLINE, OFFLINE)
@@ -16,6 +19,8 @@ MODELS_KEY = "swarm.models"
 MAX_LAYERS = 4096
 MAX_NAME = 200
 MAX_MODELS = 32
+MAX_WEIGHTS_NAME = 32
+DEFAULT_WEIGHTS = "float32"  # what a record from before the field existed was serving
 
 
 def block_key(model: str, block: int) -> str:
@@ -37,14 +42,14 @@ class NodeRecord:
     throughput: float = 0.0  # tokens/s this node sustains through its whole span
     link: dict[str, float] = field(default_factory=dict)  # scheduler / estimator figures
     updated: float = 0.0  # DHT time of this announcement
+    weights: str = DEFAULT_WEIGHTS  # how the node keeps its weights: "float32", "int4", ...
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
 
     @property
     def host_port(self) -> tuple[str, int]:
-        host, _, port = self.addr.rpartition(":")
-        return host, int(port)
+        return parse_host_port(self.addr)
 
     @classmethod
     def from_wire(cls, raw: Any) -> NodeRecord:
@@ -70,6 +75,7 @@ class NodeRecord:
                     if isinstance(v, (int, float)) and not isinstance(v, bool)
                 },
                 updated=float(_typed(raw, "updated", (int, float))),
+                weights=_typed(raw, "weights", str) if "weights" in raw else DEFAULT_WEIGHTS,
             )
         except KeyError as exc:
             raise ValueError(f"record lacks field {exc}") from None
@@ -77,9 +83,9 @@ class NodeRecord:
             raise ValueError(f"record state {rec.state!r} is not one of {STATES}")
         if not 0 <= rec.start < rec.end <= rec.num_layers:
             raise ValueError(f"record span {rec.start}:{rec.end} is not inside 0:{rec.num_layers}")
-        host, sep, port = rec.addr.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"record address {rec.addr!r} is not host:port")
+        if not 0 < len(rec.weights) <= MAX_WEIGHTS_NAME:
+            raise ValueError(f"record weights {rec.weights[:40]!r} is not a format name")
+        parse_host_port(rec.addr)  # its ValueError names the address
         return rec
 
 
@@ -114,3 +120,25 @@ class ModelRecord:
         if not 1 <= rec.num_layers <= MAX_LAYERS or not 0 < len(rec.model) <= MAX_NAME:
             raise ValueError(f"model record {rec.model[:40]!r} with {rec.num_layers} layers")
         return rec
+
+
+def block_coverage(records: Iterable[NodeRecord], num_layers: int) -> tuple[int, ...]:
+    """How many of `records` serve each block 0..num_layers-1 (a span past the end is cut)."""
+    counts = [0] * num_layers
+    for r in records:
+        for b in range(r.start, min(r.end, num_layers)):
+            counts[b] += 1
+    return tuple(counts)
+
+
+def coverage_gaps(coverage: Iterable[int]) -> list[tuple[int, int]]:
+    """Half-open block ranges that no record serves, in order."""
+    gaps: list[tuple[int, int]] = []
+    for b, count in enumerate(coverage):
+        if count:
+            continue
+        if gaps and gaps[-1][1] == b:
+            gaps[-1] = (gaps[-1][0], b + 1)
+        else:
+            gaps.append((b, b + 1))
+    return gaps

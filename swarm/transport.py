@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from dataclasses import dataclass
 
 import trio
 
-from swarm.protocol import Message, Pong, parse_message, to_wire
+from swarm.address import parse_host_port
+from swarm.errors import ProtocolError
+from swarm.protocol import Message, Ping, Pong, parse_message, to_wire
 from swarm.wire import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame
 
 RECEIVE_CHUNK = 256 * 1024
 RX_MIN_BYTES = 4096  # a frame's arrival spread says something about the link from this size
+# a pong is ~30 bytes; anything bigger than this is not a node answering a ping
+MAX_PONG_FRAME = 4096
 
 
 @dataclass(frozen=True)
@@ -98,3 +103,59 @@ async def connect(host: str, port: int, max_frame: int = DEFAULT_MAX_FRAME) -> F
     stream = await trio.open_tcp_stream(host, port)
     stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return FramedStream(stream, max_frame)
+
+
+@dataclass(frozen=True)
+class Reach:
+    """Outcome of pinging one node: the best round trip in seconds, or why there was none."""
+
+    rtt_s: float | None = None
+    error: str | None = None
+
+    @property
+    def reachable(self) -> bool:
+        return self.error is None
+
+
+async def ping(addr: str, *, timeout: float, rounds: int = 1) -> Reach:
+    """Connect to a node's data-plane "host:port" and time `rounds` pings; never raises.
+
+    The best of several rounds on one connection is the figure: the first round trip
+    can include the node waking a task up, later ones are the network's.
+    """
+    try:
+        host, port = parse_host_port(addr)
+    except ValueError:
+        return Reach(error=f"bad address {addr[:80]!r}")
+    best: float | None = None
+    conn: FramedStream | None = None
+    try:
+        with trio.fail_after(timeout):
+            conn = await connect(host, port, max_frame=MAX_PONG_FRAME)
+            for _ in range(rounds):
+                nonce = random.getrandbits(62)
+                sent = time.perf_counter()
+                await conn.send(Ping(nonce=nonce))
+                reply = await conn.receive()
+                rtt = time.perf_counter() - sent
+                if reply is None:
+                    return Reach(error="connection closed before a pong")
+                if not isinstance(reply, Pong) or reply.nonce != nonce:
+                    return Reach(error=f"answered a ping with {reply.t!r}")
+                best = rtt if best is None else min(best, rtt)
+    except trio.TooSlowError:
+        return Reach(error=f"no pong within {timeout:g} s")
+    except (OSError, trio.BrokenResourceError) as exc:
+        return Reach(error=_os_reason(exc))
+    except ProtocolError as exc:
+        return Reach(error=f"bad reply: {exc}")
+    finally:
+        if conn is not None:
+            await conn.aclose()
+    return Reach(rtt_s=best)
+
+
+def _os_reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc) or type(exc).__name__

@@ -24,6 +24,9 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
 }
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+# what nodes and clients send unless told otherwise: half float32's bytes, and the default
+# model's greedy tokens through a swarm still agree with float32's (tests/test_swarm_default.py)
+DEFAULT_WIRE_DTYPE = "float16"
 
 
 def encode_frame(message: dict[str, Any]) -> bytes:

@@ -20,7 +20,7 @@ import pytest
 import torch
 import trio
 
-from swarm.client.client import Client, ping
+from swarm.client.client import Client
 from swarm.errors import SwarmError
 from swarm.launch import NodeProcess, start_swarm, stop_all
 from swarm.model.source import open_model
@@ -38,7 +38,7 @@ from swarm.protocol import (
     Step,
     to_wire,
 )
-from swarm.transport import FramedStream, connect
+from swarm.transport import FramedStream, connect, ping
 from swarm.wire import FrameDecoder, encode_frame, pack_tensor
 from tests.conftest import reference_greedy
 
@@ -154,8 +154,8 @@ async def assert_alive(node: NodeProcess, log=None) -> None:
     if node.proc.poll() is not None:
         tail = log.read_text()[-3000:] if log is not None else "(stderr not kept)"
         raise AssertionError(f"node {node.layers} died with {node.proc.poll()}:\n{tail}")
-    rtt = await ping(*address(node), timeout=10)
-    assert rtt is not None, f"node {node.layers} does not answer pings"
+    reach = await ping(node.addr, timeout=10)
+    assert reach.reachable, f"node {node.layers} does not answer pings: {reach.error}"
 
 
 async def raw_connect(node: NodeProcess) -> FramedStream:

@@ -1,7 +1,8 @@
 """Hostile bytes against the sans-IO wire layer: the codec and parsers fail only with our errors.
 
-No sockets: hypothesis drives FrameDecoder, parse_message and unpack_tensor directly. Each
-property runs inside its test so the test can count and report how many examples it ran.
+No sockets: hypothesis drives FrameDecoder, parse_message, unpack_tensor, the DHT record reader
+and the address parser directly. Each property runs inside its test so the test can count and
+report how many examples it ran.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from swarm.address import join_host_port, parse_host_port
 from swarm.errors import FrameTooLarge, ProtocolError, ShapeMismatch, SwarmError
 from swarm.protocol import (
     PHASES,
@@ -35,6 +37,7 @@ from swarm.protocol import (
     parse_message,
     to_wire,
 )
+from swarm.records import DEFAULT_WEIGHTS, NodeRecord
 from swarm.wire import WIRE_DTYPES, FrameDecoder, encode_frame, pack_tensor, unpack_tensor
 
 MAX_FRAME = 512  # small, so random prefixes land on both sides of the limit
@@ -500,5 +503,74 @@ def test_a_corrupted_tensor_is_a_shape_mismatch(examples):
             wire[data.draw(st.text(max_size=5).filter(lambda k: k not in wire))] = b""
         with pytest.raises(ShapeMismatch):
             unpack_tensor(wire, hidden=HIDDEN, max_tokens=MAX_TOKENS, tokens=tokens)
+
+    prop()
+
+
+# ---- DHT records and addresses: what strangers announce -----------------------------------
+
+RECORD = NodeRecord(
+    peer="12D3KooWpeer",
+    addr="203.0.113.7:31337",
+    model="m",
+    start=0,
+    end=4,
+    state="online",
+    fingerprint="fp",
+    version="0.1.0",
+    num_layers=8,
+    link={"rtt_s": 0.01},
+    weights="int4",
+)
+record_fields = st.sampled_from(sorted(RECORD.to_wire()))
+
+
+def test_hostile_record_fields_read_as_a_record_or_value_error(examples):
+    @FAST
+    @given(st.dictionaries(record_fields | st.text(max_size=6), hostile, max_size=6))
+    def prop(changes):
+        examples.tick()
+        try:
+            rec = NodeRecord.from_wire({**RECORD.to_wire(), **changes})
+        except ValueError:
+            return
+        assert 0 <= rec.start < rec.end <= rec.num_layers
+        assert isinstance(rec.weights, str) and 0 < len(rec.weights) <= 32
+        parse_host_port(rec.addr)
+
+    prop()
+
+
+def test_a_record_round_trips_and_one_without_weights_reads_as_float32():
+    assert NodeRecord.from_wire(RECORD.to_wire()) == RECORD
+    old = {k: v for k, v in RECORD.to_wire().items() if k != "weights"}
+    assert NodeRecord.from_wire(old).weights == DEFAULT_WEIGHTS == "float32"
+
+
+hosts = st.ip_addresses().map(str) | st.from_regex(
+    r"[a-z0-9]([a-z0-9.-]{0,20}[a-z0-9])?", fullmatch=True
+)
+
+
+def test_a_joined_address_parses_back_to_its_host_and_port(examples):
+    @FAST
+    @given(hosts, st.integers(1, 65535))
+    def prop(host, port):
+        examples.tick()
+        assert parse_host_port(join_host_port(host, port)) == (host, port)
+
+    prop()
+
+
+def test_any_text_parses_to_a_valid_address_or_value_error(examples):
+    @FAST
+    @given(st.text(max_size=24) | st.from_regex(r"\[?[0-9a-f:.]{0,12}\]?:-?[0-9]{0,7}"))
+    def prop(text):
+        examples.tick()
+        try:
+            host, port = parse_host_port(text)
+        except ValueError:
+            return
+        assert host and 1 <= port <= 65535
 
     prop()

@@ -29,11 +29,11 @@ import pytest
 import trio
 
 from swarm.health.app import create_app
-from swarm.health.probe import Reach
 from swarm.health.render import render_page
 from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
 from swarm.health.state import Collector, CollectorConfig
 from swarm.records import MODELS_KEY, ModelRecord, NodeRecord, block_key
+from swarm.transport import Reach
 
 MODEL, LAYERS, FINGERPRINT = "tiny-fake", 8, "fp-test-0001"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -106,6 +106,21 @@ def test_page_escapes_whatever_strangers_put_in_records():
     assert "<b>peer" not in page
 
 
+def test_page_shows_each_nodes_weight_format():
+    # a node from before records carried the field: its weights read as float32
+    old = {k: v for k, v in rec("f", 4, 8).to_wire().items() if k != "weights"}
+    snap = Snapshot(
+        taken_at=1001.0,
+        dht=DhtStatus("ok", 1001.0, 0.01),
+        models=(view(rec("q", 0, 4, weights="int4"), NodeRecord.from_wire(old)),),
+    )
+    page = render_page(snap, 10)
+    cells = re.findall(r'<td data-label="Weights"><div><code>([^<]*)</code>', page)
+    assert cells == ["int4", "float32"]
+    nodes = snap.to_json()["models"][0]["nodes"]
+    assert [n["weights"] for n in nodes] == ["int4", "float32"]
+
+
 def test_page_has_no_script_and_no_external_asset():
     snap = Snapshot(
         taken_at=1001.0, dht=DhtStatus("ok", 1001.0, 0.01), models=(view(rec("a", 0, 8)),)
@@ -162,7 +177,7 @@ async def test_pages_are_served_while_a_dht_read_hangs():
         release.wait(60)  # a hivemind call that does not come back
         raise TimeoutError("released")
 
-    async def never_pinged(addr: str, timeout: float) -> Reach:
+    async def never_pinged(addr: str, timeout: float, rounds: int) -> Reach:
         raise AssertionError("nothing to ping")
 
     collector = Collector(
@@ -203,6 +218,7 @@ async def test_pages_are_served_while_a_dht_read_hangs():
 
 SPANS = {"a": (0, 2), "b": (1, 5), "c": (4, 6)}  # of the 6-layer tiny model from conftest
 NODE_TTL = 10.0  # the nodes' --announce-ttl: how long a killed node's records may linger
+HUNG_WEIGHTS = "int4"  # the stand-in node's announced weight format; real nodes': float32
 
 
 def descendants(pid: int) -> list[int]:
@@ -399,7 +415,7 @@ def swarm(tiny_model_dir):
                 sys.executable, __file__, "fake-node", "--hang", "--span",
                 f"0:{model['num_layers']}", "--model", model["model"], "--fingerprint",
                 model["fingerprint"], "--num-layers", str(model["num_layers"]),
-                "--ttl", str(NODE_TTL), "--initial-peers", *maddrs,
+                "--ttl", str(NODE_TTL), "--weights", HUNG_WEIGHTS, "--initial-peers", *maddrs,
             ],
             "hung node",
         )  # fmt: skip
@@ -428,8 +444,10 @@ def test_state_json_lists_every_node_with_its_span_and_measured_rtt(swarm):
         assert n["reachable"] is True and 0 < n["rtt_ms"] < 1000
         assert n["throughput"] > 0 and n["free_cache_tokens"] > 0
         assert isinstance(n["link"], dict) and n["version"]
+        assert n["weights"] == "float32"
         assert 0 <= n["updated_ago_s"] < 60 and n["expires_in_s"] > 0
     hung = swarm.node(m, "hung")
+    assert hung["weights"] == HUNG_WEIGHTS
     assert hung["reachable"] is False and not hung["usable"]
     assert "no pong" in hung["ping_error"]
     # the hung node (0:6) is unreachable, so it adds nothing: a 0:2, b 1:5, c 4:6
@@ -463,10 +481,18 @@ def test_page_in_headless_chromium_shows_the_bar_and_every_node(swarm, tmp_path)
     cells = re.findall(r'<i class="c(\d)" title="block (\d+): (\d+) nodes?" data-count', dom)
     assert [int(c[2]) for c in cells] == [1, 2, 1, 1, 2, 1]
     rows = re.findall(r'<tr[^>]*data-peer="([^"]+)" data-state="([^"]+)"', dom)
-    assert {peer for peer, _ in rows} >= {n.peer for n in swarm.nodes.values()}
+    peers = {n.peer for n in swarm.nodes.values()}
+    assert {peer for peer, _ in rows} >= peers
     for n in swarm.nodes.values():
         assert f"{n.span[0]}:{n.span[1]}" in dom
         assert n.addr in dom
+    weights = re.findall(
+        r'<tr[^>]*data-peer="([^"]+)".*?<td data-label="Weights"><div><code>([^<]*)</code>', dom
+    )
+    hung = swarm.nodes["hung"].peer
+    assert {peer: w for peer, w in weights if peer in peers} == {
+        n.peer: HUNG_WEIGHTS if n.peer == hung else "float32" for n in swarm.nodes.values()
+    }
     assert "unreachable" in dom and 'id="route">yes<' in dom
     for name, size in (("desktop", "1280,900"), ("phone", "390,844")):
         shot = tmp_path / f"health-{name}.png"
@@ -568,6 +594,7 @@ def fake_node_main(argv: list[str]) -> None:
     p.add_argument("--model", default=MODEL)
     p.add_argument("--fingerprint", default=FINGERPRINT)
     p.add_argument("--num-layers", type=int, default=LAYERS)
+    p.add_argument("--weights", default="float32")
     a = p.parse_args(argv)
     start, end = map(int, a.span.split(":"))
     dht = start_dht(a.initial_peers)
@@ -605,6 +632,7 @@ def fake_node_main(argv: list[str]) -> None:
                 throughput=a.throughput,
                 link={"bandwidth_Bps": 12.5e6, "rtt_s": 0.004, "queue_delay_s": 0.0012},
                 updated=get_dht_time(),
+                weights=a.weights,
             )
             try:
                 announce(dht, [record], a.ttl)

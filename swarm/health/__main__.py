@@ -11,6 +11,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from swarm.address import join_host_port
 from swarm.health.app import create_app
 from swarm.health.state import Collector, CollectorConfig
 
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def hypercorn_config(host: str, port: int, access_log: bool) -> Config:
     config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.bind = [join_host_port(host, port)]
     # a burst of page loads must queue in the kernel, not be refused at the default 100
     config.backlog = 2048
     config.graceful_timeout = 2.0

@@ -89,6 +89,7 @@ COLUMNS = (
     "Span",
     "State",
     "Version",
+    "Weights",
     "Throughput",
     "Free cache",
     "Link (reported)",
@@ -227,7 +228,7 @@ def _row(n: NodeView, num_layers: int) -> str:
     if n.reach is None:
         rtt = '<span class="muted">—</span>'
     elif n.reach.reachable:
-        rtt = f"{_num(n.reach.rtt_ms)} ms"
+        rtt = _duration(n.reach.rtt_s)
     else:
         rtt = (
             f'<span class="badge s-unreachable" title="{escape(n.reach.error or "")}">'
@@ -244,6 +245,7 @@ def _row(n: NodeView, num_layers: int) -> str:
         f'<i style="left:{left:.2f}%;width:{width:.2f}%"></i></div>',
         state,
         escape(r.version[:32]),
+        f"<code>{escape(r.weights)}</code>",
         f"{_num(r.throughput)} tok/s",
         f"{r.free_cache_tokens:,}",
         _link(r.link),

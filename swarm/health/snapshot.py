@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.health.probe import Reach
-from swarm.records import ONLINE, ModelRecord, NodeRecord
+from swarm.records import ONLINE, ModelRecord, NodeRecord, block_coverage, coverage_gaps
+from swarm.transport import Reach
 
 EXPIRED = "expired"  # shown for a node whose records left the DHT; never announced by a node
 SCHEMA_VERSION = 1
@@ -48,6 +48,7 @@ class NodeView:
             "end": r.end,
             "state": self.state,
             "version": r.version,
+            "weights": r.weights,
             "fingerprint": r.fingerprint,
             "fingerprint_ok": self.fingerprint_ok,
             "usable": self.usable,
@@ -55,7 +56,7 @@ class NodeView:
             "free_cache_tokens": r.free_cache_tokens,
             "link": dict(r.link),
             "reachable": None if self.reach is None else self.reach.reachable,
-            "rtt_ms": None if self.reach is None else _round(self.reach.rtt_ms, 3),
+            "rtt_ms": None if self.reach is None else _ms(self.reach.rtt_s),
             "ping_error": None if self.reach is None else self.reach.error,
             "updated": r.updated,
             "updated_ago_s": round(self.updated_ago_s, 1),
@@ -72,15 +73,7 @@ class ModelView:
     @property
     def gaps(self) -> list[tuple[int, int]]:
         """Half-open block ranges no usable node serves."""
-        out: list[tuple[int, int]] = []
-        for b, n in enumerate(self.coverage):
-            if n:
-                continue
-            if out and out[-1][1] == b:
-                out[-1] = (out[-1][0], b + 1)
-            else:
-                out.append((b, b + 1))
-        return out
+        return coverage_gaps(self.coverage)
 
     @property
     def full_route(self) -> bool:
@@ -172,7 +165,6 @@ def build_model_view(
     model: ModelRecord, known: list[Known], reach: dict[str, Reach], now: float
 ) -> ModelView:
     """Coverage and node rows for one model; `reach` maps a node address to its last ping."""
-    coverage = [0] * model.num_layers
     views = []
     for k in known:
         r = k.record
@@ -186,9 +178,6 @@ def build_model_view(
             and (ping is None or ping.reachable)
             and r.end <= model.num_layers
         )
-        if usable:
-            for b in range(r.start, r.end):
-                coverage[b] += 1
         views.append(
             NodeView(
                 record=r,
@@ -201,8 +190,13 @@ def build_model_view(
             )
         )
     views.sort(key=lambda v: (v.state == EXPIRED, v.record.start, v.record.end, v.record.peer))
-    return ModelView(model=model, coverage=tuple(coverage), nodes=tuple(views))
+    coverage = block_coverage((v.record for v in views if v.usable), model.num_layers)
+    return ModelView(model=model, coverage=coverage, nodes=tuple(views))
 
 
 def _round(x: float | None, digits: int) -> float | None:
     return None if x is None else round(x, digits)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 3)

@@ -16,11 +16,10 @@ from typing import Any
 import trio
 
 from swarm import __version__
-from swarm.dht import SwarmView, start_dht
-from swarm.health.probe import Reach, ping
+from swarm.dht import SwarmView, read_swarm, start_dht
 from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
-from swarm.health.survey import MAX_LAYERS, MAX_MODELS, survey
-from swarm.records import ModelRecord
+from swarm.records import MAX_LAYERS, MAX_MODELS, ModelRecord
+from swarm.transport import Reach, ping
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +36,7 @@ class CollectorConfig:
     dht_start_timeout: float = 60.0
     dht_timeout: float = 15.0  # one survey of the DHT
     ping_timeout: float = 3.0  # connect plus all ping rounds to one node
+    ping_rounds: int = 3  # the best round trip of these is the node's figure
     ping_concurrency: int = 64
     forget_after: float = 600.0  # seconds an expired node stays on the page
     max_models: int = MAX_MODELS
@@ -60,7 +60,7 @@ class Collector:
         config: CollectorConfig,
         *,
         dht_starter: Callable[[CollectorConfig], Any] | None = None,
-        surveyor: Callable[..., SwarmView] = survey,
+        surveyor: Callable[..., SwarmView] = read_swarm,
         pinger: Callable[..., Awaitable[Reach]] = ping,
         clock: Callable[[], float] = time.time,
     ):
@@ -167,7 +167,9 @@ class Collector:
 
         async def one(addr: str) -> None:
             async with limiter:
-                results[addr] = await self._ping(addr, timeout=self.config.ping_timeout)
+                results[addr] = await self._ping(
+                    addr, timeout=self.config.ping_timeout, rounds=self.config.ping_rounds
+                )
 
         async with trio.open_nursery() as nursery:
             for addr in addrs:
