@@ -41,7 +41,7 @@ class Client:
         self.source = open_model(model)
         self.config = self.source.config
         self.fingerprint = self.source.fingerprint()
-        self.head = Head(self.config, self.source.head_tensors())
+        self.head = Head.load(self.source, "float32")
         self.wire_dtype = wire_dtype
         self.step_timeout = step_timeout
         self.max_retries = max_retries

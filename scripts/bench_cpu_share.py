@@ -35,7 +35,7 @@ PASS_TOKENS = 8
 
 def load() -> Span:
     torch.set_num_threads(1)
-    return Span.load(open_model(None), 0, LAYERS)
+    return Span.load(open_model(None), 0, LAYERS, weights="float32")
 
 
 def prompt_passes() -> None:

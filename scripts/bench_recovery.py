@@ -24,7 +24,7 @@ from swarm.model.tiny import save_tiny_llama
 SPANS = [(0, 3), (0, 3), (3, 6), (3, 6)]
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 NEW = 30
-EXTRA = ["--wire-dtype", "float32", "--announce-ttl", "20"]
+EXTRA = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "20"]
 
 
 def greedy(client: Client, fault=None, at: int = 10):

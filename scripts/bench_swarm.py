@@ -51,8 +51,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     src = open_model(None)
-    head = Head(src.config, src.head_tensors())
-    span = Span.load(src, 0, src.config.num_layers)
+    head = Head.load(src, "float32")
+    span = Span.load(src, 0, src.config.num_layers, weights="float32")
     prompt = [(i * 7919) % 40000 + 100 for i in range(a.prompt_tokens)]
     nodes = start_swarm(
         even_spans(src.config.num_layers, a.nodes), extra=["--threads", str(a.threads)]

@@ -46,7 +46,16 @@ from swarm.wire import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, pack_tenso
 HIDDEN = TINY["hidden_size"]
 SPANS = [(0, 3), (3, 6)]
 IDLE = 2.0
-EXTRA = ["--wire-dtype", "float32", "--announce-ttl", "10", "--connection-idle", str(IDLE)]
+EXTRA = [
+    "--weights",
+    "float32",
+    "--wire-dtype",
+    "float32",
+    "--announce-ttl",
+    "10",
+    "--connection-idle",
+    str(IDLE),
+]
 KINDS = ["open", "opened", "attach", "attached", "step", "result", "close", "ping", "pong"]
 KINDS += ["error", "", "STEP", None, 1]
 BAD_HOSTS = ["a..b", "x" * 70 + ".example", "\u00e9" * 64, ".", "-", "", "127.0.0.1:1", "::"]

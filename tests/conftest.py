@@ -47,7 +47,7 @@ def tiny_swarm(tiny_model_dir):
     nodes = start_swarm(
         [(0, 2), (1, 5), (4, 6)],
         model=str(tiny_model_dir),
-        extra=["--wire-dtype", "float32", "--announce-ttl", "10"],
+        extra=["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"],
     )
     yield nodes
     stop_all(nodes)

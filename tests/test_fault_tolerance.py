@@ -22,7 +22,16 @@ def redundant_swarm(tiny_model_dir):
     nodes = start_swarm(
         [(0, 3), (0, 3), (3, 6), (3, 6)],
         model=str(tiny_model_dir),
-        extra=["--wire-dtype", "float32", "--announce-ttl", "20", "--grace", "3"],
+        extra=[
+            "--weights",
+            "float32",
+            "--wire-dtype",
+            "float32",
+            "--announce-ttl",
+            "20",
+            "--grace",
+            "3",
+        ],
     )
     yield nodes
     for n in nodes:

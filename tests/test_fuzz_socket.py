@@ -48,7 +48,16 @@ MARGIN = 12.0  # two busy cores: the node may be slow to notice an idle connecti
 RSS_BUDGET = 50 * 1024 * 1024
 PROMPT = [7, 70, 170, 270, 370, 470, 3, 33]
 MAX_LENGTH = 480  # the tiny model's context is 512
-NODE_ARGS = ["--wire-dtype", "float32", "--announce-ttl", "10", "--connection-idle", str(IDLE)]
+NODE_ARGS = [
+    "--weights",
+    "float32",
+    "--wire-dtype",
+    "float32",
+    "--announce-ttl",
+    "10",
+    "--connection-idle",
+    str(IDLE),
+]
 
 
 @pytest.fixture(scope="module")

@@ -379,7 +379,7 @@ def swarm(tiny_model_dir):
     real = start_swarm(
         list(SPANS.values()),
         model=str(tiny_model_dir),
-        extra=["--wire-dtype", "float32", "--announce-ttl", str(NODE_TTL)],
+        extra=["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", str(NODE_TTL)],
     )
     cleanup: list[subprocess.Popen] = [n.proc for n in real]
     dht = None

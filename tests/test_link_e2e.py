@@ -66,7 +66,7 @@ def shaped_swarm(request, tiny_model_dir, tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    common = ["--wire-dtype", "float32", "--announce-ttl", "3"]
+    common = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "3"]
     common += ["--link-policy", "fifo" if policy == "fifo" else "molink", *VARIANTS[policy]]
     nodes = [start_node((0, 3), model=str(tiny_model_dir), extra=common)]
     try:

@@ -183,7 +183,9 @@ def test_a_pass_that_would_run_before_its_sessions_earlier_positions_is_refused(
     from swarm.protocol import Hop, Step
 
     source = open_model(str(tiny_model_dir))
-    node = Node(NodeConfig(start=0, end=2), Span.load(source, 0, 2), source.fingerprint())
+    node = Node(
+        NodeConfig(start=0, end=2), Span.load(source, 0, 2, weights="float32"), source.fingerprint()
+    )
     s = Session(
         sid="s" * 32,
         hop=0,

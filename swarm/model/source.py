@@ -1,7 +1,7 @@
 """Read a model's configuration and only the tensors asked for, from GGUF or safetensors.
 
-Block tensors come back under Hugging Face Llama names (q_proj, ..., down_proj) as float32,
-so the block runner never knows which format the weights came from.
+Block tensors come back under Hugging Face Llama names (q_proj, ..., down_proj) as the file
+stores them (`RawTensor`); `swarm.model.linear` turns each into the format a node computes in.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import os
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from swarm.model.config import ModelConfig
+from swarm.model.gguf_file import GGUFFile
+from swarm.model.linear import RawTensor
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -70,11 +71,9 @@ def _sample_digest(h, path: Path, samples: int = 16, size: int = 65536) -> None:
 
 class GGUFSource:
     def __init__(self, path: Path):
-        import gguf
-
         self.path = path
-        self.reader = gguf.GGUFReader(str(path))
-        self._tensors = {t.name: t for t in self.reader.tensors}
+        self.file = GGUFFile(path)
+        self._tensors = self.file.tensors
         arch = self._field("general.architecture")
         if arch not in ("llama", "qwen2", "mistral"):
             raise ValueError(f"{path.name}: architecture {arch!r} is not Llama-family")
@@ -100,46 +99,42 @@ class GGUFSource:
         )
 
     def _field(self, key: str, default=...):
-        field = self.reader.fields.get(key)
-        if field is None:
+        value = self.file.fields.get(key)
+        if value is None:
             if default is ...:
                 raise ValueError(f"{self.path.name} lacks GGUF field {key}")
             return default
-        return field.contents()
+        return value
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(b"gguf")
         _sample_digest(h, self.path)
         return h.hexdigest()[:16]
 
-    def _load(self, name: str) -> torch.Tensor:
-        import gguf
-
-        t = self._tensors[name]
-        arr = gguf.dequantize(t.data, t.tensor_type)
+    def raw(self, name: str) -> RawTensor:
+        data = self.file.read(name)
         if name.endswith(("attn_q.weight", "attn_k.weight")) and self.arch in ("llama", "mistral"):
-            # llama.cpp stores q/k rows interleaved for its RoPE; put them back in HF order
+            # llama.cpp stores q/k rows interleaved for its RoPE; put them back in HF order.
+            # Rows are whole (even quantized ones), so this reorders the file's own bytes.
             heads = self.config.heads if "attn_q" in name else self.config.kv_heads
-            dim = arr.shape[0] // heads // 2
-            arr = arr.reshape(heads, dim, 2, *arr.shape[1:]).swapaxes(2, 1).reshape(arr.shape)
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if not arr.flags.writeable:  # float32 tensors come straight from the read-only mmap
-            arr = arr.copy()
-        return torch.from_numpy(arr)
+            dim = data.shape[0] // heads // 2
+            data = np.ascontiguousarray(data.reshape(heads, dim, 2, -1).swapaxes(2, 1))
+            data = data.reshape(-1, data.shape[-1])
+        return RawTensor(name, self._tensors[name].kind, data)
 
-    def block_tensors(self, block: int) -> dict[str, torch.Tensor]:
+    def block_raw(self, block: int) -> dict[str, RawTensor]:
         out = {}
         for gguf_name, hf_name in _GGUF_BLOCK_NAMES.items():
-            out[hf_name] = self._load(f"blk.{block}.{gguf_name}.weight")
+            out[hf_name] = self.raw(f"blk.{block}.{gguf_name}.weight")
             bias = f"blk.{block}.{gguf_name}.bias"
             if bias in self._tensors:
-                out[hf_name + ".bias"] = self._load(bias)
+                out[hf_name + ".bias"] = self.raw(bias)
         return out
 
-    def head_tensors(self) -> dict[str, torch.Tensor]:
-        embed = self._load("token_embd.weight")
-        lm_head = self._load("output.weight") if "output.weight" in self._tensors else embed
-        return {"embed": embed, "norm": self._load("output_norm.weight"), "lm_head": lm_head}
+    def head_raw(self) -> dict[str, RawTensor]:
+        embed = self.raw("token_embd.weight")
+        lm_head = self.raw("output.weight") if "output.weight" in self._tensors else embed
+        return {"embed": embed, "norm": self.raw("output_norm.weight"), "lm_head": lm_head}
 
     def tokenizer(self):
         from transformers import AutoTokenizer
@@ -193,13 +188,13 @@ class SafetensorsSource:
             _sample_digest(h, f)
         return h.hexdigest()[:16]
 
-    def _load(self, name: str) -> torch.Tensor:
+    def raw(self, name: str) -> RawTensor:
         from safetensors import safe_open
 
         with safe_open(str(self._where[name]), framework="pt") as st:
-            return st.get_tensor(name).to(torch.float32).contiguous()
+            return RawTensor(name, "torch", st.get_tensor(name))
 
-    def block_tensors(self, block: int) -> dict[str, torch.Tensor]:
+    def block_raw(self, block: int) -> dict[str, RawTensor]:
         p = f"model.layers.{block}."
         out = {}
         for hf_name in _GGUF_BLOCK_NAMES.values():
@@ -208,19 +203,17 @@ class SafetensorsSource:
                 if hf_name.endswith("proj") and hf_name[0] in "qkvo"
                 else ("mlp." if hf_name.endswith("proj") else "")
             )
-            out[hf_name] = self._load(f"{p}{sub}{hf_name}.weight")
+            out[hf_name] = self.raw(f"{p}{sub}{hf_name}.weight")
             if f"{p}{sub}{hf_name}.bias" in self._where:
-                out[hf_name + ".bias"] = self._load(f"{p}{sub}{hf_name}.bias")
+                out[hf_name + ".bias"] = self.raw(f"{p}{sub}{hf_name}.bias")
         return out
 
-    def head_tensors(self) -> dict[str, torch.Tensor]:
-        embed = self._load("model.embed_tokens.weight")
+    def head_raw(self) -> dict[str, RawTensor]:
+        embed = self.raw("model.embed_tokens.weight")
         lm_head = (
-            embed
-            if self.tie or "lm_head.weight" not in self._where
-            else self._load("lm_head.weight")
+            embed if self.tie or "lm_head.weight" not in self._where else self.raw("lm_head.weight")
         )
-        return {"embed": embed, "norm": self._load("model.norm.weight"), "lm_head": lm_head}
+        return {"embed": embed, "norm": self.raw("model.norm.weight"), "lm_head": lm_head}
 
     def tokenizer(self):
         from transformers import AutoTokenizer

@@ -1,0 +1,265 @@
+"""A model's matrices as a node keeps them: float32, bfloat16, int8 or packed int4.
+
+The int8 and int4 kernels are weight-only: they read quantized weights and take bfloat16
+activations (given float32 they fall back to a loop 20-50x slower), so quantized matmuls run
+in bfloat16 activations and hand back bfloat16. A CPU without avx512 (this project's test machine
+shows only avx2) multiplies bfloat16 matrices in a slow emulation, 5-7x slower than float32
+GEMM: from `expand_from` rows on (prompt passes), a bfloat16 or int8 matrix is expanded to float32
+for the pass, which costs one cheap pass over the matrix. Packed int4 stays on its kernel at
+every size: unpacking it in torch costs more than the kernel does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from swarm.model.quant import (
+    GROUP,
+    INT4_NATIVE,
+    Int4Groups,
+    gguf_int4,
+    quantize_int4,
+    quantize_int8_rows,
+)
+
+log = logging.getLogger("swarm.model")
+
+WEIGHT_FORMATS = ("auto", "int4", "int8", "bfloat16", "float32")
+_PACK_ROWS = 1024  # rows packed at a time: bounds the int32 copy the packing op wants
+
+
+@dataclass
+class RawTensor:
+    """One tensor as its file stores it, not yet converted: `data` is gguf's memory-mapped view
+    (uint8 [rows, bytes per row] for quantized types) or a torch tensor from safetensors."""
+
+    name: str
+    kind: str  # GGUF type name ("Q4_1", "Q8_0", "F32", ...) or "torch"
+    data: np.ndarray | torch.Tensor
+
+    def float32(self) -> torch.Tensor:
+        if isinstance(self.data, torch.Tensor):
+            return self.data.float().contiguous()
+        import gguf
+
+        arr = gguf.dequantize(self.data, gguf.GGMLQuantizationType[self.kind])
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if not arr.flags.writeable:  # float32 tensors come straight from the read-only mmap
+            arr = arr.copy()
+        return torch.from_numpy(arr)
+
+    def rows(self, ids: list[int]) -> torch.Tensor:
+        """Rows `ids` in float32, dequantizing only those rows (embedding look-ups)."""
+        if isinstance(self.data, torch.Tensor):
+            return self.data[torch.tensor(ids)].float()
+        return RawTensor(self.name, self.kind, self.data[np.asarray(ids)]).float32()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        if isinstance(self.data, torch.Tensor):
+            return tuple(self.data.shape)
+        import gguf
+
+        rows, row_bytes = self.data.shape
+        block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.kind]]
+        return rows, row_bytes // type_bytes * block
+
+
+class Linear:
+    """y = x W^T (+ b) for x [..., in]; subclasses hold W in one format."""
+
+    format: str
+    expand_from: int | None = None  # rows from which to multiply by dequantized() weights
+
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None):
+        self.out_features, self.in_features, self.bias = out_features, in_features, bias
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [out, in] in float32, as this format holds it."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        if self.expand_from is not None and x2d.shape[0] >= self.expand_from:
+            y = F.linear(x2d.float(), self.dequantized())
+        else:
+            y = self._matmul(x2d)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.view(*lead, self.out_features)
+
+
+class Dense(Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(*weight.shape, None if bias is None else bias.to(weight.dtype))
+        self.weight = weight
+        self.format = "float32" if weight.dtype == torch.float32 else "bfloat16"
+        self.expand_from = None if self.format == "float32" else 16
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        return F.linear(x2d.to(self.weight.dtype), self.weight)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class Int8(Linear):
+    """Weight-only int8, one scale per output row."""
+
+    format = "int8"
+    expand_from = 64  # measured: the kernel wins below ~64 rows, float32 GEMM above
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(*codes.shape, None if bias is None else bias.bfloat16())
+        self.codes, self.scales = codes, scales.bfloat16()
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> Int8:
+        return cls(*quantize_int8_rows(w), bias)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x2d.bfloat16(), self.codes, self.scales)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.codes.float() * self.scales.float()[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + 2 * self.scales.numel()
+
+
+class Int4(Linear):
+    """Weight-only int4 in torch's packed CPU layout, a scale and zero per 32 inputs."""
+
+    format = "int4"
+
+    def __init__(self, g: Int4Groups, bias: torch.Tensor | None = None):
+        rows, cols = g.codes.shape
+        super().__init__(rows, cols, None if bias is None else bias.bfloat16())
+        self.packed = torch.cat(
+            [
+                torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                    torch.from_numpy(g.codes[r : r + _PACK_ROWS].astype(np.int32)), 1
+                )
+                for r in range(0, rows, _PACK_ROWS)
+            ]
+        )
+        zero = g.offset + 8.0 * g.scale
+        # [groups, rows, (scale, zero)], contiguous: the kernel reads it ignoring strides
+        sz = np.ascontiguousarray(np.stack([g.scale.T, zero.T], axis=-1))
+        self.scales_zeros = torch.from_numpy(sz).bfloat16()
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2d.bfloat16(), self.packed, GROUP, self.scales_zeros
+        )
+
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes [out, in] back out of the packed layout: each block of 32 rows is
+        [in, 16] bytes, row r's code in the low nibble and row r + 16's in the high one."""
+        blocks = self.packed.view(-1, self.in_features, 16)
+        codes = torch.stack([blocks & 0xF, blocks >> 4], dim=1)  # [blocks, 2, in, 16]
+        return codes.permute(0, 1, 3, 2).reshape(self.out_features, self.in_features)
+
+    def dequantized(self) -> torch.Tensor:
+        groups = self.in_features // GROUP
+        q = self.codes().view(self.out_features, groups, GROUP).float()
+        scale = self.scales_zeros[..., 0].t().float().unsqueeze(-1)  # [out, groups, 1]
+        zero = self.scales_zeros[..., 1].t().float().unsqueeze(-1)
+        return ((q - 8.0) * scale + zero).view(self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + 2 * self.scales_zeros.numel()
+
+    @staticmethod
+    def fits(rows: int, cols: int) -> bool:
+        # the packing op wants rows % 16; codes() reads whole blocks of 32 rows
+        return rows % 32 == 0 and cols % GROUP == 0
+
+
+def native_format(kind: str) -> str:
+    """The format `auto` keeps a tensor of GGUF type `kind` in."""
+    if kind in INT4_NATIVE:
+        return "int4"
+    if kind.startswith(("Q", "IQ")):  # Q8_0, Q5_*, Q6_K ...: 5-8 bit codes
+        return "int8"
+    return "bfloat16"  # F32, F16, BF16, and safetensors
+
+
+def make_linear(
+    raw: RawTensor, weights: str, bias: torch.Tensor | None = None, usable=None
+) -> Linear:
+    """`raw` as a Linear in format `weights` (or its native one for "auto"), stepping down to
+    int8 and then bfloat16 where a format is not `usable` here or the shape does not fit it."""
+    fmt = native_format(raw.kind) if weights == "auto" else weights
+    usable = usable if usable is not None else WEIGHT_FORMATS
+    if fmt == "int4" and not (Int4.fits(*raw.shape) and "int4" in usable):
+        fmt = "int8"
+    if fmt == "int8" and "int8" not in usable:
+        fmt = "bfloat16"
+    if fmt == "int4":
+        if raw.kind in INT4_NATIVE:
+            return Int4(gguf_int4(raw.data, raw.kind), bias)
+        return Int4(quantize_int4(raw.float32().numpy()), bias)
+    w = raw.float32()
+    if fmt == "int8":
+        return Int8.quantize(w, bias)
+    return Dense(w if fmt == "float32" else w.bfloat16(), bias)
+
+
+def usable_formats(say: Callable[[str], None] = log.warning) -> tuple[str, ...]:
+    """The formats whose kernels run, and run fast, on this CPU: each weight-only kernel is
+    tried on a small matrix and timed against a bfloat16 matmul of the same shape; one that
+    fails or is more than 4x slower is left out (and `say` is told why)."""
+    rows, cols = 256, 1024
+    w = torch.randn(rows, cols) * 0.02
+    x = torch.randn(4, cols)
+    reference = Dense(w.bfloat16())
+    usable = ["float32", "bfloat16"]
+    for name, make in (
+        ("int8", lambda: Int8.quantize(w)),
+        ("int4", lambda: Int4(quantize_int4(w.numpy()))),
+    ):
+        try:
+            linear = make()
+            want = x @ linear.dequantized().T  # what the weights it holds give in float32
+            err = (linear(x).float() - want).abs().max().item() / want.abs().max().item()
+            if not err < 0.02:
+                raise RuntimeError(f"wrong results (relative error {err:.3g})")
+            ratio = _seconds(linear, x) / _seconds(reference, x)
+        except Exception as exc:  # a kernel missing from this build or CPU
+            say(f"{name} weights unavailable on this CPU ({type(exc).__name__}: {exc})")
+            continue
+        if ratio > 4.0:
+            say(f"{name} weights left out: its kernel runs {ratio:.1f}x slower than bfloat16 here")
+            continue
+        usable.append(name)
+    return tuple(usable)
+
+
+def _seconds(linear: Linear, x: torch.Tensor, repeats: int = 20) -> float:
+    linear(x)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        linear(x)
+    return time.perf_counter() - start
