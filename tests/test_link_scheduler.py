@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from devtools.sim import DecodeStream, PrefillArrival, SimLink, simulate
 from swarm.link.options import LinkOptions
 from swarm.link.scheduler import LinkScheduler, Send, Volume
+from swarm.link.stats import LinkStats
 
 DEST = "127.0.0.1:7001"
 BW = 1_000_000.0  # bytes/s: 1000 tokens/s at 1000 bytes per token
@@ -622,6 +623,21 @@ def test_stats_report_decode_queueing_delay_percentiles():
     assert stats["decode_delay_p50_s"] == pytest.approx(0.0495)
     assert stats["decode_delay_p99_s"] == pytest.approx(0.09801)
     assert stats["bytes_sent_decode"] == 100_000
+
+
+def test_the_published_figures_read_back_as_the_same_typed_stats():
+    sched = scheduler()
+    sched.observe_decode_arrival("d", 10.0)
+    sched.enqueue(prefill(), 10.0)
+    send_now(sched, 10.0)
+    stats = sched.snapshot()
+    assert stats.chunks_sent == 1 and stats.last_t_a_case == 1
+    assert LinkStats.from_dict(sched.stats()) == stats
+
+
+def test_a_record_without_some_figures_reads_them_as_zero_and_ignores_unknown_ones():
+    stats = LinkStats.from_dict({"sends": 3, "bandwidth_Bps": 1e6, "from_a_newer_node": 7.0})
+    assert stats.sends == 3.0 and stats.bandwidth_Bps == 1e6 and stats.rtt_s == 0.0
 
 
 # --- Algorithm 1 as properties over random interleavings --------------------------------------
