@@ -98,79 +98,92 @@ def simulate(
     until: float = math.inf,
 ) -> SimResult:
     """Run until every volume has been sent (or `until`); the scheduler is used as given."""
-    decodes = list(decodes)
-    prefills = list(prefills)
-    seq = itertools.count()
-    events: list[tuple[float, int, Callable[[float], None]]] = []
-    traces: dict[int, VolumeTrace] = {}
-    steps: dict[int, tuple[DecodeStream, int]] = {}  # decode vid -> its stream and step number
-    result = SimResult(link, [])
-    wire: list[tuple[float, Send]] = []  # at most one (start, send) in flight
+    return _Simulation(scheduler, link).run(list(decodes), list(prefills), until)
 
-    def at(time: float, event: Callable[[float], None]) -> None:
-        heapq.heappush(events, (time, next(seq), event))
 
-    def queue(volume: Volume, now: float) -> int:
-        vid = scheduler.enqueue(volume, now)
-        traces[vid] = VolumeTrace(vid, volume.session, volume.phase, volume.tokens, now)
+class _Simulation:
+    """One run: a heap of timed events, and at most one send on the link at a time."""
+
+    def __init__(self, scheduler: LinkScheduler, link: SimLink):
+        self.scheduler = scheduler
+        self.link = link
+        self.result = SimResult(link, [])
+        self._seq = itertools.count()
+        self._events: list[tuple[float, int, Callable[[float], None]]] = []
+        self._traces: dict[int, VolumeTrace] = {}
+        self._steps: dict[int, tuple[DecodeStream, int]] = {}  # decode vid -> stream, step number
+        self._wire: list[tuple[float, Send]] = []  # at most one (start, send) in flight
+
+    def run(
+        self, decodes: list[DecodeStream], prefills: list[PrefillArrival], until: float
+    ) -> SimResult:
+        told = self.link.believed_bandwidth or self.link.bandwidth
+        for dest in sorted({d.dest for d in decodes} | {p.dest for p in prefills}):
+            self.scheduler.update_link(dest, rtt=2 * self.link.latency, bandwidth=told, now=0.0)
+        for d in decodes:
+            if d.steps > 0:
+                self._at(d.start, self._arrive(d, 1))
+        for p in prefills:
+            self._at(p.at, self._prefill(p))
+        now = 0.0
+        events = self._events
+        while events and events[0][0] <= until:
+            now = events[0][0]
+            while events and events[0][0] == now:
+                heapq.heappop(events)[2](now)
+            if not self._wire:
+                self._next_send(now)
+        self.result.volumes = sorted(self._traces.values(), key=lambda v: v.vid)
+        self.result.end = now
+        return self.result
+
+    def _at(self, time: float, event: Callable[[float], None]) -> None:
+        heapq.heappush(self._events, (time, next(self._seq), event))
+
+    def _queue(self, volume: Volume, now: float) -> int:
+        vid = self.scheduler.enqueue(volume, now)
+        self._traces[vid] = VolumeTrace(vid, volume.session, volume.phase, volume.tokens, now)
         return vid
 
-    def arrive(stream: DecodeStream, step: int) -> Callable[[float], None]:
+    def _arrive(self, stream: DecodeStream, step: int) -> Callable[[float], None]:
         def event(now: float) -> None:
-            scheduler.observe_decode_arrival(stream.session, now)
-            at(now + stream.compute_s, computed(stream, step))
+            self.scheduler.observe_decode_arrival(stream.session, now)
+            self._at(now + stream.compute_s, self._computed(stream, step))
 
         return event
 
-    def computed(stream: DecodeStream, step: int) -> Callable[[float], None]:
+    def _computed(self, stream: DecodeStream, step: int) -> Callable[[float], None]:
         def event(now: float) -> None:
-            scheduler.observe_compute(DECODE, 1, stream.compute_s)
+            self.scheduler.observe_compute(DECODE, 1, stream.compute_s)
             volume = Volume(stream.session, stream.dest, DECODE, 1, stream.bytes_per_token)
-            steps[queue(volume, now)] = (stream, step)
+            self._steps[self._queue(volume, now)] = (stream, step)
 
         return event
 
-    def prefill(p: PrefillArrival) -> Callable[[float], None]:
+    def _prefill(self, p: PrefillArrival) -> Callable[[float], None]:
         volume = Volume(p.session, p.dest, PREFILL, p.tokens, p.bytes_per_token, p.phase_left)
-        return lambda now: queue(volume, now)
+        return lambda now: self._queue(volume, now)
 
-    def free(now: float) -> None:
-        start, send = wire.pop()
-        scheduler.sent(send, start, now)
-        result.sends.append((start, now, send))
+    def _next_send(self, now: float) -> None:
+        send = self.scheduler.next_send(now)
+        if send is not None:
+            trace = self._traces[send.vid]
+            if trace.first_start is None:
+                trace.first_start = now
+            trace.sends += 1
+            self._wire.append((now, send))
+            self._at(now + send.nbytes / self.link.bandwidth, self._free)
+        elif self.scheduler.hold_until is not None:  # pacing: look again when it says
+            self._at(max(self.scheduler.hold_until, now + 1e-6), lambda now: None)
+
+    def _free(self, now: float) -> None:
+        start, send = self._wire.pop()
+        self.scheduler.sent(send, start, now)
+        self.result.sends.append((start, now, send))
         if not send.last:
             return
-        traces[send.vid].finished = now
-        if send.vid in steps:
-            stream, step = steps[send.vid]
+        self._traces[send.vid].finished = now
+        if send.vid in self._steps:
+            stream, step = self._steps[send.vid]
             if step < stream.steps:
-                at(now + link.latency + stream.ring_s, arrive(stream, step + 1))
-
-    told = link.believed_bandwidth or link.bandwidth
-    for dest in sorted({d.dest for d in decodes} | {p.dest for p in prefills}):
-        scheduler.update_link(dest, rtt=2 * link.latency, bandwidth=told, now=0.0)
-    for d in decodes:
-        if d.steps > 0:
-            at(d.start, arrive(d, 1))
-    for p in prefills:
-        at(p.at, prefill(p))
-
-    now = 0.0
-    while events and events[0][0] <= until:
-        now = events[0][0]
-        while events and events[0][0] == now:
-            heapq.heappop(events)[2](now)
-        if not wire:
-            send = scheduler.next_send(now)
-            if send is not None:
-                trace = traces[send.vid]
-                if trace.first_start is None:
-                    trace.first_start = now
-                trace.sends += 1
-                wire.append((now, send))
-                at(now + send.nbytes / link.bandwidth, free)
-            elif scheduler.hold_until is not None:  # pacing: look again when it says
-                at(max(scheduler.hold_until, now + 1e-6), lambda now: None)
-    result.volumes = sorted(traces.values(), key=lambda v: v.vid)
-    result.end = now
-    return result
+                self._at(now + self.link.latency + stream.ring_s, self._arrive(stream, step + 1))

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from devtools.relay import FrameScanner, LinkShape, Relay, ShapedLink
+from devtools.relay import Relay
+from devtools.shaped_link import FrameScanner, LinkShape, ShapedLink
 from swarm.wire import encode_frame
 
 MBPS = 1e6
