@@ -41,7 +41,8 @@ class Client:
         self.source = open_model(model)
         self.config = self.source.config
         self.fingerprint = self.source.fingerprint()
-        self.head = Head.load(self.source, "float32")
+        self._heads: dict[str, Head] = {}
+        self._weights: dict[str, str] = {}  # peer -> the weight format its record announces
         self.wire_dtype = wire_dtype
         self.step_timeout = step_timeout
         self.max_retries = max_retries
@@ -71,6 +72,7 @@ class Client:
         records = usable(self.nodes(), self.fingerprint, exclude)
         if missing_blocks(records, self.config.num_layers):
             find_route(records, self.config.num_layers, self.fingerprint, model=self.config.name)
+        self._weights.update({r.peer: r.weights for r in records})
         rtts = self.loop.run(ping_all, {r.peer: r.addr for r in records}, 2.0)
         self._rtts.update(rtts)
         reachable = [r for r in records if r.peer in rtts]
@@ -84,6 +86,15 @@ class Client:
         )
 
     # ---- sessions ----------------------------------------------------------------------------
+
+    def head(self, route: list[Hop]) -> Head:
+        """The head for `route`: float32 where every hop computes in float32 (the exact path,
+        token-identical to transformers), else the file's own formats, as the nodes keep theirs."""
+        exact = route and all(self._weights.get(h.peer) == "float32" for h in route)
+        weights = "float32" if exact else "auto"
+        if weights not in self._heads:
+            self._heads[weights] = Head.load(self.source, weights)
+        return self._heads[weights]
 
     def session(self, max_length: int) -> InferenceSession:
         return InferenceSession(self, max_length)
@@ -196,12 +207,13 @@ class InferenceSession:
                         ids_now = ids
                 else:
                     ids_now = ids
-                hidden = self.client.head.embed_tokens(ids_now)
+                head = self.client.head(self.remote.route)
+                hidden = head.embed_tokens(ids_now)
                 out = self.client.loop.run(self.remote.step, hidden)
                 self.history += ids
                 if failed_at is not None:
                     self.recoveries.append(time.monotonic() - failed_at)
-                return self.client.head.logits(out)
+                return head.logits(out)
             except SwarmError as exc:
                 if not exc.retry_elsewhere or attempt == self.client.max_retries:
                     raise

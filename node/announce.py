@@ -8,7 +8,7 @@ import trio
 
 from swarm import __version__
 from swarm.dht import announce
-from swarm.records import NodeRecord
+from swarm.records import DEFAULT_WEIGHTS, NodeRecord
 
 log = logging.getLogger("swarm.node")
 
@@ -47,6 +47,7 @@ class Announcer:
             free_cache_tokens=node.sessions.free_cache_tokens if node else 0,
             throughput=round(node.throughput, 2) if node else 0.0,
             link=node.uplink.stats() if node else {},
+            weights=node.span.format if node else DEFAULT_WEIGHTS,
             updated=get_dht_time(),
         )
 

@@ -1,0 +1,42 @@
+"""A node's weight format travels in its DHT record, and the client's head follows the route."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.client.client import Client
+from swarm.launch import start_swarm, stop_all
+
+
+@pytest.fixture(scope="module")
+def int8_node(tiny_model_dir):
+    nodes = start_swarm([(0, 6)], model=str(tiny_model_dir), extra=["--weights", "int8"])
+    yield nodes[0]
+    stop_all(nodes)
+
+
+def test_a_nodes_record_names_the_format_it_holds_its_weights_in(int8_node, tiny_model_dir):
+    client = Client(int8_node.maddrs[:1], model=str(tiny_model_dir))
+    try:
+        assert [r.weights for r in client.nodes()] == ["int8"]
+    finally:
+        client.close()
+
+
+def test_a_route_of_quantized_nodes_gets_the_files_own_head(int8_node, tiny_model_dir):
+    client = Client(int8_node.maddrs[:1], model=str(tiny_model_dir))
+    try:
+        with client.session(16) as s:
+            logits = s.feed([5, 6, 7])
+            assert logits.shape == (client.config.vocab,)
+            assert client.head(s.remote.route).weights == "bfloat16"  # float tensors: bfloat16
+    finally:
+        client.close()
+
+
+def test_a_route_of_float32_nodes_gets_the_float32_head(tiny_swarm, tiny_model_dir):
+    client = Client(tiny_swarm[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
+    try:
+        assert client.head(client.route()).weights == "float32"
+    finally:
+        client.close()
