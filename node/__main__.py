@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import sys
@@ -18,7 +19,9 @@ from swarm.model.linear import usable_formats
 from swarm.model.source import open_model
 from swarm.node.announce import Announcer
 from swarm.node.config import NodeConfig, parse_args
+from swarm.node.observer import StepObserver
 from swarm.node.server import Node
+from swarm.node.status import Status, log_status
 
 log = logging.getLogger("swarm.node")
 
@@ -39,7 +42,7 @@ def measure_throughput(span: Span) -> float:
     return min(times[1:])
 
 
-async def run(cfg: NodeConfig) -> None:
+async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
     t0 = time.perf_counter()
     source = open_model(cfg.model)
     source.config.check_span(cfg.start, cfg.end)
@@ -73,7 +76,7 @@ async def run(cfg: NodeConfig) -> None:
         span = await trio.to_thread.run_sync(
             partial(Span.load, source, cfg.start, cfg.end, progress, cfg.weights, usable)
         )
-        node = Node(cfg, span, fingerprint)
+        node = Node(cfg, span, fingerprint, observer)
         node.compute.decode_step_seconds = await trio.to_thread.run_sync(measure_throughput, span)
         formats = ", ".join(f"{n} {fmt}" for fmt, n in span.formats.items())
         say(
@@ -86,7 +89,7 @@ async def run(cfg: NodeConfig) -> None:
             await nursery.start(node.serve, listeners)
             say(f"serving blocks {cfg.start}:{cfg.end} on {addr} (peer {dht.peer_id})")
             nursery.start_soon(announcer.keep_fresh, node)
-            nursery.start_soon(log_stats, node)
+            nursery.start_soon(log_status, functools.partial(status, node))
             await shutdown_on_signal(node, announcer, cfg.grace)
             nursery.cancel_scope.cancel()
         say("node stopped")
@@ -94,17 +97,10 @@ async def run(cfg: NodeConfig) -> None:
         dht.shutdown()
 
 
-async def log_stats(node: Node) -> None:
-    while True:
-        await trio.sleep(30)
-        link = node.uplink.stats()
-        log.info(
-            "sessions %d, free cache %d, steps %d, link %s",
-            len(node.sessions),
-            node.sessions.free_cache_tokens,
-            node.steps_done,
-            {k: round(v, 4) for k, v in link.items()},
-        )
+def status(node: Node) -> Status:
+    return Status(
+        len(node.sessions), node.sessions.free_cache_tokens, node.tokens_done, node.uplink.stats()
+    )
 
 
 async def shutdown_on_signal(node: Node, announcer: Announcer, grace: float) -> None:
@@ -128,7 +124,8 @@ async def _ticks(interval: float):
         await trio.sleep(interval)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, observer: StepObserver | None = None) -> int:
+    """Run a node until SIGINT or SIGTERM; `observer`: a benchmark's hook (see observer.py)."""
     cfg = parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
@@ -138,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("hivemind").setLevel(logging.WARNING)
     torch.set_num_threads(cfg.threads)
     try:
-        trio.run(run, cfg)
+        trio.run(run, cfg, observer)
     except (SwarmError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -12,9 +12,9 @@ seconds per prompt token), so the prompt that would be done first goes first, an
 that has waited longer than a newcomer needs goes before it. "round-robin" ranks every pass
 alike: waiting prompts take turns, a pass each.
 
-A job may name its work late: `prepare` runs on the trio thread when the job reaches the head of
-its lane and returns (tokens, run). Prefill uses this to take whatever has arrived by then, up to
-a cap, so a long prompt becomes several passes."""
+Work is awaited: `await queue.run(phase, fn, tokens)`. A prompt pass may take its place early
+(`reserve`) and name its work when its turn comes, to take whatever has arrived by then, up to a
+cap, so a long prompt becomes several passes."""
 
 from __future__ import annotations
 
@@ -77,17 +77,22 @@ class _ThreadClock:
 
 
 @dataclass(order=True)
-class Job:
+class _Job:
     priority: int
     rank: float  # among jobs of one priority: lower first
     order: int
-    phase: str = field(compare=False)
-    tokens: int = field(compare=False)
-    run: Callable[[], Any] | None = field(compare=False)
-    done: Callable[[Any, Exception | None, float, Usage], Any] = field(compare=False)  # async
-    prepare: Callable[[], tuple[int, Callable[[], Any]] | None] | None = field(
-        default=None, compare=False
-    )
+    go: trio.Event = field(default_factory=trio.Event, compare=False)  # the lane is ours
+    released: trio.Event = field(default_factory=trio.Event, compare=False)
+    abandoned: bool = field(default=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Done:
+    """A finished job: its function's result, wall seconds, and what its thread got."""
+
+    result: Any
+    elapsed: float
+    usage: Usage
 
 
 class Lane:
@@ -97,7 +102,7 @@ class Lane:
     def __init__(self, name: str, nice: int = 0):
         self.name = name
         self.nice = nice
-        self.heap: list[Job] = []
+        self.heap: list[_Job] = []
         self.wake = trio.Event()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -140,15 +145,55 @@ class Lane:
             box.append((result, usage))
             finished.set()
 
+        if self._thread is None:
+            raise trio.ClosedResourceError(f"the {self.name} lane has stopped")
         self._work.put((fn, trio.lowlevel.current_trio_token(), deliver))
-        await finished.wait()
+        # once handed over the work runs to its end; waiting for it keeps one job per lane
+        # and keeps a session's cache in its scope until the thread is done with it
+        with trio.CancelScope(shield=True):
+            await finished.wait()
         return box[0]
+
+
+class Ticket:
+    """A place in a lane's queue. Its turn comes when the lane is free and no job ranked before
+    it waits; then it runs at most one function and releases the lane (or releases it unused).
+    A prompt pass takes its ticket early, to keep its place, and names its work only when its
+    turn comes, so it takes whatever has arrived by then."""
+
+    def __init__(self, queue: ComputeQueue, lane: Lane, job: _Job, phase: str):
+        self._queue, self._lane, self._job, self.phase = queue, lane, job, phase
+
+    async def turn(self) -> None:
+        await self._job.go.wait()
+
+    async def run(self, fn: Callable[[], Any], tokens: int) -> Done:
+        """Run `fn` in the lane (the turn must have come); raises what `fn` raised."""
+        assert self._job.go.is_set() and not self._job.released.is_set()
+        started = time.perf_counter()
+        ran, usage = await self._lane.run(fn)
+        elapsed = time.perf_counter() - started
+        self.release()
+        self._queue._account(self.phase, tokens, elapsed, ran)
+        return Done(ran.unwrap(), elapsed, usage)
+
+    def release(self) -> None:
+        """Give the place or the lane up (idempotent)."""
+        if self._job.go.is_set():
+            self._job.released.set()
+        else:
+            self._job.abandoned = True
 
 
 class ComputeQueue:
     def __init__(
-        self, lanes: int = 2, prefill_nice: int = 3, prefill_order: str = "shortest"
+        self,
+        lanes: int = 2,
+        prefill_nice: int = 3,
+        prefill_order: str = "shortest",
+        observe: Callable[[str, int, float], None] | None = None,
     ) -> None:
+        """`observe(phase, tokens, seconds)`: told of each job that succeeded."""
         if lanes not in (1, 2):
             raise ValueError(f"a node computes in 1 or 2 lanes, not {lanes}")
         if prefill_order not in PASS_ORDERS:
@@ -159,6 +204,7 @@ class ComputeQueue:
         self.lanes = (
             [Lane("decode")] if lanes == 1 else [Lane("decode"), Lane("prefill", prefill_nice)]
         )
+        self.observe = observe
         self._order = itertools.count()
         self.busy_seconds = 0.0
         self.decode_step_seconds = 0.0  # EWMA of decode job time, for the throughput figure
@@ -167,24 +213,24 @@ class ComputeQueue:
     def __len__(self) -> int:
         return sum(len(lane.heap) for lane in self.lanes)
 
-    def submit(
-        self,
-        phase: str,
-        tokens: int,
-        run: Callable[[], Any] | None,
-        done,
-        prepare: Callable[[], tuple[int, Callable[[], Any]] | None] | None = None,
-        rank: float = 0.0,
-    ) -> None:
-        """Queue `run`, or the work `prepare` names when the job's turn comes (None: no work).
-        Decode steps go before prompt passes; among jobs of a phase the lowest `rank` goes
-        first (see prefill_rank), then the earliest submitted."""
+    def reserve(self, phase: str, rank: float = 0.0) -> Ticket:
+        """A place in the queue from now. Decode steps go before prompt passes; among jobs of a
+        phase the lowest `rank` goes first (see prefill_rank), then the earliest reserved."""
         priority = 0 if phase == DECODE else 1
         lane = self.lanes[min(priority, len(self.lanes) - 1)]
-        heapq.heappush(
-            lane.heap, Job(priority, rank, next(self._order), phase, tokens, run, done, prepare)
-        )
+        job = _Job(priority, rank, next(self._order))
+        heapq.heappush(lane.heap, job)
         lane.wake.set()
+        return Ticket(self, lane, job, phase)
+
+    async def run(self, phase: str, fn: Callable[[], Any], tokens: int, rank: float = 0.0) -> Done:
+        """Queue `fn`, wait for its turn, run it in its lane's thread."""
+        ticket = self.reserve(phase, rank)
+        try:
+            await ticket.turn()
+            return await ticket.run(fn, tokens)
+        finally:
+            ticket.release()
 
     def prefill_rank(self, since: float, tokens_left: int) -> float:
         """The rank of a prompt's next pass: (shortest) `since`, when the prompt began to
@@ -197,45 +243,35 @@ class ComputeQueue:
             return since
         return since + tokens_left * self.prefill_token_seconds
 
-    async def worker(self, observe: Callable[[str, int, float], None] | None = None) -> None:
-        """Run every lane until cancelled."""
+    async def worker(self) -> None:
+        """Hand every lane to its jobs in turn, until cancelled."""
         try:
             async with trio.open_nursery() as nursery:
                 for lane in self.lanes:
                     lane.start()
-                    nursery.start_soon(self._drain, lane, observe)
+                    nursery.start_soon(self._drain, lane)
         finally:
             for lane in self.lanes:
                 lane.stop()
 
-    async def _drain(self, lane: Lane, observe) -> None:
+    async def _drain(self, lane: Lane) -> None:
         while True:
             while not lane.heap:
                 lane.wake = trio.Event()
                 await lane.wake.wait()
             job = heapq.heappop(lane.heap)
-            run, tokens = job.run, job.tokens
-            if job.prepare is not None:
-                work = job.prepare()
-                if work is None:
-                    continue
-                tokens, run = work
-            assert run is not None
-            started = time.perf_counter()
-            result, error = None, None
-            ran, usage = await lane.run(run)
-            try:
-                result = ran.unwrap()
-            except Exception as exc:  # reported to the session's owner by `done`
-                error = exc
-            elapsed = time.perf_counter() - started
-            self.busy_seconds += elapsed
-            if job.phase == DECODE and error is None:
-                self.decode_step_seconds = ewma(self.decode_step_seconds or None, elapsed, 0.2)
-            elif error is None and tokens > 0:
-                self.prefill_token_seconds = ewma(
-                    self.prefill_token_seconds, elapsed / tokens, 0.25
-                )
-            if observe is not None and error is None:
-                observe(job.phase, tokens, elapsed)
-            await job.done(result, error, elapsed, usage)
+            if job.abandoned:
+                continue
+            job.go.set()
+            await job.released.wait()
+
+    def _account(self, phase: str, tokens: int, elapsed: float, ran: outcome.Outcome) -> None:
+        self.busy_seconds += elapsed
+        if isinstance(ran, outcome.Error):
+            return
+        if phase == DECODE:
+            self.decode_step_seconds = ewma(self.decode_step_seconds or None, elapsed, 0.2)
+        elif tokens > 0:
+            self.prefill_token_seconds = ewma(self.prefill_token_seconds, elapsed / tokens, 0.25)
+        if self.observe is not None:
+            self.observe(phase, tokens, elapsed)

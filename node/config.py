@@ -51,7 +51,6 @@ class NodeConfig:
     link_pace_slow_ms: float = 30.0
     link_min_chunk_ms: float = 0.0
     link_prefill_order: str = "shortest"
-    step_log: str | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -251,15 +250,6 @@ def build_parser() -> argparse.ArgumentParser:
         " tokens (0: always 8 tokens)",
     )
     p.add_argument(
-        "--step-log",
-        default=None,
-        metavar="FILE",
-        help="append a line per decode step: its arrival (monotonic seconds), seconds until its"
-        " output was queued for the link, seconds of that in compute, and of the compute the"
-        " seconds on a CPU and waiting for one; and lines 'a' per prompt piece arrived and 'p'"
-        " per prompt pass done (for benchmarks)",
-    )
-    p.add_argument(
         "--prefill-pass-tokens",
         type=_positive_int,
         default=64,
@@ -339,7 +329,6 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         link_pace_slow_ms=a.link_pace_slow_ms,
         link_min_chunk_ms=a.link_min_chunk_ms,
         link_prefill_order=a.link_prefill_order,
-        step_log=a.step_log,
         compute_lanes=a.compute_lanes,
         prefill_nice=a.prefill_nice,
         prefill_compute_order=a.prefill_compute_order,

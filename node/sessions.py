@@ -1,47 +1,14 @@
-"""The session table: KV caches, their owners, and the limits that keep a node's memory bounded."""
+"""The session table: who holds which session, and the limits that keep a node's memory bounded."""
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
-
-import trio
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from swarm.errors import CacheFull, NodeBusy, SessionNotFound
-from swarm.model.blocks import KVCache
-from swarm.protocol import Hop
 
-
-@dataclass(eq=False)
-class Session:
-    sid: str
-    hop: int
-    route: tuple[Hop, ...]
-    start: int  # blocks this session runs here, a sub-range of the node's span
-    end: int
-    wire_dtype: str
-    max_length: int
-    sink_token: str
-    owner: object  # the inbound connection that opened it; only it may send steps
-    cache: KVCache
-    next_pos: int = 0  # position the next accepted step must start at
-    sink: object | None = None  # the client's connection, on the last hop
-    downstream: str | None = None  # "host:port" of the next hop
-    opened: trio.Event = field(default_factory=trio.Event)
-    open_error: Exception | None = None
-    last_active: float = 0.0
-    closed: bool = False
-    pending: list = field(default_factory=list)  # prefill (Step, hidden) not yet computed
-    prefill_queued: bool = False  # a compute job will take from `pending`
-    pending_since: float = 0.0  # when the oldest piece in `pending` arrived (monotonic)
-    prompt_end: int = -1  # the phase end of the latest prompt pieces, to tell a new prompt
-    prompt_since: float = 0.0  # when that prompt's first piece arrived (monotonic)
-    gather: trio.CancelScope | None = None  # a pass waiting for more pieces, until it runs
-    compute_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def is_last(self) -> bool:
-        return self.hop == len(self.route) - 1
+if TYPE_CHECKING:
+    from swarm.node.session import Session
 
 
 class SessionTable:
@@ -55,7 +22,7 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
 
     @property
@@ -97,10 +64,9 @@ class SessionTable:
     def lookup(self, sid: str) -> Session | None:
         return self._sessions.get(sid)
 
-    def remove(self, sid: str) -> Session | None:
-        s = self._sessions.pop(sid, None)
-        if s is not None:
-            s.closed = True
-            s.cache.keys.clear()  # let the tensors go even if a job still holds the session
-            s.cache.values.clear()
-        return s
+    def remove(self, session: Session) -> bool:
+        """Free `session`'s place; False if it held none (already removed)."""
+        if self._sessions.get(session.sid) is not session:
+            return False
+        del self._sessions[session.sid]
+        return True

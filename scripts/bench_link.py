@@ -174,6 +174,12 @@ def start_relay(listen: int, target: int, a, rate: float, log: str) -> subproces
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+# a node that writes its step log through the node's observer hook
+STEP_LOG_NODE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "devtools", "step_log.py"
+)
+
+
 def start_nodes(
     peers, variant: Variant, rate: float, a, logs: list[str], step_logs: list[str]
 ) -> tuple[list[NodeProcess], list]:
@@ -191,7 +197,7 @@ def start_nodes(
             public = free_port()
             relays.append(start_relay(public, port, a, rate, logs[i - 1]))
             extra += ["--public-address", f"127.0.0.1:{public}"]
-        nodes.append(start_node(span, peers, extra=extra))
+        nodes.append(start_node(span, peers, extra=extra, program=(STEP_LOG_NODE,)))
     try:
         for n in nodes:
             n.wait_serving()

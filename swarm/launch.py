@@ -94,9 +94,11 @@ def start_node(
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
     stderr=subprocess.DEVNULL,
+    program: Sequence[str] = ("-m", "swarm.node"),
 ) -> NodeProcess:
-    """Start `python -m swarm.node` in a new process; call wait_serving() before using it."""
-    cmd = [sys.executable, "-m", "swarm.node", "--layers", f"{layers[0]}:{layers[1]}"]
+    """Start `python -m swarm.node` (or `python <program>`, a script that runs a node) in a new
+    process; call wait_serving() before using it."""
+    cmd = [sys.executable, *program, "--layers", f"{layers[0]}:{layers[1]}"]
     if model:
         cmd += ["--model", str(model)]
     if initial_peers:

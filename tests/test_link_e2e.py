@@ -24,6 +24,7 @@ from swarm.launch import start_node, stop_all
 from tests.conftest import reference_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
+STEP_LOG_NODE = str(ROOT / "devtools" / "step_log.py")
 
 RATE_MBPS = 1.0
 DELAY_MS = 10.0
@@ -81,6 +82,7 @@ def shaped_swarm(request, tiny_model_dir, tmp_path):
                     *("--port", str(port), "--public-address", f"127.0.0.1:{public}"),
                     *("--step-log", str(tmp_path / "steps.log")),
                 ],
+                program=(STEP_LOG_NODE,),
             )
         )
         nodes[1].wait_serving()

@@ -16,7 +16,7 @@ import pytest
 import torch
 import trio
 
-from swarm.node.compute import ComputeQueue, Usage
+from swarm.node.compute import ComputeQueue, Ticket, Usage
 from swarm.protocol import DECODE, PREFILL
 
 
@@ -42,23 +42,25 @@ class Finished:
 async def run_all(
     queue: ComputeQueue, jobs: list[Work], timeout: float = 10
 ) -> dict[int, Finished]:
-    """Submit the jobs to a running queue; how each finished, by index, in the order they did."""
+    """Queue the jobs on a running queue; how each finished, by index, in the order they did."""
     finished: dict[int, Finished] = {}
-    all_done = trio.Event()
+
+    async def finish(i: int, ticket: Ticket, job: Work) -> None:
+        try:
+            await ticket.turn()
+            done = await ticket.run(job.run, job.tokens)
+        finally:
+            ticket.release()
+        finished[i] = Finished(trio.current_time(), done.result, done.elapsed, done.usage)
+
     async with trio.open_nursery() as nursery:
         nursery.start_soon(queue.worker)
-        for i, job in enumerate(jobs):
-
-            async def done(result, error, elapsed, usage, i=i):
-                assert error is None
-                finished[i] = Finished(trio.current_time(), result, elapsed, usage)
-                if len(finished) == len(jobs):
-                    all_done.set()
-
-            queue.submit(job.phase, job.tokens, job.run, done, rank=job.rank)
-            await trio.sleep(job.then)
         with trio.fail_after(timeout):
-            await all_done.wait()
+            async with trio.open_nursery() as jobs_nursery:
+                for i, job in enumerate(jobs):
+                    # a place in the queue now, in this order, whenever its task first runs
+                    jobs_nursery.start_soon(finish, i, queue.reserve(job.phase, job.rank), job)
+                    await trio.sleep(job.then)
         nursery.cancel_scope.cancel()
     return finished
 
@@ -175,34 +177,17 @@ def test_a_pass_that_would_run_before_its_sessions_earlier_positions_is_refused(
     came back could have the step computed first: the session refuses it instead of computing
     on a cache with a hole."""
     from swarm.errors import ProtocolError
-    from swarm.model.blocks import KVCache, Span
+    from swarm.model.blocks import Span
     from swarm.model.source import open_model
-    from swarm.node.config import NodeConfig
-    from swarm.node.server import Node
-    from swarm.node.sessions import Session
-    from swarm.protocol import Hop, Step
+    from swarm.node.session import forward_pass
 
     source = open_model(str(tiny_model_dir))
-    node = Node(
-        NodeConfig(start=0, end=2), Span.load(source, 0, 2, weights="float32"), source.fingerprint()
-    )
-    s = Session(
-        sid="s" * 32,
-        hop=0,
-        route=(Hop("127.0.0.1", 1, 0, 2, ""),),
-        start=0,
-        end=2,
-        wire_dtype="float32",
-        max_length=16,
-        sink_token="t",
-        owner=None,
-        cache=KVCache.allocate(source.config, 2, 16),
-    )
+    span = Span.load(source, 0, 2, weights="float32")
+    cache = span.allocate_cache(2, 16)
     hidden = torch.randn(1, 1, source.config.hidden)
-    early = node._pass(s, Step(sid=s.sid, phase=DECODE, pos=4, end=5, hidden=None), hidden)
     with pytest.raises(ProtocolError, match="before the session's earlier positions"):
-        early()
+        forward_pass(span, cache, 0, 2, 4, hidden)
     prompt = torch.randn(1, 4, source.config.hidden)
-    node._pass(s, Step(sid=s.sid, phase=PREFILL, pos=0, end=4, hidden=None), prompt)()
-    _, out = early()  # now in order
-    assert out.shape == (1, 1, source.config.hidden) and s.cache.length == 5
+    forward_pass(span, cache, 0, 2, 0, prompt)
+    out = forward_pass(span, cache, 0, 2, 4, hidden)  # now in order
+    assert out.shape == (1, 1, source.config.hidden) and cache.length == 5

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.node.server import _take_tokens, gather_wait
+from swarm.node.prompt import gather_wait
+from swarm.node.prompt import take_tokens as _take_tokens
 from swarm.protocol import PREFILL, Step
 
 

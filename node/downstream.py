@@ -1,0 +1,140 @@
+"""Connections to the next hops: one per address, shared by every session going there.
+
+Each connection has a reader task for what comes back (open acknowledgements, errors, pongs).
+Two kinds of ping travel on it, told apart by their nonce: round-trip pings this pool sends every
+PING_INTERVAL seconds, and the acknowledgement pings the uplink sends behind activation frames.
+Their pongs feed the uplink's link estimate. A lost connection is reported to every session that
+goes through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import trio
+
+from swarm.errors import PeerFailed, SwarmError
+from swarm.node.sessions import SessionTable
+from swarm.node.uplink import ACK_NONCE_BASE, Uplink
+from swarm.protocol import Error, Opened, Ping, Pong
+from swarm.transport import FramedStream, connect
+
+log = logging.getLogger("swarm.node")
+
+PING_INTERVAL = 2.0
+CONNECT_TIMEOUT = 10.0
+MAX_PINGS = 1000
+
+
+@dataclass(frozen=True)
+class RoundTrip:
+    """A pong to one of our round-trip pings."""
+
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Acknowledged:
+    """A pong to an acknowledgement ping: the next hop has read the frame before it; `rx_bytes`
+    of that frame arrived over `rx_s` there (0, 0: too small to tell)."""
+
+    nonce: int
+    rx_bytes: int
+    rx_s: float
+
+
+def classify(pong: Pong) -> RoundTrip | Acknowledged:
+    if pong.nonce >= ACK_NONCE_BASE:
+        return Acknowledged(pong.nonce, pong.rx_bytes, pong.rx_us / 1e6)
+    return RoundTrip(pong.nonce)
+
+
+class Downstream:
+    def __init__(self, uplink: Uplink, sessions: SessionTable, max_frame: int):
+        self._uplink = uplink
+        self._sessions = sessions
+        self._max_frame = max_frame
+        self._streams: dict[str, FramedStream] = {}
+        self._connecting: dict[str, trio.Lock] = {}
+        self._pings: dict[tuple[str, int], tuple[float, bool]] = {}  # -> (sent, path clear)
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Own the connections' reader tasks and ping every connection, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            nonce = 0
+            while True:
+                await trio.sleep(PING_INTERVAL)
+                for dest, ds in list(self._streams.items()):
+                    nonce += 1
+                    self._pings[(dest, nonce)] = (time.monotonic(), self._uplink.path_clear(dest))
+                    self._uplink.send_control(ds, Ping(nonce=nonce))
+                if len(self._pings) > MAX_PINGS:
+                    self._pings.clear()
+
+    def stream(self, dest: str | None) -> FramedStream | None:
+        return self._streams.get(dest) if dest is not None else None
+
+    async def connect(self, dest: str) -> FramedStream:
+        """The connection to `dest` ("host:port"), opened if there is none."""
+        lock = self._connecting.setdefault(dest, trio.Lock())
+        async with lock:
+            ds = self._streams.get(dest)
+            if ds is not None and not ds.closed:
+                return ds
+            host, _, port = dest.rpartition(":")
+            with trio.fail_after(CONNECT_TIMEOUT):
+                ds = await connect(host, int(port), self._max_frame)
+            self._streams[dest] = ds
+            assert self._nursery is not None, "Downstream.run is not running"
+            self._nursery.start_soon(self._read, dest, ds)
+            return ds
+
+    async def _read(self, dest: str, ds: FramedStream) -> None:
+        """Backward traffic from the next hop: open acks, errors, pongs."""
+        reason: Exception | None = None
+        try:
+            while True:
+                msg = await ds.receive()
+                if msg is None:
+                    reason = ConnectionError("connection closed")
+                    break
+                if isinstance(msg, Pong):
+                    self._pong(dest, classify(msg))
+                    continue
+                s = self._sessions.lookup(getattr(msg, "sid", ""))
+                if s is not None and s.downstream == dest and isinstance(msg, (Opened, Error)):
+                    await s.from_downstream(msg)
+        except (SwarmError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            reason = exc
+        await self.lost(ds, reason)
+
+    def _pong(self, dest: str, pong: RoundTrip | Acknowledged) -> None:
+        if isinstance(pong, Acknowledged):
+            self._uplink.on_pong(dest, pong.nonce, pong.rx_bytes, pong.rx_s)
+            return
+        ping = self._pings.pop((dest, pong.nonce), None)
+        if ping is not None:
+            sent, clear = ping
+            self._uplink.on_ping(dest, time.monotonic() - sent, queued=not clear)
+
+    async def lost(self, stream: FramedStream, reason: Exception | None) -> None:
+        """A write or read on `stream` failed: every session that goes through it fails."""
+        if stream.closed:
+            return
+        stream.closed = True
+        for dest, ds in list(self._streams.items()):
+            if ds is not stream:
+                continue
+            del self._streams[dest]
+            self._uplink.forget_dest(dest)
+            log.warning("lost downstream %s: %s", dest, reason)
+            for s in self._sessions:
+                if s.downstream == dest:
+                    err = PeerFailed(f"hop {s.hop + 1} at {dest} failed: {reason}")
+                    await s.from_downstream(Error.of(err, s.sid, s.hop + 1))
+        await stream.aclose()

@@ -1,0 +1,121 @@
+"""A session's protocol state, sans IO: which messages it accepts in which state.
+
+In the manner of h11's state table: a session is `opening` until the next hop acknowledges the
+open (the last hop, having none, opens at once), `open` while steps flow, `attached` once the
+client has claimed the last hop's results, and `closed` for good. `SessionState.handle` takes
+one event, checks it against the table, moves to the next state or raises the error the sender
+gets; it never touches a socket or a clock (times come in as arguments), so the tests drive it
+directly.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from swarm.errors import ProtocolError, SessionNotFound, ShapeMismatch, SwarmError
+from swarm.protocol import DECODE, Attach, Close, Error, Opened
+
+
+class State(enum.Enum):
+    OPENING = "opening"
+    OPEN = "open"
+    ATTACHED = "attached"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class StepIn:
+    """Activations for positions [pos, pos + tokens) of a phase ending at `end`, at `now`."""
+
+    phase: str
+    pos: int
+    tokens: int
+    end: int
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class SinkGone:
+    """The client's connection that claimed the results closed; another may attach."""
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The session cannot go on: `error` goes upstream (and to the client, if attached)."""
+
+    error: Error
+
+
+Event = Opened | StepIn | Attach | SinkGone | Close | Fail
+
+OPENING, OPEN, ATTACHED, CLOSED = State.OPENING, State.OPEN, State.ATTACHED, State.CLOSED
+
+# state -> {event type: next state}; an event missing from its state's row is refused
+TRANSITIONS: dict[State, dict[type, State]] = {
+    OPENING: {Opened: OPEN, Close: CLOSED, Fail: CLOSED},
+    OPEN: {StepIn: OPEN, Attach: ATTACHED, Close: CLOSED, Fail: CLOSED},
+    ATTACHED: {StepIn: ATTACHED, SinkGone: OPEN, Close: CLOSED, Fail: CLOSED},
+    CLOSED: {},
+}
+
+
+class SessionState:
+    """One session's state and step bookkeeping. `last`: the session ends the route here (no
+    next hop to wait for, and a client attaches to it)."""
+
+    def __init__(self, sid: str, max_length: int, last: bool, now: float = 0.0):
+        self.sid = sid
+        self.max_length = max_length
+        self.last = last
+        self.state = OPENING
+        self.next_pos = 0  # position the next accepted step must start at
+        self.last_active = now
+
+    @property
+    def closed(self) -> bool:
+        return self.state is CLOSED
+
+    def accepts(self, event: Event) -> bool:
+        return type(event) in TRANSITIONS[self.state]
+
+    def handle(self, event: Event) -> State:
+        """Take `event`; the new state. Raises the SwarmError its sender should get."""
+        if not self.accepts(event) or (isinstance(event, Attach) and not self.last):
+            raise self._refusal(event)
+        if isinstance(event, StepIn):
+            self._check_step(event)
+            self.next_pos = event.pos + event.tokens
+            self.last_active = event.now
+        self.state = TRANSITIONS[self.state][type(event)]
+        return self.state
+
+    def expired(self, now: float, idle: float) -> bool:
+        """No step for `idle` seconds since the session opened or last stepped."""
+        return self.state in (OPEN, ATTACHED) and now - self.last_active >= idle
+
+    def _check_step(self, step: StepIn) -> None:
+        if step.pos != self.next_pos:
+            raise ProtocolError(
+                f"step for positions {step.pos}:{step.pos + step.tokens} out of order; expected"
+                f" position {self.next_pos}"
+            )
+        if not step.pos + step.tokens <= step.end <= self.max_length:
+            raise ShapeMismatch(
+                f"step covers {step.pos}:{step.pos + step.tokens} of a phase ending at"
+                f" {step.end}; the session holds at most {self.max_length} tokens"
+            )
+        if step.phase == DECODE and step.tokens != 1:
+            raise ShapeMismatch(f"a decode step carries one token, this one {step.tokens}")
+
+    def _refusal(self, event: Event) -> SwarmError:
+        short = self.sid[:8]
+        if isinstance(event, Attach):
+            return SessionNotFound(f"no session {short}... to attach to here")
+        if isinstance(event, StepIn) and self.state is OPENING:
+            return ProtocolError(f"session {short}... is still opening; wait for 'opened'")
+        if self.state is CLOSED:
+            return SessionNotFound(f"no session {short}... on this connection")
+        return ProtocolError(
+            f"session {short}... is {self.state.value} and takes no {type(event).__name__}"
+        )

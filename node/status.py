@@ -1,0 +1,47 @@
+"""The node's periodic status line: short and human at INFO, every figure at DEBUG."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import trio
+
+log = logging.getLogger("swarm.node")
+
+STATUS_INTERVAL = 30.0
+
+
+@dataclass(frozen=True)
+class Status:
+    sessions: int
+    free_cache_tokens: int
+    tokens: int  # computed since the node started (prompt and decode, through the whole span)
+    link: dict[str, float]  # the uplink's figures (bandwidth_Bps, rtt_s, ...)
+
+
+def status_line(now: Status, before: Status, seconds: float) -> str:
+    """E.g. `3 sessions, 41.2 tokens/s, link 4.8 Mbit/s, RTT 23 ms`."""
+    rate = (now.tokens - before.tokens) / seconds if seconds > 0 else 0.0
+    bandwidth = now.link.get("bandwidth_Bps", 0.0)
+    rtt = now.link.get("rtt_s", 0.0)
+    link = (
+        f"link {bandwidth * 8 / 1e6:.1f} Mbit/s, RTT {rtt * 1000:.0f} ms"
+        if bandwidth > 0 or rtt > 0
+        else "link not measured yet"
+    )
+    s = "" if now.sessions == 1 else "s"
+    return f"{now.sessions} session{s}, {rate:.1f} tokens/s, {link}"
+
+
+async def log_status(read, interval: float = STATUS_INTERVAL) -> None:
+    """Every `interval` seconds, log `read()`'s Status as one line (and all of it at DEBUG)."""
+    before = read()
+    while True:
+        await trio.sleep(interval)
+        now = read()
+        log.info("%s", status_line(now, before, interval))
+        if log.isEnabledFor(logging.DEBUG):
+            figures = {k: round(v, 4) for k, v in now.link.items()}
+            log.debug("free cache %d tokens, link %s", now.free_cache_tokens, figures)
+        before = now
