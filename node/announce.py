@@ -12,6 +12,8 @@ from swarm.records import DEFAULT_WEIGHTS, NodeRecord
 
 log = logging.getLogger("swarm.node")
 
+ANNOUNCE_TIMEOUT = 15.0
+
 
 class Announcer:
     def __init__(
@@ -53,13 +55,24 @@ class Announcer:
 
     async def publish(self, state: str, node=None, ttl: float | None = None) -> None:
         rec = self.record(state, node)
+        if not self.dht.is_alive():
+            # every request would wait forever: say so rather than time out each time
+            log.error(
+                "announce %s failed: the DHT process exited (code %s)", state, self.dht.exitcode
+            )
+            return
         try:
-            with trio.fail_after(15):
+            with trio.fail_after(ANNOUNCE_TIMEOUT):
                 stored = await trio.to_thread.run_sync(
                     announce, self.dht, [rec], ttl or self.ttl, abandon_on_cancel=True
                 )
+        except trio.TooSlowError:
+            log.warning(
+                "announce %s failed: no answer from the DHT in %.0f s", state, ANNOUNCE_TIMEOUT
+            )
+            return
         except Exception as exc:  # the DHT being slow must not take the data plane down
-            log.warning("announce %s failed: %s", state, exc)
+            log.warning("announce %s failed: %s: %s", state, type(exc).__name__, exc)
             return
         log.debug("announced %s to %d keys", state, stored)
 

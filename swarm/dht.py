@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -65,11 +66,35 @@ def visible_maddrs(dht) -> list[str]:
     return [str(m) for m in dht.get_visible_maddrs()]
 
 
-async def _store_records(_dht, node, keys, values, expiration, subkey):
+# multiprocessing writes a message over 16 KiB to a pipe in two parts, and hivemind's DHT process
+# reads its request pipe non-blocking (uvloop's add_reader): if it wakes between the parts, the
+# read fails half-way, the next one parses garbage, and the DHT process dies (hivemind 1.1.12).
+# Every later request then waits forever, so a request must stay under this size.
+MAX_REQUEST_BYTES = 16 * 1024
+
+
+async def _store_records(_dht, node, groups, expiration, subkey):
+    """Store each (keys, value) group's value under every one of its keys (in the DHT)."""
+    keys = [key for group_keys, _ in groups for key in group_keys]
+    values = [value for group_keys, value in groups for _ in group_keys]
     result = await node.store_many(
         keys, values, expiration_time=expiration, subkeys=[subkey] * len(keys)
     )
     return sum(bool(v) for v in result.values())
+
+
+def store_request(records: Sequence[NodeRecord], expiration: float, subkey: bytes):
+    """The request that stores one record per block plus a model index entry. Each record
+    crosses into the DHT process once with the keys it goes under (not once per block: 30
+    copies of a record with its link figures came to over MAX_REQUEST_BYTES)."""
+    groups = [
+        ([block_key(r.model, b) for b in range(r.start, r.end)], r.to_wire()) for r in records
+    ]
+    first = records[0]
+    groups.append(
+        ([MODELS_KEY], ModelRecord(first.model, first.num_layers, first.fingerprint).to_wire())
+    )
+    return functools.partial(_store_records, groups=groups, expiration=expiration, subkey=subkey)
 
 
 def announce(dht, records: Sequence[NodeRecord], ttl: float) -> int:
@@ -78,18 +103,11 @@ def announce(dht, records: Sequence[NodeRecord], ttl: float) -> int:
 
     if not records:
         return 0
-    subkey = owner_subkey(dht)
-    first = records[0]
-    keys = [block_key(r.model, b) for r in records for b in range(r.start, r.end)]
-    values = [r.to_wire() for r in records for _ in range(r.start, r.end)]
-    keys.append(MODELS_KEY)
-    values.append(ModelRecord(first.model, first.num_layers, first.fingerprint).to_wire())
-    expiration = get_dht_time() + ttl
-    return dht.run_coroutine(
-        functools.partial(
-            _store_records, keys=keys, values=values, expiration=expiration, subkey=subkey
-        )
-    )
+    request = store_request(records, get_dht_time() + ttl, owner_subkey(dht))
+    size = len(pickle.dumps(request))
+    if size > MAX_REQUEST_BYTES - 1024:  # the rest of the message: the call and its future
+        raise ValueError(f"an announcement of {size} bytes would break the DHT's request pipe")
+    return dht.run_coroutine(request)
 
 
 async def get_latest(_dht, node, keys):
