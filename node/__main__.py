@@ -65,7 +65,7 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
             fingerprint,
             cfg.start,
             cfg.end,
-            cfg.announce_ttl,
+            cfg.limits.announce_ttl_s,
         )
         await announcer.publish("joining")
 
@@ -90,7 +90,7 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
             say(f"serving blocks {cfg.start}:{cfg.end} on {addr} (peer {dht.peer_id})")
             nursery.start_soon(announcer.keep_fresh, node)
             nursery.start_soon(log_status, functools.partial(status, node))
-            await shutdown_on_signal(node, announcer, cfg.grace)
+            await shutdown_on_signal(node, announcer, cfg.limits.grace_s)
             nursery.cancel_scope.cancel()
         say("node stopped")
     finally:

@@ -48,16 +48,18 @@ class Node:
         self.fingerprint = fingerprint
         self.observer: StepObserver = observer or NoObserver()
         self.sessions = SessionTable(
-            config.max_sessions, config.max_cache_tokens, config.max_session_tokens
+            config.limits.max_sessions,
+            config.limits.max_cache_tokens,
+            config.limits.max_session_tokens,
         )
         self.uplink = Uplink(scheduler_options(config), self._stream_broken)
         self.compute = ComputeQueue(
-            config.compute_lanes,
-            config.prefill_nice,
-            config.prefill_compute_order,
+            config.compute.lanes,
+            config.compute.prefill_nice,
+            config.compute.prefill_order,
             observe=self.uplink.observe_compute,
         )
-        self.downstream = Downstream(self.uplink, self.sessions, config.max_frame)
+        self.downstream = Downstream(self.uplink, self.sessions, config.limits.max_frame)
         self.port: int | None = None
         self.errors_sent = 0
         self.steps_done = 0  # forward passes
@@ -90,7 +92,7 @@ class Node:
     # ---- inbound connections --------------------------------------------------------------
 
     async def _handle_connection(self, stream: trio.SocketStream) -> None:
-        conn = FramedStream(stream, self.config.max_frame)
+        conn = FramedStream(stream, self.config.limits.max_frame)
         try:
             async with trio.open_nursery() as sessions:  # the sessions this connection opened
                 await self._read(conn, sessions)
@@ -121,7 +123,7 @@ class Node:
         """The next message; None when the connection should end. Errors in framing are
         answered here; a connection without sessions may idle only so long."""
         while True:
-            with trio.move_on_after(self.config.connection_idle) as idle:
+            with trio.move_on_after(self.config.limits.connection_idle_s) as idle:
                 try:
                     return await conn.receive()
                 except FrameTooLarge as exc:

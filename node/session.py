@@ -207,7 +207,7 @@ class Session:
                 return False
             self.downstream = dest
             self.node.uplink.send_control(ds, _forwarded(msg))
-            with trio.move_on_after(self.node.config.open_timeout):
+            with trio.move_on_after(self.node.config.limits.open_timeout_s):
                 await self._settled.wait()
             if self.state.state is not OPEN:
                 err = self._open_error or Error.of(
@@ -246,7 +246,7 @@ class Session:
         await self._wake.wait()
 
     async def _idle(self) -> None:
-        idle = self.node.config.session_idle
+        idle = self.node.config.limits.session_idle_s
         with trio.move_on_after(self.state.last_active + idle - time.monotonic()):
             await self._woken()
             return
@@ -269,26 +269,21 @@ class Session:
     async def _prompt_pass(self, cache: KVCache) -> None:
         """Wait for the prompt lane, then compute what has arrived by then (up to a pass's
         worth), holding the next place in the lane already if more waits."""
-        config, compute = self.node.config, self.node.compute
+        config, compute = self.node.config.compute, self.node.compute
         if not self._tickets:
             self._tickets.append(compute.reserve(PREFILL, self._rank()))
         ticket = self._tickets[0]
         await ticket.turn()
-        wait = self.pieces.wait(
-            time.monotonic(), config.prefill_min_pass_tokens, config.prefill_gather_s
-        )
+        wait = self.pieces.wait(time.monotonic(), config.min_pass_tokens, config.gather_s)
         if wait > 0:  # a few tokens only: let more come, a little while
             self._tickets.pop(0).release()
             with trio.move_on_after(wait):
                 while (
-                    self.pieces.wait(
-                        time.monotonic(), config.prefill_min_pass_tokens, config.prefill_gather_s
-                    )
-                    > 0
+                    self.pieces.wait(time.monotonic(), config.min_pass_tokens, config.gather_s) > 0
                 ):
                     await self._woken()
             return
-        step, hidden = self.pieces.take(config.prefill_pass_tokens, time.monotonic())
+        step, hidden = self.pieces.take(config.pass_tokens, time.monotonic())
         if self.pieces:  # more than one pass waits: queue the next, behind any decode step
             self._tickets.append(compute.reserve(PREFILL, self._rank()))
         fn = functools.partial(
