@@ -41,9 +41,10 @@ def default_reference():
     return model, tok
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_swarm(tiny_model_dir):
-    """Uneven, overlapping spans of the tiny model: 0:2, 1:5, 4:6."""
+    """Uneven, overlapping spans of the tiny model: 0:2, 1:5, 4:6. Shared by every module that
+    only reads from it (none may stop its nodes): starting three nodes costs seconds each."""
     nodes = start_swarm(
         [(0, 2), (1, 5), (4, 6)],
         model=str(tiny_model_dir),
