@@ -12,6 +12,7 @@ from functools import partial
 import torch
 import trio
 
+from swarm.address import join_host_port
 from swarm.dht import start_dht, visible_maddrs
 from swarm.errors import SwarmError
 from swarm.model.blocks import Span
@@ -55,7 +56,7 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
             say(f"  --initial-peers {maddr}")
         listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
         port = listeners[0].socket.getsockname()[1]
-        addr = cfg.public_address or f"{cfg.host}:{port}"
+        addr = cfg.public_address or join_host_port(cfg.host, port)
         announcer = Announcer(
             dht,
             str(dht.peer_id),

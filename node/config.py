@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from swarm.link.options import POLICIES, PREFILL_ORDERS, LinkOptions
 from swarm.model.linear import WEIGHT_FORMATS
 from swarm.node.compute import PASS_ORDERS
-from swarm.wire import DEFAULT_MAX_FRAME, WIRE_DTYPES
+from swarm.wire import DEFAULT_MAX_FRAME, DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 
 PACING_MODES = ("off", "on", "auto")
 
@@ -226,7 +226,7 @@ class NodeConfig:
     )
     dht_host: str = option("127.0.0.1", "address the DHT listens on")
     wire_dtype: str = option(
-        "float16", "dtype of activations this node sends", choices=sorted(WIRE_DTYPES)
+        DEFAULT_WIRE_DTYPE, "dtype of activations this node sends", choices=sorted(WIRE_DTYPES)
     )
     threads: int = option(1, "torch threads for compute")
     dht_nice: int = option(

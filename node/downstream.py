@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import trio
 
+from swarm.address import parse_host_port
 from swarm.errors import PeerFailed, SwarmError
 from swarm.node.sessions import SessionTable
 from swarm.node.uplink import ACK_NONCE_BASE, Uplink
@@ -86,9 +87,9 @@ class Downstream:
             ds = self._streams.get(dest)
             if ds is not None and not ds.closed:
                 return ds
-            host, _, port = dest.rpartition(":")
+            host, port = parse_host_port(dest)
             with trio.fail_after(CONNECT_TIMEOUT):
-                ds = await connect(host, int(port), self._max_frame)
+                ds = await connect(host, port, self._max_frame)
             self._streams[dest] = ds
             assert self._nursery is not None, "Downstream.run is not running"
             self._nursery.start_soon(self._read, dest, ds)

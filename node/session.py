@@ -196,7 +196,7 @@ class Session:
             self.state.handle(Opened(sid=self.sid))
         else:
             nxt = msg.route[msg.hop + 1]
-            dest = f"{nxt.host}:{nxt.port}"
+            dest = nxt.addr
             try:
                 ds = await self.node.downstream.connect(dest)
             except (OSError, UnicodeError, ValueError, trio.TooSlowError) as exc:
