@@ -20,6 +20,7 @@ Example: nice -n 5 .venv/bin/python scripts/bench_weights.py --part synthetic
 from __future__ import annotations
 
 import argparse
+import ctypes
 import inspect
 import json
 import os
@@ -91,6 +92,10 @@ def synthetic_child(path: str, fmt: str, repeats: int, decode_steps: int, ref: s
     load_s = time.perf_counter() - t0
     after = proc_status()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # includes the load
+    # what the span holds once malloc hands freed load-time buffers back: the gap to `after`
+    # is heap the load freed but the process still keeps
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    trimmed = proc_status()
 
     prompt = 128
     gen = torch.Generator().manual_seed(0)
@@ -126,6 +131,7 @@ def synthetic_child(path: str, fmt: str, repeats: int, decode_steps: int, ref: s
         "load_s": load_s,
         "rss": after["VmRSS"] - before["VmRSS"],
         "anon": after["RssAnon"] - before["RssAnon"],
+        "trimmed": trimmed["VmRSS"] - before["VmRSS"],
         "peak": peak - before["VmRSS"],
         "decode_s": statistics.median(decode_s),
         "prompt_s": statistics.median(prompt_s),
@@ -197,7 +203,8 @@ def print_synthetic(rows, a) -> None:
         " except 'peak-st'."
     )
     print(
-        f"{'file':6}{'weights':>9}{'file MB':>8}{'RSS+ MB':>8}{'RSS/file':>9}{'peak-st':>8}"
+        f"{'file':6}{'weights':>9}{'file MB':>8}{'RSS+ MB':>8}{'RSS/file':>9}{'trim/file':>10}"
+        f"{'peak-st':>8}"
         f"{'load s':>7}{'decode ms':>10}{'(cpu)':>7}{'prompt ms':>10}{'(cpu)':>7}"
         f"{'dec x f32':>10}{'pr x f32':>9}{'err vs f32':>11}{'cache':>9}"
     )
@@ -214,7 +221,8 @@ def print_synthetic(rows, a) -> None:
         flag = "" if r["finite"] else "  NON-FINITE OUTPUT"
         print(
             f"{qtype:6}{fmt:>9}{file_b / MB:8.1f}{r['rss'] / n / MB:8.1f}"
-            f"{r['rss'] / n / file_b:9.2f}{(r['peak'] - r['rss']) / MB:8.0f}{r['load_s'] / n:7.2f}"
+            f"{r['rss'] / n / file_b:9.2f}{r['trimmed'] / n / file_b:10.2f}"
+            f"{(r['peak'] - r['rss']) / MB:8.0f}{r['load_s'] / n:7.2f}"
             f"{r['decode_s'] / n * 1e3:10.1f}{r['decode_cpu'] / n * 1e3:7.1f}"
             f"{r['prompt_s'] / n * 1e3:10.0f}{r['prompt_cpu'] / n * 1e3:7.0f}"
             f"{dec_x}{pr_x}{err:>11}{r['cache_dtype']:>9}{flag}"
@@ -222,7 +230,8 @@ def print_synthetic(rows, a) -> None:
     print(
         f"goals: RSS/file <= {RSS_OVER_FILE_GOAL}; int4 decode >= {INT4_DECODE_SPEEDUP_GOAL}x"
         " float32's ('dec x f32'). RSS+: VmRSS added by Span.load (file pages it touched"
-        " included); peak-st: MB the load's peak RSS stood above that, for the whole load;"
+        " included); trim/file: the same after malloc_trim(0) returned the heap the load"
+        " freed; peak-st: MB the load's peak RSS stood above that, for the whole load;"
         " x f32: float32's CPU time over this one's; err: |out - out_f32| / |out_f32| of what"
         " the layers add to the residual stream, same input."
     )
