@@ -38,9 +38,12 @@ def main() -> None:
     source = open_model(a.model)
     tok = source.tokenizer()
     path = source.path
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    if path.is_dir():  # a Hugging Face folder
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
     texts = [tok(SAMPLE_TEXT)["input_ids"]]
     for prompt in PROMPTS:  # the reference's own greedy answers, read back teacher-forced
         ids = tok.apply_chat_template(
@@ -64,7 +67,7 @@ def main() -> None:
     for fmt in a.formats.split(","):
         t = time.perf_counter()
         span = Span.load(source, 0, source.config.num_layers, weights=fmt)
-        head = Head.load(source, fmt)
+        head = Head.load(source, "float32" if fmt == "float32" else "auto")  # as the client
         load = time.perf_counter() - t
         rows = {}
         for step in (None, 1):
