@@ -19,6 +19,7 @@ from swarm.model.linear import (
     RawTensor,
     make_linear,
     native_format,
+    release_freed_memory,
 )
 
 
@@ -170,6 +171,7 @@ class Span:
         blocks = []
         for i in range(start, end):
             blocks.append(Block.load(source.config, source.block_raw(i), weights, usable))
+            release_freed_memory()
             if progress is not None:
                 progress(i - start + 1, end - start)
         return cls(source.config, start, end, blocks, weights)
@@ -246,7 +248,9 @@ class Head:
             linear = Dense(embed.data)  # tied: one float32 table serves both
         else:
             linear = make_linear(lm_head, weights, usable=usable)
-        return cls(source.config, embed, raw["norm"].float32(), linear)
+        head = cls(source.config, embed, raw["norm"].float32(), linear)
+        release_freed_memory()
+        return head
 
     @torch.inference_mode()
     def embed_tokens(self, ids: list[int]) -> torch.Tensor:
