@@ -99,7 +99,9 @@ class Block:
     def load(cls, config: ModelConfig, raw: dict[str, RawTensor], weights: str, usable) -> Block:
         def linear(name: str) -> Linear:
             bias = raw.get(name + ".bias")
-            return make_linear(raw[name], weights, None if bias is None else bias.float32(), usable)
+            out = make_linear(raw[name], weights, None if bias is None else bias.float32(), usable)
+            release_freed_memory()  # the conversion's temporaries, before the next matrix's
+            return out
 
         norms = (raw["input_layernorm"].float32(), raw["post_attention_layernorm"].float32())
         return cls(config, norms, {name: linear(name) for name in LINEARS})
@@ -171,7 +173,6 @@ class Span:
         blocks = []
         for i in range(start, end):
             blocks.append(Block.load(source.config, source.block_raw(i), weights, usable))
-            release_freed_memory()
             if progress is not None:
                 progress(i - start + 1, end - start)
         return cls(source.config, start, end, blocks, weights)

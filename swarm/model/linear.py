@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +25,6 @@ from swarm.model.quant import (
     GROUP,
     INT4_NATIVE,
     Int4Groups,
-    concat,
     gguf_int4,
     quantize_int4,
     quantize_int8_rows,
@@ -34,7 +33,7 @@ from swarm.model.quant import (
 log = logging.getLogger("swarm.model")
 
 WEIGHT_FORMATS = ("auto", "int4", "int8", "bfloat16", "float32")
-_PACK_ROWS = 1024  # rows packed at a time: bounds the int32 copy the packing op wants
+_CHUNK_ROWS = 256  # rows converted at a time: bounds a load's temporaries (peak RSS)
 
 
 @dataclass
@@ -63,7 +62,7 @@ class RawTensor:
             return self.data[torch.tensor(ids)].float()
         return RawTensor(self.name, self.kind, self.data[np.asarray(ids)]).float32()
 
-    def float32_chunks(self, rows: int = _PACK_ROWS) -> Iterator[tuple[int, torch.Tensor]]:
+    def float32_chunks(self, rows: int = _CHUNK_ROWS) -> Iterator[tuple[int, torch.Tensor]]:
         """(first row, float32 rows) a chunk at a time: converting a matrix never holds more
         than one chunk in float32 beside the result."""
         for start in range(0, self.shape[0], rows):
@@ -161,21 +160,31 @@ class Int4(Linear):
 
     format = "int4"
 
-    def __init__(self, g: Int4Groups, bias: torch.Tensor | None = None):
-        rows, cols = g.codes.shape
+    def __init__(
+        self,
+        g: Int4Groups | Iterable[Int4Groups],
+        bias: torch.Tensor | None = None,
+        shape: tuple[int, int] | None = None,
+    ):
+        """From one matrix's groups, or from its row chunks' in order (each a multiple of 32
+        rows) and the matrix's `shape`, packed into place chunk by chunk."""
+        if isinstance(g, Int4Groups):
+            g, shape = [g], g.codes.shape
+        rows, cols = shape
         super().__init__(rows, cols, None if bias is None else bias.bfloat16())
-        self.packed = torch.cat(
-            [
-                torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                    torch.from_numpy(g.codes[r : r + _PACK_ROWS].astype(np.int32)), 1
-                )
-                for r in range(0, rows, _PACK_ROWS)
-            ]
-        )
-        zero = g.offset + 8.0 * g.scale
+        self.packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
+        scales, zeros, done = [], [], 0
+        for c in g:
+            n = c.codes.shape[0]
+            self.packed[done : done + n] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                torch.from_numpy(c.codes.astype(np.int32)), 1
+            )
+            scales.append(c.scale)
+            zeros.append(c.offset + 8.0 * c.scale)
+            done += n
         # [groups, rows, (scale, zero)], contiguous: the kernel reads it ignoring strides
-        sz = np.ascontiguousarray(np.stack([g.scale.T, zero.T], axis=-1))
-        self.scales_zeros = torch.from_numpy(sz).bfloat16()
+        sz = np.stack([np.concatenate(scales).T, np.concatenate(zeros).T], axis=-1)
+        self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).bfloat16()
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -228,8 +237,11 @@ def make_linear(
         fmt = "bfloat16"
     if fmt == "int4":
         if raw.kind in INT4_NATIVE:
-            return Int4(gguf_int4(raw.data, raw.kind), bias)
-        return Int4(concat([quantize_int4(w.numpy()) for _, w in raw.float32_chunks()]), bias)
+            rows = range(0, raw.shape[0], _CHUNK_ROWS)
+            chunks = (gguf_int4(raw.data[r : r + _CHUNK_ROWS], raw.kind) for r in rows)
+        else:
+            chunks = (quantize_int4(w.numpy()) for _, w in raw.float32_chunks())
+        return Int4(chunks, bias, raw.shape)
     rows, cols = raw.shape
     if fmt == "int8":
         codes, scales = torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows)

@@ -30,11 +30,6 @@ class Int4Groups:
         return (q * self.scale[..., None] + self.offset[..., None]).reshape(rows, cols)
 
 
-def concat(parts: list[Int4Groups]) -> Int4Groups:
-    """Row chunks of one matrix as one."""
-    return Int4Groups(*(np.concatenate(field) for field in zip(*(vars(p).values() for p in parts))))
-
-
 def _f16(raw: np.ndarray) -> np.ndarray:
     """Two bytes per entry along the last axis -> float32 of the little-endian float16 they hold."""
     return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)

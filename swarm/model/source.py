@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,23 @@ _GGUF_BLOCK_NAMES = {
     "ffn_up": "up_proj",
     "ffn_down": "down_proj",
 }
+
+
+class OnDemand(Mapping):
+    """A block's tensors under Hugging Face names, each read from the file when asked for and
+    not kept: converting a block holds one tensor's file bytes at a time, not the block's."""
+
+    def __init__(self, names: dict[str, str], read: Callable[[str], RawTensor]):
+        self._names, self._read = names, read
+
+    def __getitem__(self, key: str) -> RawTensor:
+        return self._read(self._names[key])
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def default_model_path() -> Path:
@@ -122,14 +140,14 @@ class GGUFSource:
             data = data.reshape(-1, data.shape[-1])
         return RawTensor(name, self._tensors[name].kind, data)
 
-    def block_raw(self, block: int) -> dict[str, RawTensor]:
-        out = {}
+    def block_raw(self, block: int) -> Mapping[str, RawTensor]:
+        names = {}
         for gguf_name, hf_name in _GGUF_BLOCK_NAMES.items():
-            out[hf_name] = self.raw(f"blk.{block}.{gguf_name}.weight")
+            names[hf_name] = f"blk.{block}.{gguf_name}.weight"
             bias = f"blk.{block}.{gguf_name}.bias"
             if bias in self._tensors:
-                out[hf_name + ".bias"] = self.raw(bias)
-        return out
+                names[hf_name + ".bias"] = bias
+        return OnDemand(names, self.raw)
 
     def head_raw(self) -> dict[str, RawTensor]:
         embed = self.raw("token_embd.weight")
@@ -194,19 +212,19 @@ class SafetensorsSource:
         with safe_open(str(self._where[name]), framework="pt") as st:
             return RawTensor(name, "torch", st.get_tensor(name))
 
-    def block_raw(self, block: int) -> dict[str, RawTensor]:
+    def block_raw(self, block: int) -> Mapping[str, RawTensor]:
         p = f"model.layers.{block}."
-        out = {}
+        names = {}
         for hf_name in _GGUF_BLOCK_NAMES.values():
             sub = (
                 "self_attn."
                 if hf_name.endswith("proj") and hf_name[0] in "qkvo"
                 else ("mlp." if hf_name.endswith("proj") else "")
             )
-            out[hf_name] = self.raw(f"{p}{sub}{hf_name}.weight")
+            names[hf_name] = f"{p}{sub}{hf_name}.weight"
             if f"{p}{sub}{hf_name}.bias" in self._where:
-                out[hf_name + ".bias"] = self.raw(f"{p}{sub}{hf_name}.bias")
-        return out
+                names[hf_name + ".bias"] = f"{p}{sub}{hf_name}.bias"
+        return OnDemand(names, self.raw)
 
     def head_raw(self) -> dict[str, RawTensor]:
         embed = self.raw("model.embed_tokens.weight")
