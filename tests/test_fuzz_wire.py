@@ -211,7 +211,9 @@ def test_decoder_yields_maps_or_protocol_errors_under_any_split(examples):
         examples.tick()
         stream, cuts = case
         events = run_decoder(stream, cuts)
-        assert events == run_decoder(stream, [])  # splitting never changes what comes out
+        # splitting never changes what comes out; compared as text, since a garbage body can
+        # decode to a NaN, which equals nothing, not even itself
+        assert repr(events) == repr(run_decoder(stream, []))
 
     prop()
 
