@@ -144,9 +144,13 @@ def test_the_kv_cache_holds_half_the_bytes_per_token_outside_the_exact_mode(tiny
     source = open_model(str(tiny_model_dir))
     exact = Span.load(source, 0, 2, weights="float32")
     packed = Span.load(source, 0, 2, weights="int4")
-    assert packed.cache_bytes_per_token(2) * 2 == exact.cache_bytes_per_token(2)
+
+    def bytes_per_token(span: Span) -> int:
+        return KVCache.bytes_per_token(source.config, 2, span.cache_dtype)
+
+    assert bytes_per_token(packed) * 2 == bytes_per_token(exact)
     assert packed.allocate_cache(2, 8).keys[0].dtype == torch.bfloat16
-    assert KVCache.bytes_per_token(source.config, 2) == exact.cache_bytes_per_token(2)
+    assert KVCache.bytes_per_token(source.config, 2) == bytes_per_token(exact)
 
 
 def as_float32(span: Span) -> Span:

@@ -198,9 +198,6 @@ class Span:
         counts = self.formats
         return max(counts, key=counts.get)
 
-    def cache_bytes_per_token(self, layers: int) -> int:
-        return KVCache.bytes_per_token(self.config, layers, self.cache_dtype)
-
     def allocate_cache(self, layers: int, max_length: int) -> KVCache:
         return KVCache.allocate(self.config, layers, max_length, self.cache_dtype)
 

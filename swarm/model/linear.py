@@ -38,8 +38,8 @@ _CHUNK_ROWS = 256  # rows converted at a time: bounds a load's temporaries (peak
 
 @dataclass
 class RawTensor:
-    """One tensor as its file stores it, not yet converted: `data` is gguf's memory-mapped view
-    (uint8 [rows, bytes per row] for quantized types) or a torch tensor from safetensors."""
+    """One tensor as its file stores it, not yet converted: `data` is the bytes GGUFFile.read
+    gave (uint8 [rows, bytes per row] for quantized types) or a torch tensor from safetensors."""
 
     name: str
     kind: str  # GGUF type name ("Q4_1", "Q8_0", "F32", ...) or "torch"
@@ -51,10 +51,7 @@ class RawTensor:
         import gguf
 
         arr = gguf.dequantize(self.data, gguf.GGMLQuantizationType[self.kind])
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if not arr.flags.writeable:  # float32 tensors come straight from the read-only mmap
-            arr = arr.copy()
-        return torch.from_numpy(arr)
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
 
     def rows(self, ids: list[int]) -> torch.Tensor:
         """Rows `ids` in float32, dequantizing only those rows (embedding look-ups)."""
