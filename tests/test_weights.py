@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from swarm.model.blocks import LINEARS, Block, KVCache, Span
-from swarm.model.linear import Dense, Int4, Int8, RawTensor, make_linear
+from swarm.model.blocks import Block, KVCache, Span
+from swarm.model.linear import Dense, Fused, Int4, Int8, Linear, RawTensor, make_linear
 from swarm.model.quant import gguf_int4, quantize_int4
 from swarm.model.source import default_model_path, open_model
 
@@ -155,10 +155,16 @@ def test_the_kv_cache_holds_half_the_bytes_per_token_outside_the_exact_mode(tiny
 
 def as_float32(span: Span) -> Span:
     """The same span with every matrix replaced by its dequantized float32 weights."""
+
+    def dense(lin: Linear) -> Dense:
+        return Dense(lin.dequantized(), lin.bias)
+
     blocks = []
     for b in span.blocks:
-        linears = dict(zip(LINEARS, (Dense(lin.dequantized()) for lin in b.linears)))
-        blocks.append(Block(span.config, (b.attn_norm, b.mlp_norm), linears))
+        qkv = Fused([dense(lin) for lin in b.qkv.linears], b.qkv.sizes)
+        gate_up = Fused([dense(lin) for lin in b.gate_up.linears], b.gate_up.sizes)
+        norms = (b.attn_norm, b.mlp_norm)
+        blocks.append(Block(span.config, norms, qkv, dense(b.o), gate_up, dense(b.down)))
     return Span(span.config, span.start, span.end, blocks, "float32")
 
 

@@ -15,6 +15,7 @@ from swarm.model.config import ModelConfig
 from swarm.model.linear import (
     WEIGHT_FORMATS,
     Dense,
+    Fused,
     Linear,
     RawTensor,
     make_linear,
@@ -29,16 +30,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rotary:
+    """cos and sin of every position up to the longest seen, computed once (transformers'
+    formula, so the float32 path stays bit-exact) and indexed per step."""
+
     def __init__(self, head_dim: int, theta: float):
         self.inv_freq = 1.0 / (
             theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
         )
+        self.cos = self.sin = torch.empty(0, head_dim)
+
+    def _grow(self, length: int) -> None:
+        length = max(length, 2 * len(self.cos), 256)
+        positions = torch.arange(length, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None, :]  # [length, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [length, head_dim]
+        self.cos, self.sin = emb.cos(), emb.sin()
 
     def cos_sin(self, pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(pos, pos + n, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq[None, :]  # [n, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
-        return emb.cos(), emb.sin()
+        """Positions [pos, pos + n): cos, sin [n, head_dim]."""
+        if pos + n > len(self.cos):
+            self._grow(pos + n)
+        return self.cos[pos : pos + n], self.sin[pos : pos + n]
+
+    def at(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One position per row: cos, sin [rows, head_dim]."""
+        if max(positions) + 1 > len(self.cos):
+            self._grow(max(positions) + 1)
+        index = torch.tensor(positions)
+        return self.cos[index], self.sin[index]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -75,40 +94,75 @@ class KVCache:
         return 2 * layers * config.kv_heads * config.head_dim * dtype.itemsize
 
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 class Block:
     """One decoder layer. The residual stream, norms and rotary run in float32; the matmuls in
-    each Linear's own format (bfloat16 out of the quantized ones); attention in the cache's dtype.
-    With float32 weights every cast is a no-op, so that path is transformers' float32 math."""
+    each Linear's own format (bfloat16 out of the quantized ones); attention in float32 over the
+    cache (a bfloat16 cache is widened for the pass: CPU attention in bfloat16 measured 7x
+    slower for one query). With float32 weights every cast is a no-op, so that path is
+    transformers' float32 math."""
 
     def __init__(
         self,
         config: ModelConfig,
         norms: tuple[torch.Tensor, torch.Tensor],
-        linears: dict[str, Linear],
+        qkv: Fused,
+        o: Linear,
+        gate_up: Fused,
+        down: Linear,
     ):
         self.c = config
         self.attn_norm, self.mlp_norm = norms
-        self.q, self.k, self.v, self.o, self.gate, self.up, self.down = (
-            linears[name] for name in LINEARS
-        )
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
 
     @classmethod
     def load(cls, config: ModelConfig, raw: dict[str, RawTensor], weights: str, usable) -> Block:
-        def linear(name: str) -> Linear:
-            bias = raw.get(name + ".bias")
-            out = make_linear(raw[name], weights, None if bias is None else bias.float32(), usable)
+        def bias(name: str) -> torch.Tensor | None:
+            b = raw.get(name + ".bias")
+            return None if b is None else b.float32()
+
+        def fused(*names: str) -> Fused:
+            out = Fused.load([raw[n] for n in names], weights, [bias(n) for n in names], usable)
             release_freed_memory()  # the conversion's temporaries, before the next matrix's
             return out
 
+        def linear(name: str) -> Linear:
+            out = make_linear(raw[name], weights, bias(name), usable)
+            release_freed_memory()
+            return out
+
         norms = (raw["input_layernorm"].float32(), raw["post_attention_layernorm"].float32())
-        return cls(config, norms, {name: linear(name) for name in LINEARS})
+        return cls(
+            config,
+            norms,
+            fused("q_proj", "k_proj", "v_proj"),
+            linear("o_proj"),
+            fused("gate_proj", "up_proj"),
+            linear("down_proj"),
+        )
 
     @property
     def linears(self) -> tuple[Linear, ...]:
-        return (self.q, self.k, self.v, self.o, self.gate, self.up, self.down)
+        """The matrices as held (fused ones count once; `Linear.matrices` says how many)."""
+        return (*self.qkv.linears, self.o, *self.gate_up.linears, self.down)
+
+    def _attention_inputs(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h [rows, hidden] -> q [rows, heads, head_dim], k, v [rows, kv_heads, head_dim],
+        q and k rotated to each row's position (cos, sin [rows, head_dim])."""
+        c = self.c
+        rows = h.shape[0]
+        q, k, v = self.qkv(rms_norm(h, self.attn_norm, c.rms_eps))
+        q = q.float().view(rows, c.heads, c.head_dim)
+        k = k.float().view(rows, c.kv_heads, c.head_dim)
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v.view(rows, c.kv_heads, c.head_dim)
+
+    def _finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The attention output [rows, heads * head_dim] through o, then the MLP."""
+        h = h + self.o(attn).float()
+        gate, up = self.gate_up(rms_norm(h, self.mlp_norm, self.c.rms_eps))
+        return h + self.down(F.silu(gate) * up).float()
 
     def forward(
         self,
@@ -119,34 +173,58 @@ class Block:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
+        """One session's tokens h [tokens, hidden] at positions [pos, pos + tokens)."""
         c = self.c
-        _, n, _ = h.shape  # [1, tokens, hidden], float32
-        x = rms_norm(h, self.attn_norm, c.rms_eps)
-        q = self.q(x).float().view(1, n, c.heads, c.head_dim).transpose(1, 2)
-        k = self.k(x).float().view(1, n, c.kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v(x).view(1, n, c.kv_heads, c.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin  # [1, heads, tokens, head_dim]
-        k = k * cos + _rotate_half(k) * sin
-        k_cache[:, :, pos : pos + n] = k
-        v_cache[:, :, pos : pos + n] = v
-        keys = k_cache[:, :, : pos + n]  # [1, kv_heads, pos + tokens, head_dim]
-        values = v_cache[:, :, : pos + n]
-        groups = c.heads // c.kv_heads
-        keys = keys.repeat_interleave(groups, dim=1)
-        values = values.repeat_interleave(groups, dim=1)
-        if n == 1:
+        n = h.shape[0]
+        q, k, v = self._attention_inputs(h, cos, sin)
+        k_cache[0, :, pos : pos + n] = k.transpose(0, 1)
+        v_cache[0, :, pos : pos + n] = v.transpose(0, 1)
+        keys = k_cache[:, :, : pos + n].float()  # [1, kv_heads, pos + tokens, head_dim]
+        values = v_cache[:, :, : pos + n].float()
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, tokens, head_dim]
+        if n == 1 or pos == 0:
             mask = None
         else:
             # token i of this step sees every cached token and tokens <= i of its own
             mask = torch.ones(n, pos + n, dtype=torch.bool).tril(diagonal=pos)
         attn = F.scaled_dot_product_attention(
-            q.to(k_cache.dtype), keys, values, attn_mask=mask, scale=c.head_dim**-0.5
+            q,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=n > 1 and pos == 0,
+            scale=c.head_dim**-0.5,
+            enable_gqa=True,
         )
-        attn = attn.transpose(1, 2).reshape(1, n, c.heads * c.head_dim)
-        h = h + self.o(attn).float()
-        x = rms_norm(h, self.mlp_norm, c.rms_eps)
-        mlp = F.silu(self.gate(x)) * self.up(x)
-        return h + self.down(mlp).float()
+        return self._finish(h, attn[0].transpose(0, 1).reshape(n, c.heads * c.head_dim))
+
+    def decode(
+        self,
+        h: torch.Tensor,
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        positions: list[int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token for each of several sessions, h [rows, hidden], row i at positions[i] in
+        its own cache: the matmuls run on the stacked rows, attention per session."""
+        c = self.c
+        q, k, v = self._attention_inputs(h, cos, sin)
+        out = []
+        for i, ((k_cache, v_cache), pos) in enumerate(zip(caches, positions)):
+            k_cache[0, :, pos] = k[i]
+            v_cache[0, :, pos] = v[i]
+            out.append(
+                F.scaled_dot_product_attention(
+                    q[i, :, None].unsqueeze(0),  # [1, heads, 1, head_dim]
+                    k_cache[:, :, : pos + 1].float(),
+                    v_cache[:, :, : pos + 1].float(),
+                    scale=c.head_dim**-0.5,
+                    enable_gqa=True,
+                )
+            )
+        attn = torch.cat(out).view(len(positions), c.heads * c.head_dim)
+        return self._finish(h, attn)
 
 
 class Span:
@@ -185,11 +263,11 @@ class Span:
 
     @property
     def formats(self) -> dict[str, int]:
-        """How many matrices are held in each format."""
+        """How many of the model's matrices are held in each format."""
         counts: dict[str, int] = {}
         for b in self.blocks:
             for lin in b.linears:
-                counts[lin.format] = counts.get(lin.format, 0) + 1
+                counts[lin.format] = counts.get(lin.format, 0) + lin.matrices
         return counts
 
     @property
@@ -207,15 +285,31 @@ class Span:
     ) -> torch.Tensor:
         """h [1, tokens, hidden] at positions [pos, pos + tokens) through blocks [start, end)."""
         n = h.shape[1]
-        h = h.float()
+        x = h.reshape(n, -1).float()
         cos, sin = self.rotary.cos_sin(pos, n)
         for i in range(start, end):
             layer = i - start  # the session's cache holds only the layers it uses
-            h = self.blocks[i - self.start].forward(
-                h, cache.keys[layer], cache.values[layer], pos, cos, sin
+            x = self.blocks[i - self.start].forward(
+                x, cache.keys[layer], cache.values[layer], pos, cos, sin
             )
         cache.length = pos + n
-        return h
+        return x.view(1, n, -1)
+
+    @torch.inference_mode()
+    def decode(
+        self, h: torch.Tensor, caches: list[KVCache], positions: list[int], start: int, end: int
+    ) -> torch.Tensor:
+        """One token for each of several sessions, h [sessions, hidden], session i's at
+        positions[i] in caches[i], through blocks [start, end): one pass for all of them."""
+        x = h.float()
+        cos, sin = self.rotary.at(positions)
+        for i in range(start, end):
+            layer = i - start
+            kv = [(cache.keys[layer], cache.values[layer]) for cache in caches]
+            x = self.blocks[i - self.start].decode(x, kv, positions, cos, sin)
+        for cache, pos in zip(caches, positions):
+            cache.length = pos + 1
+        return x
 
 
 class Head:

@@ -2,9 +2,10 @@
 
 The int8 and int4 kernels are weight-only: they read quantized weights and take bfloat16
 activations (given float32 they fall back to a loop 20-50x slower), so quantized matmuls run
-in bfloat16 activations and hand back bfloat16. A CPU without avx512 (this project's test machine
-shows only avx2) multiplies bfloat16 matrices in a slow emulation, 5-7x slower than float32
-GEMM: from `expand_from` rows on (prompt passes), a bfloat16 or int8 matrix is expanded to float32
+in bfloat16 activations and hand back bfloat16. A CPU without avx512_bf16 multiplies bfloat16
+matrices in a slow emulation, 5-7x slower than float32 GEMM (measured on an avx2-only machine);
+with it, 4x faster than float32. `bfloat16_gemm_is_fast` measures which at first use: where it is
+slow, from `expand_from` rows on (prompt passes) a bfloat16 or int8 matrix is expanded to float32
 for the pass, which costs one cheap pass over the matrix. Packed int4 stays on its kernel at
 every size: unpacking it in torch costs more than the kernel does.
 """
@@ -12,6 +13,7 @@ every size: unpacking it in torch costs more than the kernel does.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -82,6 +84,7 @@ class Linear:
 
     format: str
     expand_from: int | None = None  # rows from which to multiply by dequantized() weights
+    matrices: int = 1  # the model's matrices this one holds, stacked by rows (see `fuse`)
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None):
         self.out_features, self.in_features, self.bias = out_features, in_features, bias
@@ -101,7 +104,8 @@ class Linear:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         if self.expand_from is not None and x2d.shape[0] >= self.expand_from:
-            y = F.linear(x2d.float(), self.dequantized())
+            dtype = torch.bfloat16 if bfloat16_gemm_is_fast() else torch.float32
+            y = F.linear(x2d.to(dtype), self.dequantized().to(dtype))
         else:
             y = self._matmul(x2d)
         if self.bias is not None:
@@ -109,12 +113,30 @@ class Linear:
         return y.view(*lead, self.out_features)
 
 
+@functools.cache
+def bfloat16_gemm_is_fast() -> bool:
+    """Whether this CPU multiplies a prompt pass's rows by a bfloat16 matrix faster than by
+    the same matrix in float32 (avx512_bf16 does, 4x; avx2 emulates bfloat16, 5-7x slower)."""
+    w, x = torch.randn(512, 512), torch.randn(64, 512)
+    wb, xb = w.bfloat16(), x.bfloat16()
+
+    def seconds(fn) -> float:
+        fn()
+        start = time.perf_counter()
+        for _ in range(10):
+            fn()
+        return time.perf_counter() - start
+
+    return seconds(lambda: F.linear(xb, wb)) < seconds(lambda: F.linear(x, w))
+
+
 class Dense(Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(*weight.shape, None if bias is None else bias.to(weight.dtype))
         self.weight = weight
         self.format = "float32" if weight.dtype == torch.float32 else "bfloat16"
-        self.expand_from = None if self.format == "float32" else 16
+        if self.format == "bfloat16" and not bfloat16_gemm_is_fast():
+            self.expand_from = 16
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         return F.linear(x2d.to(self.weight.dtype), self.weight)
@@ -163,8 +185,10 @@ class Int4(Linear):
         bias: torch.Tensor | None = None,
         shape: tuple[int, int] | None = None,
     ):
-        """From one matrix's groups, or from its row chunks' in order (each a multiple of 32
-        rows) and the matrix's `shape`, packed into place chunk by chunk."""
+        """From one matrix's groups, or from its row chunks' in order and the matrix's `shape`,
+        packed into place chunk by chunk. Every chunk but the last must be a multiple of 256
+        rows: the packed layout works in blocks of up to 64 rows, and a chunk packed apart
+        must end where a block of the whole matrix would."""
         if isinstance(g, Int4Groups):
             g, shape = [g], g.codes.shape
         rows, cols = shape
@@ -189,11 +213,20 @@ class Int4(Linear):
         )
 
     def codes(self) -> torch.Tensor:
-        """The 4-bit codes [out, in] back out of the packed layout: each block of 32 rows is
-        [in, 16] bytes, row r's code in the low nibble and row r + 16's in the high one."""
-        blocks = self.packed.view(-1, self.in_features, 16)
-        codes = torch.stack([blocks & 0xF, blocks >> 4], dim=1)  # [blocks, 2, in, 16]
-        return codes.permute(0, 1, 3, 2).reshape(self.out_features, self.in_features)
+        """The 4-bit codes [out, in] back out of the packed layout, whatever it is on this CPU
+        (blocks of 32 rows under avx2, of 64 under avx512): the kernel itself multiplies the
+        identity by the weights with scale 1 and zero 8, which gives each code exactly."""
+        groups = self.in_features // GROUP
+        unit = torch.tensor([1.0, 8.0]).expand(groups, self.out_features, 2)
+        unit = unit.bfloat16().contiguous()
+        out = torch.empty(self.out_features, self.in_features, dtype=torch.uint8)
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        for start in range(0, self.in_features, 1024):
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                eye[start : start + 1024], self.packed, GROUP, unit
+            )  # [inputs, out]
+            out[:, start : start + 1024] = part.t().round().to(torch.uint8)
+        return out
 
     def dequantized(self) -> torch.Tensor:
         groups = self.in_features // GROUP
@@ -212,6 +245,29 @@ class Int4(Linear):
         return rows % 32 == 0 and cols % GROUP == 0
 
 
+class Fused:
+    """Matrices that read the same input (q, k, v; gate, up), held stacked by rows as one
+    Linear where they share a format: one pass over the input and one kernel call instead of
+    several. Where formats differ (a Q4_K_M file keeps some v in Q6_K) each multiplies alone."""
+
+    def __init__(self, linears: list[Linear], sizes: list[int]):
+        self.linears, self.sizes = linears, sizes
+
+    @classmethod
+    def load(
+        cls, raws: list[RawTensor], weights: str, biases: list[torch.Tensor | None], usable=None
+    ) -> Fused:
+        sizes = [raw.shape[0] for raw in raws]
+        if len({resolve_format(raw, weights, usable) for raw in raws}) == 1:
+            return cls([make_linear(raws, weights, biases, usable)], sizes)
+        return cls([make_linear(r, weights, b, usable) for r, b in zip(raws, biases)], sizes)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if len(self.linears) == 1:
+            return list(self.linears[0](x).split(self.sizes, dim=-1))
+        return [lin(x) for lin in self.linears]
+
+
 def native_format(kind: str) -> str:
     """The format `auto` keeps a tensor of GGUF type `kind` in."""
     if kind in INT4_NATIVE:
@@ -221,34 +277,97 @@ def native_format(kind: str) -> str:
     return "bfloat16"  # F32, F16, BF16, and safetensors
 
 
-def make_linear(
-    raw: RawTensor, weights: str, bias: torch.Tensor | None = None, usable=None
-) -> Linear:
-    """`raw` as a Linear in format `weights` (or its native one for "auto"), stepping down to
-    int8 and then bfloat16 where a format is not `usable` here or the shape does not fit it."""
+def resolve_format(raw: RawTensor, weights: str, usable=None) -> str:
+    """The format `raw` is held in when asked for `weights` (its native one for "auto"),
+    stepping down to int8 and then bfloat16 where a format is not `usable` here or the shape
+    does not fit it."""
     fmt = native_format(raw.kind) if weights == "auto" else weights
     usable = usable if usable is not None else WEIGHT_FORMATS
     if fmt == "int4" and not (Int4.fits(*raw.shape) and "int4" in usable):
         fmt = "int8"
     if fmt == "int8" and "int8" not in usable:
         fmt = "bfloat16"
+    return fmt
+
+
+def make_linear(
+    raw: RawTensor | list[RawTensor],
+    weights: str,
+    bias: torch.Tensor | None | list[torch.Tensor | None] = None,
+    usable=None,
+) -> Linear:
+    """`raw` as a Linear in format `weights` (see `resolve_format`). Given several tensors of
+    the same width (and bias for each), one Linear holding them stacked by rows."""
+    raws = raw if isinstance(raw, list) else [raw]
+    biases = bias if isinstance(bias, list) else [bias]
+    fmt = resolve_format(raws[0], weights, usable)
+    rows, cols = sum(r.shape[0] for r in raws), raws[0].shape[1]
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [torch.zeros(r.shape[0]) if b is None else b for r, b in zip(raws, biases)]
+        )
+    else:
+        bias = None
     if fmt == "int4":
-        if raw.kind in INT4_NATIVE:
-            rows = range(0, raw.shape[0], _CHUNK_ROWS)
-            chunks = (gguf_int4(raw.data[r : r + _CHUNK_ROWS], raw.kind) for r in rows)
-        else:
-            chunks = (quantize_int4(w.numpy()) for _, w in raw.float32_chunks())
-        return Int4(chunks, bias, raw.shape)
-    rows, cols = raw.shape
-    if fmt == "int8":
+        linear = Int4(_regrouped(_int4_chunks(r) for r in raws), bias, (rows, cols))
+    elif fmt == "int8":
         codes, scales = torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows)
-        for start, w in raw.float32_chunks():
+        for start, w in _float32_chunks(raws):
             codes[start : start + len(w)], scales[start : start + len(w)] = quantize_int8_rows(w)
-        return Int8(codes, scales, bias)
-    weight = torch.empty(rows, cols, dtype=torch.float32 if fmt == "float32" else torch.bfloat16)
-    for start, w in raw.float32_chunks():
-        weight[start : start + len(w)] = w
-    return Dense(weight, bias)
+        linear = Int8(codes, scales, bias)
+    else:
+        dtype = torch.float32 if fmt == "float32" else torch.bfloat16
+        weight = torch.empty(rows, cols, dtype=dtype)
+        for start, w in _float32_chunks(raws):
+            weight[start : start + len(w)] = w
+        linear = Dense(weight, bias)
+    linear.matrices = len(raws)
+    return linear
+
+
+def _float32_chunks(raws: list[RawTensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    done = 0
+    for raw in raws:
+        for start, w in raw.float32_chunks():
+            yield done + start, w
+        done += raw.shape[0]
+
+
+def _int4_chunks(raw: RawTensor) -> Iterator[Int4Groups]:
+    for r in range(0, raw.shape[0], _CHUNK_ROWS):
+        if raw.kind in INT4_NATIVE:
+            yield gguf_int4(raw.data[r : r + _CHUNK_ROWS], raw.kind)
+        else:
+            part = RawTensor(raw.name, raw.kind, raw.data[r : r + _CHUNK_ROWS])
+            yield quantize_int4(part.float32().numpy())
+
+
+def _regrouped(parts: Iterable[Iterator[Int4Groups]]) -> Iterator[Int4Groups]:
+    """Chunks of several matrices, in order, as chunks of exactly _CHUNK_ROWS rows (the last
+    shorter): one matrix's short last chunk joins the next one's first (see Int4)."""
+    pending: list[Int4Groups] = []
+    have = 0
+    for chunks in parts:
+        for g in chunks:
+            pending.append(g)
+            have += g.codes.shape[0]
+            while have >= _CHUNK_ROWS:
+                whole = _concat(pending)
+                yield _rows(whole, 0, _CHUNK_ROWS)
+                rest = _rows(whole, _CHUNK_ROWS, have)
+                pending, have = [rest], have - _CHUNK_ROWS
+    if have:
+        yield _concat(pending)
+
+
+def _concat(groups: list[Int4Groups]) -> Int4Groups:
+    if len(groups) == 1:
+        return groups[0]
+    return Int4Groups(*(np.concatenate([getattr(g, f) for g in groups]) for f in Int4Groups.FIELDS))
+
+
+def _rows(g: Int4Groups, start: int, end: int) -> Int4Groups:
+    return Int4Groups(g.codes[start:end], g.scale[start:end], g.offset[start:end])
 
 
 def release_freed_memory() -> None:

@@ -24,6 +24,8 @@ class Int4Groups:
     scale: np.ndarray  # float32 [rows, cols / 32]
     offset: np.ndarray  # float32 [rows, cols / 32]
 
+    FIELDS = ("codes", "scale", "offset")
+
     def dequantize(self) -> np.ndarray:
         rows, cols = self.codes.shape
         q = self.codes.reshape(rows, cols // GROUP, GROUP).astype(np.float32)
