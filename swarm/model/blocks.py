@@ -19,7 +19,6 @@ from swarm.model.linear import (
     Linear,
     RawTensor,
     make_linear,
-    native_format,
     release_freed_memory,
 )
 
@@ -147,21 +146,21 @@ class Block:
 
     def _attention_inputs(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [rows, hidden] -> q [rows, heads, head_dim], k, v [rows, kv_heads, head_dim],
-        q and k rotated to each row's position (cos, sin [rows, head_dim])."""
+        q and k rotated to each row's position (cos, sin [rows, head_dim]) in one go."""
         c = self.c
         rows = h.shape[0]
-        q, k, v = self.qkv(rms_norm(h, self.attn_norm, c.rms_eps))
-        q = q.float().view(rows, c.heads, c.head_dim)
-        k = k.float().view(rows, c.kv_heads, c.head_dim)
+        qkv = self.qkv(rms_norm(h, self.attn_norm, c.rms_eps))
+        qk_heads = c.heads + c.kv_heads
+        qk = qkv[:, : qk_heads * c.head_dim].float().reshape(rows, qk_heads, c.head_dim)
         cos, sin = cos[:, None], sin[:, None]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v.view(rows, c.kv_heads, c.head_dim)
+        qk = qk * cos + _rotate_half(qk) * sin
+        v = qkv[:, qk_heads * c.head_dim :].reshape(rows, c.kv_heads, c.head_dim)
+        return qk[:, : c.heads], qk[:, c.heads :], v
 
     def _finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The attention output [rows, heads * head_dim] through o, then the MLP."""
         h = h + self.o(attn).float()
-        gate, up = self.gate_up(rms_norm(h, self.mlp_norm, self.c.rms_eps))
+        gate, up = self.gate_up(rms_norm(h, self.mlp_norm, self.c.rms_eps)).chunk(2, dim=-1)
         return h + self.down(F.silu(gate) * up).float()
 
     def forward(
@@ -312,14 +311,29 @@ class Span:
         return x
 
 
+RESCORED = 64  # the quantized head's top candidates whose logits are recomputed exactly
+
+
 class Head:
     """The client's share of the model: embeddings, final norm and LM head.
 
     Embedding rows are dequantized from the file's own bytes when looked up; the LM head is a
-    Linear in the format asked for (float32 keeps the exact path)."""
+    Linear in the format asked for (float32 keeps the exact path). A quantized LM head scores
+    the whole vocabulary, then its top RESCORED logits are recomputed in float32 from the
+    file's rows: the head's error lands on the logits undiluted (int8 rows of the default
+    model's Q8_0 table alone cut top-1 agreement from 0.988 to 0.965), but only the leaders
+    decide greedy and top-p choices, and the int8 head reads half the bfloat16 head's bytes."""
 
-    def __init__(self, config: ModelConfig, embed: RawTensor, norm: torch.Tensor, lm_head: Linear):
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: RawTensor,
+        norm: torch.Tensor,
+        lm_head: Linear,
+        exact: RawTensor | None = None,
+    ):
         self.config, self.embed, self.norm, self.lm_head = config, embed, norm, lm_head
+        self.exact = exact  # the LM head's rows as the file holds them, for rescoring
         self.weights = lm_head.format
 
     @classmethod
@@ -332,15 +346,15 @@ class Head:
             table = embed.float32() if weights == "float32" else embed.data
             embed = RawTensor(embed.name, "torch", table)
         lm_head = raw["lm_head"]
-        if weights == "auto" and native_format(lm_head.kind) == "int8":
-            # the head's error lands on the logits undiluted: requantizing the default model's
-            # Q8_0 table to int8 rows cut top-1 agreement from 0.988 to 0.965, bfloat16 to 0.980
-            weights = "bfloat16"
-        if lm_head is raw["embed"] and weights == "float32":
+        tied = lm_head is raw["embed"]
+        if tied and weights == "float32":
             linear = Dense(embed.data)  # tied: one float32 table serves both
         else:
             linear = make_linear(lm_head, weights, usable=usable)
-        head = cls(source.config, embed, raw["norm"].float32(), linear)
+        exact = None
+        if linear.format in ("int8", "int4"):
+            exact = embed if tied else lm_head
+        head = cls(source.config, embed, raw["norm"].float32(), linear, exact)
         release_freed_memory()
         return head
 
@@ -351,5 +365,15 @@ class Head:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [1, hidden] of the last token -> logits [vocab], float32."""
+        return self.logits_rows(hidden.reshape(1, -1))[0]
+
+    @torch.inference_mode()
+    def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [rows, hidden], one row per sequence -> logits [rows, vocab], float32."""
         x = rms_norm(hidden.float(), self.norm, self.config.rms_eps)
-        return self.lm_head(x).float().reshape(-1)
+        logits = self.lm_head(x).float()
+        if self.exact is not None:
+            top = logits.topk(RESCORED, dim=-1).indices  # [rows, RESCORED]
+            rows = self.exact.rows(top.reshape(-1).tolist()).view(*top.shape, -1)
+            logits.scatter_(-1, top, torch.einsum("rh,rkh->rk", x, rows))
+        return logits

@@ -262,10 +262,11 @@ class Fused:
             return cls([make_linear(raws, weights, biases, usable)], sizes)
         return cls([make_linear(r, weights, b, usable) for r, b in zip(raws, biases)], sizes)
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> every matrix's output side by side [..., sum(sizes)]."""
         if len(self.linears) == 1:
-            return list(self.linears[0](x).split(self.sizes, dim=-1))
-        return [lin(x) for lin in self.linears]
+            return self.linears[0](x)
+        return torch.cat([lin(x) for lin in self.linears], dim=-1)
 
 
 def native_format(kind: str) -> str:

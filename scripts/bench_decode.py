@@ -1,0 +1,219 @@
+"""Decode and prompt speed of the default model on this CPU, against llama.cpp (issue 27).
+
+One sitting, one table, tokens per second at 1 and 2 threads:
+  prompt   a 512-token prompt pass (the swarm: 512 / time to first token)
+  decode   128 greedy tokens after a 1-token prompt
+  @500     128 greedy tokens after 500 tokens of context
+for: llama.cpp's llama-bench on the same GGUF file (when --llama-bench names its binary),
+transformers in float32, the project's unsplit span code (Span.forward + Head, as a node and
+client run it, default weights and float32) and a 2-node local swarm at the defaults (each node
+--threads N). Rows alternate inside each repeat so machine noise hits them alike; medians.
+
+    .venv/bin/python scripts/bench_decode.py --llama-bench /path/to/llama-bench [--repeats 3]
+
+llama-bench is a yardstick built in a scratch folder, not a dependency (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+import warnings
+
+import torch
+
+from swarm.model.blocks import Head, Span
+from swarm.model.source import default_model_path, open_model
+
+PROMPT, NEW, CONTEXT = 512, 128, 500
+COLUMNS = ("prompt", "decode", "@500")
+GOAL_UNSPLIT_VS_LLAMA = 0.5
+GOAL_SWARM_VS_UNSPLIT = 0.8
+
+
+def ids(n: int, salt: int = 0) -> list[int]:
+    return [(i * 7919 + salt) % 40000 + 100 for i in range(n)]
+
+
+def span_figures(span: Span, head: Head) -> dict[str, float]:
+    def prompt_pass(n: int):
+        cache = span.allocate_cache(span.end - span.start, n + NEW + 1)
+        start = time.perf_counter()
+        hidden = span.forward(head.embed_tokens(ids(n)), cache, 0, span.start, span.end)
+        token = int(head.logits(hidden[:, -1]).argmax())
+        return cache, token, time.perf_counter() - start
+
+    def decode(cache, token) -> float:
+        start = time.perf_counter()
+        for _ in range(NEW):
+            h = span.forward(head.embed_tokens([token]), cache, cache.length, span.start, span.end)
+            token = int(head.logits(h[:, -1]).argmax())
+        return NEW / (time.perf_counter() - start)
+
+    _, _, seconds = prompt_pass(PROMPT)
+    out = {"prompt": PROMPT / seconds}
+    out["decode"] = decode(*prompt_pass(1)[:2])
+    out["@500"] = decode(*prompt_pass(CONTEXT)[:2])
+    return out
+
+
+def transformers_figures(model) -> dict[str, float]:
+    def prompt_pass(n: int):
+        start = time.perf_counter()
+        out = model(torch.tensor([ids(n)]), use_cache=True, logits_to_keep=1)
+        return out, int(out.logits[0, -1].argmax()), time.perf_counter() - start
+
+    def decode(out, token) -> float:
+        start = time.perf_counter()
+        for _ in range(NEW):
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values)
+            token = int(out.logits[0, -1].argmax())
+        return NEW / (time.perf_counter() - start)
+
+    with torch.inference_mode():
+        _, _, seconds = prompt_pass(PROMPT)
+        return {
+            "prompt": PROMPT / seconds,
+            "decode": decode(*prompt_pass(1)[:2]),
+            "@500": decode(*prompt_pass(CONTEXT)[:2]),
+        }
+
+
+def swarm_figures(client) -> dict[str, float]:
+    def run(n: int, new: int) -> tuple[float, float]:
+        with client.session(n + new + 1) as s:
+            start = time.perf_counter()
+            token = int(s.feed(ids(n, salt=n)).argmax())
+            ttft = time.perf_counter() - start
+            start = time.perf_counter()
+            for _ in range(new):
+                token = int(s.feed([token]).argmax())
+            return ttft, new / (time.perf_counter() - start) if new else 0.0
+
+    return {
+        "prompt": PROMPT / run(PROMPT, 0)[0],
+        "decode": run(1, NEW)[1],
+        "@500": run(CONTEXT, NEW)[1],
+    }
+
+
+def llama_figures(binary: str, threads: int) -> dict[str, float]:
+    out = subprocess.run(
+        [
+            binary,
+            "-m",
+            str(default_model_path()),
+            "-p",
+            str(PROMPT),
+            "-n",
+            str(NEW),
+            "-t",
+            str(threads),
+            "-d",
+            f"0,{CONTEXT}",
+            "-r",
+            "1",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    figures = {}
+    for row in json.loads(out):
+        tps, depth = row["avg_ts"], row.get("n_depth", 0)
+        if row["n_prompt"] and depth == 0:
+            figures["prompt"] = tps
+        elif row["n_gen"]:
+            figures["decode" if depth == 0 else "@500"] = tps
+    return figures
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", default="1,2")
+    a = p.parse_args()
+    warnings.filterwarnings("ignore")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from swarm.client.client import Client
+    from swarm.launch import even_spans, start_swarm, stop_all
+
+    hf_logging.set_verbosity_error()
+    threads = [int(t) for t in a.threads.split(",")]
+    source = open_model(None)
+    layers = source.config.num_layers
+    spans = {w: Span.load(source, 0, layers, weights=w) for w in ("auto", "float32")}
+    heads = {w: Head.load(source, w) for w in ("auto", "float32")}
+    path = default_model_path()
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    swarms = {t: start_swarm(even_spans(layers, 2), extra=["--threads", str(t)]) for t in threads}
+    rows: dict[tuple[str, int], list[dict[str, float]]] = {}
+    try:
+        clients = {t: Client(swarms[t][0].maddrs[:1]) for t in threads}
+        for r in range(a.repeats):
+            for t in threads:
+                torch.set_num_threads(t)
+                runs = {
+                    "unsplit span, default weights": lambda: span_figures(
+                        spans["auto"], heads["auto"]
+                    ),
+                    "unsplit span, float32": lambda: span_figures(
+                        spans["float32"], heads["float32"]
+                    ),
+                    "transformers, float32": lambda: transformers_figures(reference),
+                    "2-node swarm, default weights": lambda t=t: swarm_figures(clients[t]),
+                }
+                if a.llama_bench:
+                    runs["llama.cpp, Q4_1"] = lambda t=t: llama_figures(a.llama_bench, t)
+                for name, run in runs.items():
+                    rows.setdefault((name, t), []).append(run())
+                print(f"repeat {r + 1}/{a.repeats}, {t} thread(s) done", flush=True)
+        for c in clients.values():
+            c.close()
+    finally:
+        for nodes in swarms.values():
+            stop_all(nodes)
+    report(rows, threads, a)
+
+
+def report(rows, threads, a) -> None:
+    med = {
+        key: {c: statistics.median(run[c] for run in runs) for c in COLUMNS}
+        for key, runs in rows.items()
+    }
+    names = list(dict.fromkeys(name for name, _ in rows))
+    header = " | ".join(f"{c}, {' / '.join(str(t) for t in threads)} threads" for c in COLUMNS)
+    print(f"\ntok/s, median of {a.repeats}; load average {os.getloadavg()[0]:.2f}")
+    print(f"| | {header} |\n|---|" + "---|" * len(COLUMNS))
+    for name in names:
+        cells = [" / ".join(f"{med[(name, t)][c]:.0f}" for t in threads) for c in COLUMNS]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    unsplit = "unsplit span, default weights"
+    swarm = "2-node swarm, default weights"
+    for t in threads:
+        for c in ("decode", "@500"):
+            ratio = med[(swarm, t)][c] / med[(unsplit, t)][c]
+            line = f"{t} thread(s), {c}: swarm / unsplit {ratio:.2f}"
+            line += f" (goal >= {GOAL_SWARM_VS_UNSPLIT})"
+            if ("llama.cpp, Q4_1", t) in med:
+                ratio = med[(unsplit, t)][c] / med[("llama.cpp, Q4_1", t)][c]
+                line += f"; unsplit / llama.cpp {ratio:.2f} (goal >= {GOAL_UNSPLIT_VS_LLAMA})"
+            print(line)
+        if ("llama.cpp, Q4_1", t) in med:
+            ratio = med[(unsplit, t)]["prompt"] / med[("llama.cpp, Q4_1", t)]["prompt"]
+            print(f"{t} thread(s), prompt: unsplit / llama.cpp {ratio:.2f} (goal >= 1)")
+
+
+if __name__ == "__main__":
+    main()
