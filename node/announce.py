@@ -50,6 +50,8 @@ class Announcer:
             throughput=round(node.throughput, 2) if node else 0.0,
             link=node.uplink.stats() if node else {},
             weights=node.span.format if node else DEFAULT_WEIGHTS,
+            sessions=len(node.sessions) if node else 0,
+            decode_batch=round(node.compute.mean_decode_batch, 2) if node else 1.0,
             updated=get_dht_time(),
         )
 

@@ -14,7 +14,14 @@ alike: waiting prompts take turns, a pass each.
 
 Work is awaited: `await queue.run(phase, fn, tokens)`. A prompt pass may take its place early
 (`reserve`) and name its work when its turn comes, to take whatever has arrived by then, up to a
-cap, so a long prompt becomes several passes."""
+cap, so a long prompt becomes several passes.
+
+Decode steps of different sessions batch (`await queue.decode(key, item, run_batch)`): each
+step queues for the decode lane as before, and the first whose turn comes takes every step
+waiting with the same key (up to `max_batch`) into one call; the others get their share of its
+results without a turn of their own. Nothing waits to fill a batch: a step that arrives while a
+pass runs joins the next one. (Decode is memory-bound: reading a layer's weights once for eight
+rows costs little more than for one.)"""
 
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +162,17 @@ class Lane:
         return box[0]
 
 
+@dataclass(eq=False)
+class _Rider:
+    """A decode step waiting to join a pass; `ready` is set when its turn comes or when another
+    step's pass has computed it (then `done` holds its share)."""
+
+    item: Any
+    ready: trio.Event = field(default_factory=trio.Event)
+    ticket: Ticket | None = None
+    done: Done | None = None
+
+
 class Ticket:
     """A place in a lane's queue. Its turn comes when the lane is free and no job ranked before
     it waits; then it runs at most one function and releases the lane (or releases it unused).
@@ -192,8 +210,10 @@ class ComputeQueue:
         prefill_nice: int = 3,
         prefill_order: str = "shortest",
         observe: Callable[[str, int, float], None] | None = None,
+        max_batch: int = 8,
     ) -> None:
-        """`observe(phase, tokens, seconds)`: told of each job that succeeded."""
+        """`observe(phase, tokens, seconds)`: told of each job that succeeded; `max_batch`: most
+        decode steps in one pass."""
         if lanes not in (1, 2):
             raise ValueError(f"a node computes in 1 or 2 lanes, not {lanes}")
         if prefill_order not in PASS_ORDERS:
@@ -205,6 +225,10 @@ class ComputeQueue:
             [Lane("decode")] if lanes == 1 else [Lane("decode"), Lane("prefill", prefill_nice)]
         )
         self.observe = observe
+        self.max_batch = max_batch
+        self._riders: dict[Hashable, list[_Rider]] = {}
+        self.decode_passes = 0
+        self.decode_pass_rows = 0
         self._order = itertools.count()
         self.busy_seconds = 0.0
         self.decode_step_seconds = 0.0  # EWMA of decode job time, for the throughput figure
@@ -213,12 +237,14 @@ class ComputeQueue:
     def __len__(self) -> int:
         return sum(len(lane.heap) for lane in self.lanes)
 
-    def reserve(self, phase: str, rank: float = 0.0) -> Ticket:
+    def reserve(self, phase: str, rank: float = 0.0, go: trio.Event | None = None) -> Ticket:
         """A place in the queue from now. Decode steps go before prompt passes; among jobs of a
         phase the lowest `rank` goes first (see prefill_rank), then the earliest reserved."""
         priority = 0 if phase == DECODE else 1
         lane = self.lanes[min(priority, len(self.lanes) - 1)]
         job = _Job(priority, rank, next(self._order))
+        if go is not None:
+            job.go = go
         heapq.heappush(lane.heap, job)
         lane.wake.set()
         return Ticket(self, lane, job, phase)
@@ -231,6 +257,68 @@ class ComputeQueue:
             return await ticket.run(fn, tokens)
         finally:
             ticket.release()
+
+    async def decode(
+        self,
+        key: Hashable,
+        item: Any,
+        run_batch: Callable[[list[Any]], list[outcome.Outcome]],
+    ) -> Done:
+        """One decode step, `item`, computed in a pass with whatever other steps of the same
+        `key` wait when the lane comes free: `run_batch(items)` runs in the lane's thread and
+        returns an outcome per item, so one item's failure is its own. Returns this item's
+        Done (its outcome unwrapped: raises what its item raised)."""
+        rider = _Rider(item)
+        waiting = self._riders.setdefault(key, [])
+        waiting.append(rider)
+        ticket = rider.ticket = self.reserve(DECODE, go=rider.ready)
+        try:
+            await rider.ready.wait()
+            if rider.done is None:  # our turn: take everything waiting with us
+                await self._decode_pass(rider, waiting, run_batch)
+        finally:
+            if rider in waiting:
+                waiting.remove(rider)
+            if not waiting and self._riders.get(key) is waiting:
+                del self._riders[key]
+            ticket.release()
+        return Done(rider.done.result.unwrap(), rider.done.elapsed, rider.done.usage)
+
+    async def _decode_pass(
+        self,
+        leader: _Rider,
+        waiting: list[_Rider],
+        run_batch: Callable[[list[Any]], list[outcome.Outcome]],
+    ) -> None:
+        waiting.remove(leader)
+        batch = [leader, *waiting[: self.max_batch - 1]]
+        del waiting[: self.max_batch - 1]
+        for rider in batch[1:]:
+            rider.ticket.release()  # taken along: its own place in the queue goes unused
+        ticket = leader.ticket
+
+        def run() -> list[outcome.Outcome]:
+            outs = run_batch([r.item for r in batch])
+            if len(outs) != len(batch):
+                raise RuntimeError(f"a pass of {len(batch)} steps gave {len(outs)} results")
+            return outs
+
+        started = time.perf_counter()
+        ran, usage = await ticket._lane.run(run)
+        elapsed = time.perf_counter() - started
+        ticket.release()
+        outs = ran.unwrap() if isinstance(ran, outcome.Value) else [ran] * len(batch)
+        self.decode_passes += 1
+        self.decode_pass_rows += len(batch)
+        self._account(DECODE, len(batch), elapsed, ran)
+        for rider, out in zip(batch, outs):
+            rider.done = Done(out, elapsed, usage)
+            rider.ready.set()
+
+    @property
+    def mean_decode_batch(self) -> float:
+        """Decode steps per decode pass so far (1.0 before any)."""
+        return self.decode_pass_rows / self.decode_passes if self.decode_passes else 1.0
 
     def prefill_rank(self, since: float, tokens_left: int) -> float:
         """The rank of a prompt's next pass: (shortest) `since`, when the prompt began to

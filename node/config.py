@@ -195,6 +195,11 @@ class ComputeConfig:
         flag="--prefill-gather-ms",
         ms=True,
     )
+    max_batch: int = option(
+        8,
+        "most decode steps of different sessions computed as one pass (1: each alone)",
+        type=_positive_int,
+    )
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ class Node:
             config.compute.prefill_nice,
             config.compute.prefill_order,
             observe=self.uplink.observe_compute,
+            max_batch=config.compute.max_batch,
         )
         self.downstream = Downstream(self.uplink, self.sessions, config.limits.max_frame)
         self.port: int | None = None

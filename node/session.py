@@ -16,8 +16,10 @@ import secrets
 import time
 from collections import deque
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import outcome
 import torch
 import trio
 
@@ -41,13 +43,54 @@ def forward_pass(
     span: Span, cache: KVCache, start: int, end: int, pos: int, hidden: torch.Tensor
 ) -> torch.Tensor:
     """One forward pass through blocks start:end from position `pos`, in a compute thread."""
+    _check_position(cache, pos)
+    return span.forward(hidden, cache, pos, start, end)
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    """One session's decode step, as a decode pass takes it."""
+
+    cache: KVCache
+    pos: int
+    hidden: torch.Tensor  # [1, 1, hidden]
+
+
+def decode_pass(span: Span, start: int, end: int, items: list[DecodeItem]) -> list[outcome.Outcome]:
+    """One token of each session through blocks start:end as one pass, in a compute thread.
+    Each item gets its own outcome: a step that cannot run, or a pass that fails, fails only
+    the sessions it belongs to (a failed pass is rerun a session at a time)."""
+    outs: list[outcome.Outcome | None] = [None] * len(items)
+    ready = []
+    for i, item in enumerate(items):
+        try:
+            _check_position(item.cache, item.pos)
+            ready.append(i)
+        except SwarmError as exc:
+            outs[i] = outcome.Error(exc)
+    if len(ready) > 1:
+        try:
+            hidden = torch.cat([items[i].hidden.reshape(1, -1) for i in ready])
+            caches = [items[i].cache for i in ready]
+            out = span.decode(hidden, caches, [items[i].pos for i in ready], start, end)
+            for row, i in enumerate(ready):
+                outs[i] = outcome.Value(out[row].view(1, 1, -1))
+            return outs
+        except Exception:
+            log.exception("a decode pass of %d sessions failed; each runs alone", len(ready))
+    for i in ready:
+        item = items[i]
+        outs[i] = outcome.capture(forward_pass, span, item.cache, start, end, item.pos, item.hidden)
+    return outs
+
+
+def _check_position(cache: KVCache, pos: int) -> None:
     if cache.length != pos:
         # only a client that sends a step before its previous one returned
         raise ProtocolError(
             f"step at position {pos} ran before the session's earlier positions"
             f" (cache holds {cache.length}); wait for each result"
         )
-    return span.forward(hidden, cache, pos, start, end)
 
 
 async def send_quietly(conn: FramedStream, msg) -> None:
@@ -255,11 +298,17 @@ class Session:
             await self.fail(Error.of(err, self.sid, self.hop))
 
     async def _decode(self, cache: KVCache, step: Step, hidden: torch.Tensor, arrived: float):
-        fn = functools.partial(
-            forward_pass, self.node.span, cache, self.start, self.end, step.pos, hidden
-        )
+        compute, span = self.node.compute, self.node.span
         try:
-            done = await self.node.compute.run(DECODE, fn, hidden.shape[1])
+            if hidden.shape[1] == 1:  # joins other sessions' steps through the same blocks
+                run = functools.partial(decode_pass, span, self.start, self.end)
+                item = DecodeItem(cache, step.pos, hidden)
+                done = await compute.decode((self.start, self.end), item, run)
+            else:
+                fn = functools.partial(
+                    forward_pass, span, cache, self.start, self.end, step.pos, hidden
+                )
+                done = await compute.run(DECODE, fn, hidden.shape[1])
         except Exception as exc:
             await self._compute_failed(exc)
             return

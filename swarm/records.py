@@ -43,6 +43,8 @@ class NodeRecord:
     link: dict[str, float] = field(default_factory=dict)  # scheduler / estimator figures
     updated: float = 0.0  # DHT time of this announcement
     weights: str = DEFAULT_WEIGHTS  # how the node keeps its weights: "float32", "int4", ...
+    sessions: int = 0  # sessions open at the node
+    decode_batch: float = 1.0  # decode steps per decode pass, on average (sessions batched)
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,6 +78,10 @@ class NodeRecord:
                 },
                 updated=float(_typed(raw, "updated", (int, float))),
                 weights=_typed(raw, "weights", str) if "weights" in raw else DEFAULT_WEIGHTS,
+                sessions=_typed(raw, "sessions", int) if "sessions" in raw else 0,
+                decode_batch=float(_typed(raw, "decode_batch", (int, float)))
+                if "decode_batch" in raw
+                else 1.0,
             )
         except KeyError as exc:
             raise ValueError(f"record lacks field {exc}") from None

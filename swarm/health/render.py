@@ -92,6 +92,7 @@ COLUMNS = (
     "Weights",
     "Throughput",
     "Free cache",
+    "Sessions",
     "Link (reported)",
     "RTT (measured)",
     "Refreshed",
@@ -248,11 +249,13 @@ def _row(n: NodeView, num_layers: int) -> str:
         f"<code>{escape(r.weights)}</code>",
         f"{_num(r.throughput)} tok/s",
         f"{r.free_cache_tokens:,}",
+        f'{r.sessions} <span class="muted" title="decode steps per pass, on average">'
+        f"· batch {r.decode_batch:.1f}</span>",
         _link(r.link),
         rtt,
         refreshed,
     ]
-    num = {"Throughput", "Free cache", "RTT (measured)"}
+    num = {"Throughput", "Free cache", "Sessions", "RTT (measured)"}
     tds = "".join(
         f'<td data-label="{c}"{" class=num" if c in num else ""}><div>{v}</div></td>'
         for c, v in zip(COLUMNS, cells, strict=True)

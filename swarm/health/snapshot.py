@@ -54,6 +54,8 @@ class NodeView:
             "usable": self.usable,
             "throughput": r.throughput,
             "free_cache_tokens": r.free_cache_tokens,
+            "sessions": r.sessions,
+            "decode_batch": r.decode_batch,
             "link": dict(r.link),
             "reachable": None if self.reach is None else self.reach.reachable,
             "rtt_ms": None if self.reach is None else _ms(self.reach.rtt_s),
