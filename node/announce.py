@@ -51,7 +51,8 @@ class Announcer:
             link=node.uplink.stats() if node else {},
             weights=node.span.format if node else DEFAULT_WEIGHTS,
             sessions=len(node.sessions) if node else 0,
-            decode_batch=round(node.compute.mean_decode_batch, 2) if node else 1.0,
+            decode_batch=round(node.compute.mean_decode_batch, 3) if node else 1.0,
+            decode_passes=node.compute.decode_passes if node else 0,
             updated=get_dht_time(),
         )
 

@@ -45,6 +45,7 @@ class NodeRecord:
     weights: str = DEFAULT_WEIGHTS  # how the node keeps its weights: "float32", "int4", ...
     sessions: int = 0  # sessions open at the node
     decode_batch: float = 1.0  # decode steps per decode pass, on average (sessions batched)
+    decode_passes: int = 0  # decode passes since the node started
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +83,7 @@ class NodeRecord:
                 decode_batch=float(_typed(raw, "decode_batch", (int, float)))
                 if "decode_batch" in raw
                 else 1.0,
+                decode_passes=_typed(raw, "decode_passes", int) if "decode_passes" in raw else 0,
             )
         except KeyError as exc:
             raise ValueError(f"record lacks field {exc}") from None
