@@ -99,8 +99,15 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
 
 
 def status(node: Node) -> Status:
+    t = node.throttle
     return Status(
-        len(node.sessions), node.sessions.free_cache_tokens, node.tokens_done, node.uplink.stats()
+        len(node.sessions),
+        node.sessions.free_cache_tokens,
+        node.tokens_done,
+        node.uplink.stats(),
+        t.refused,
+        t.evicted,
+        len(t.hosts),
     )
 
 

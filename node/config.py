@@ -56,6 +56,28 @@ class Limits:
     max_cache_tokens: int = option(32768, "KV-cache tokens this node holds across all sessions")
     max_session_tokens: int = option(8192, "longest sequence one session may reserve")
     max_frame: int = option(DEFAULT_MAX_FRAME, "largest frame accepted, in bytes")
+    # one source address (a host, or everyone behind one NAT) gets at most these shares, so a
+    # flood from one host leaves room for the others (an upstream node relaying many users
+    # counts as one host too: a quarter keeps it useful)
+    max_host_sessions: int = option(16, "sessions one source address may hold", type=_positive_int)
+    max_host_cache_tokens: int = option(
+        8192, "KV-cache tokens one source address may reserve", type=_positive_int
+    )
+    max_connections: int = option(256, "inbound connections at once", type=_positive_int)
+    max_host_connections: int = option(
+        32, "inbound connections from one source address", type=_positive_int
+    )
+    open_deadline_s: float = option(
+        10.0,
+        "drop a session not attached or stepped this many seconds after it opened",
+        flag="--open-deadline",
+    )
+    evict_idle_s: float = option(
+        5.0,
+        "when the node is full, a session idle this long (or opened this long ago and unused)"
+        " gives its place to a newcomer",
+        flag="--evict-idle",
+    )
     session_idle_s: float = option(
         300.0, "close a session after this many idle seconds", flag="--session-idle"
     )

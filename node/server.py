@@ -15,12 +15,14 @@ import trio
 from swarm.errors import (
     FingerprintMismatch,
     FrameTooLarge,
+    NodeBusy,
     ProtocolError,
     SessionNotFound,
     SpanError,
     SwarmError,
 )
 from swarm.model.blocks import Span
+from swarm.node.admission import ConnectionTable, Inbound, Throttle, peer_host
 from swarm.node.compute import ComputeQueue
 from swarm.node.config import NodeConfig, scheduler_options
 from swarm.node.downstream import Downstream
@@ -47,11 +49,11 @@ class Node:
         self.span = span
         self.fingerprint = fingerprint
         self.observer: StepObserver = observer or NoObserver()
-        self.sessions = SessionTable(
-            config.limits.max_sessions,
-            config.limits.max_cache_tokens,
-            config.limits.max_session_tokens,
+        self.sessions = SessionTable(config.limits)
+        self.connections = ConnectionTable(
+            config.limits.max_connections, config.limits.max_host_connections
         )
+        self.throttle = Throttle()
         self.uplink = Uplink(scheduler_options(config), self._stream_broken)
         self.compute = ComputeQueue(
             config.compute.lanes,
@@ -94,12 +96,35 @@ class Node:
 
     async def _handle_connection(self, stream: trio.SocketStream) -> None:
         conn = FramedStream(stream, self.config.limits.max_frame)
+        scope = trio.CancelScope()
+        inbound = Inbound(
+            peer_host(conn),
+            time.monotonic(),
+            scope.cancel,
+            lambda: not any(s.owner is conn or s.sink is conn for s in self.sessions),
+        )
         try:
-            async with trio.open_nursery() as sessions:  # the sessions this connection opened
-                await self._read(conn, sessions)
-                conn.closed = True
-                sessions.cancel_scope.cancel()
+            victim = self.connections.admit(inbound)
+        except NodeBusy as exc:
+            self.throttle.refuse(inbound.host, "a connection", str(exc), inbound.opened)
+            await self._reply_error(conn, exc)
+            await conn.aclose()
+            return
+        if victim is not None:
+            why = "connections full; it held no session, a newcomer needed the place"
+            self.throttle.evict(victim.host, why, inbound.opened)
+            victim.close()
+        try:
+            with scope:
+                async with trio.open_nursery() as sessions:  # the sessions this connection opened
+                    await self._read(conn, sessions)
+                    conn.closed = True
+                    sessions.cancel_scope.cancel()
+            if scope.cancelled_caught:
+                busy = NodeBusy("connection closed: the node was full and it held no session")
+                await self._reply_error(conn, busy)
         finally:
+            self.connections.remove(inbound)
             conn.closed = True
             for s in self.sessions:
                 if s.sink is conn:
@@ -177,15 +202,31 @@ class Node:
     # ---- admission ------------------------------------------------------------------------
 
     async def _open(self, conn: FramedStream, msg: Open, sessions: trio.Nursery) -> None:
+        now = time.monotonic()
+        evicted: list[tuple[Session, Error]] = []
         try:
             self._check_open(msg)
-            session = Session(self, conn, msg, time.monotonic())
+            session = Session(self, conn, msg, now)
+            try:
+                victims = self.sessions.make_room(session, now)
+            except NodeBusy as exc:
+                self.throttle.refuse(session.host, "a session", str(exc), now)
+                raise
+            for victim in victims:  # their places go to the newcomer before anyone else's
+                why = "the node was full and it was idle or unused"
+                err = Error.of(NodeBusy(f"session evicted: {why}"), victim.sid, victim.hop)
+                victim.evict(err)
+                self.throttle.evict(victim.host, why, now)
+                evicted.append((victim, err))
             self.sessions.add(session)
         except SwarmError as exc:
             self.errors_sent += 1
             await send_quietly(conn, Error.of(exc, sid=msg.sid, hop=msg.hop))
             return
         sessions.start_soon(session.run)
+        for victim, err in evicted:
+            for holder in {id(c): c for c in (victim.owner, victim.sink) if c}.values():
+                sessions.start_soon(send_quietly, holder, err)
 
     def _check_open(self, msg: Open) -> None:
         if msg.fingerprint != self.fingerprint:

@@ -25,6 +25,7 @@ import trio
 
 from swarm.errors import PeerFailed, ProtocolError, SessionNotFound, SwarmError
 from swarm.model.blocks import KVCache, Span
+from swarm.node.admission import peer_host
 from swarm.node.compute import Done, Ticket
 from swarm.node.prompt import PromptPieces
 from swarm.node.session_state import OPEN, OPENING, Fail, SessionState, SinkGone, StepIn
@@ -113,6 +114,7 @@ class Session:
         self.wire_dtype = msg.wire_dtype or node.config.wire_dtype
         self.max_length = msg.max_length
         self.owner = owner  # only it may send steps
+        self.host = peer_host(owner)  # whose share it counts in
         self.sink: FramedStream | None = None  # the client's connection, on the last hop
         self.downstream: str | None = None  # "host:port" of the next hop
         self.state = SessionState(msg.sid, msg.max_length, last=self.is_last, now=now)
@@ -152,6 +154,7 @@ class Session:
             raise SessionNotFound(f"no session {self.sid[:8]}... to attach to here")
         self.state.handle(Attach(sid=self.sid, sink_token=token))
         self.sink = conn
+        self._wake.set()  # used now: its idle deadline moves
 
     def sink_gone(self) -> None:
         self.sink = None
@@ -190,6 +193,14 @@ class Session:
         await send_quietly(self.owner, error)
         if sink is not None and sink is not self.owner:
             await send_quietly(sink, error)
+        self.close()
+
+    def evict(self, error: Error) -> None:
+        """Give the session's place up at once (a newcomer takes it); the caller tells the
+        holder `error`."""
+        if self.state.closed:
+            return
+        self.state.handle(Fail(error))
         self.close()
 
     def _let_go(self) -> None:
@@ -289,12 +300,17 @@ class Session:
         await self._wake.wait()
 
     async def _idle(self) -> None:
-        idle = self.node.config.limits.session_idle_s
-        with trio.move_on_after(self.state.last_active + idle - time.monotonic()):
+        limits = self.node.config.limits
+        idle, unused = limits.session_idle_s, limits.open_deadline_s
+        with trio.move_on_after(self.state.deadline(idle, unused) - time.monotonic()):
             await self._woken()
             return
-        if self.state.expired(time.monotonic(), idle):
-            err = SessionNotFound("session expired after idling")
+        if self.state.expired(time.monotonic(), idle, unused):
+            if self.state.used:
+                err = SessionNotFound("session expired after idling")
+            else:
+                what = "attached" if self.is_last else "stepped"
+                err = SessionNotFound(f"session dropped: not {what} within {unused:g} s of opening")
             await self.fail(Error.of(err, self.sid, self.hop))
 
     async def _decode(self, cache: KVCache, step: Step, hidden: torch.Tensor, arrived: float):

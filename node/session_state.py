@@ -70,7 +70,9 @@ class SessionState:
         self.last = last
         self.state = OPENING
         self.next_pos = 0  # position the next accepted step must start at
+        self.opened_at = now
         self.last_active = now
+        self.used = False  # stepped, or (last hop) attached: someone is behind the session
 
     @property
     def closed(self) -> bool:
@@ -87,12 +89,27 @@ class SessionState:
             self._check_step(event)
             self.next_pos = event.pos + event.tokens
             self.last_active = event.now
+            self.used = True
+        elif isinstance(event, Attach):
+            self.used = True
         self.state = TRANSITIONS[self.state][type(event)]
         return self.state
 
-    def expired(self, now: float, idle: float) -> bool:
-        """No step for `idle` seconds since the session opened or last stepped."""
-        return self.state in (OPEN, ATTACHED) and now - self.last_active >= idle
+    def deadline(self, idle: float, unused: float | None = None) -> float:
+        """When the session expires unless something happens: `unused` seconds after it
+        opened if nobody has stepped (or, on the last hop, attached) yet, else `idle` seconds
+        after its last step (`unused` None: `idle` from the open too)."""
+        if not self.used and unused is not None:
+            return self.opened_at + unused
+        return self.last_active + idle
+
+    def expired(self, now: float, idle: float, unused: float | None = None) -> bool:
+        """Past `deadline(idle, unused)` while open."""
+        return self.state in (OPEN, ATTACHED) and now >= self.deadline(idle, unused)
+
+    def idle_for(self, now: float) -> float:
+        """Seconds since the last step, or since the open if nothing came yet."""
+        return now - self.last_active
 
     def _check_step(self, step: StepIn) -> None:
         if step.pos != self.next_pos:

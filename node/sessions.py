@@ -1,21 +1,31 @@
-"""The session table: who holds which session, and the limits that keep a node's memory bounded."""
+"""The session table: who holds which session, and the limits that keep a node's memory bounded
+and shared fairly between source addresses.
+
+Each address may hold `max_host_sessions` sessions and `max_host_cache_tokens` cache tokens.
+When the node (or an address's share) is full, a newcomer takes the place of sessions that do
+nothing: idle for `evict_idle_s`, or opened that long ago and never used. Failing that, an
+address holding less than an equal share of the node's sessions may take the least active
+session of the address holding the most, if that one holds more than an equal share. Only then
+is the newcomer refused.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from swarm.errors import CacheFull, NodeBusy, SessionNotFound
 
 if TYPE_CHECKING:
+    from swarm.node.config import Limits
     from swarm.node.session import Session
 
 
 class SessionTable:
-    def __init__(self, max_sessions: int, max_cache_tokens: int, max_session_tokens: int):
-        self.max_sessions = max_sessions
-        self.max_cache_tokens = max_cache_tokens
-        self.max_session_tokens = max_session_tokens
+    def __init__(self, limits: Limits):
+        self.limits = limits
         self._sessions: dict[str, Session] = {}
         self.accepting = True
 
@@ -26,32 +36,90 @@ class SessionTable:
         return iter(list(self._sessions.values()))
 
     @property
+    def max_sessions(self) -> int:
+        return self.limits.max_sessions
+
+    @property
     def reserved_tokens(self) -> int:
         return sum(s.max_length for s in self._sessions.values())
 
     @property
     def free_cache_tokens(self) -> int:
-        return max(0, self.max_cache_tokens - self.reserved_tokens)
+        """Cache tokens a newcomer could reserve now (what the DHT record announces): the free
+        ones and those of sessions that would give their place up; 0 without a place."""
+        if not self.accepting:
+            return 0
+        now = time.monotonic()
+        busy = [s for s in self._sessions.values() if not self._idle(s, now)]
+        if len(busy) >= self.limits.max_sessions:
+            return 0
+        return max(0, self.limits.max_cache_tokens - sum(s.max_length for s in busy))
 
-    def check_admission(self, sid: str, max_length: int) -> None:
+    def make_room(self, session: Session, now: float) -> list[Session]:
+        """The sessions that must give their place for `session` to be admitted (none if it
+        fits). Raises the NodeBusy or CacheFull the newcomer gets if it cannot be."""
+        lim = self.limits
+        host, want = session.host, session.max_length
         if not self.accepting:
             raise NodeBusy("node is shutting down and accepts no new sessions")
-        if sid in self._sessions:
+        if session.sid in self._sessions:
             raise NodeBusy("session id already in use here")  # never reveal whose
-        if max_length > self.max_session_tokens:
+        if want > lim.max_session_tokens:
             raise CacheFull(
-                f"session wants {max_length} tokens, this node allows {self.max_session_tokens}"
+                f"session wants {want} tokens, this node allows {lim.max_session_tokens}"
                 " per session"
             )
-        if len(self._sessions) >= self.max_sessions:
-            raise NodeBusy(f"node serves its maximum of {self.max_sessions} sessions")
-        if max_length > self.free_cache_tokens:
-            raise NodeBusy(
-                f"node has {self.free_cache_tokens} free cache tokens, session wants {max_length}"
+        left = list(self._sessions.values())
+        gone: list[Session] = []
+
+        def take(victim: Session) -> None:
+            left.remove(victim)
+            gone.append(victim)
+
+        while True:  # the address's own share: its own idle sessions go first
+            count, tokens = _held(left, host)
+            if count < lim.max_host_sessions and tokens + want <= lim.max_host_cache_tokens:
+                break
+            own = [s for s in left if s.host == host and self._idle(s, now)]
+            if not own:
+                raise NodeBusy(
+                    f"{host} holds {count} sessions and {tokens} cache tokens here, its share"
+                    f" is {lim.max_host_sessions} and {lim.max_host_cache_tokens}; close one"
+                )
+            take(max(own, key=lambda s: s.state.idle_for(now)))
+        while len(left) >= lim.max_sessions or sum(s.max_length for s in left) + want > (
+            lim.max_cache_tokens
+        ):
+            victim = self._victim(left, host, now)
+            if victim is None:
+                if len(left) >= lim.max_sessions:
+                    raise NodeBusy(f"node serves its maximum of {lim.max_sessions} sessions")
+                free = lim.max_cache_tokens - sum(s.max_length for s in left)
+                raise NodeBusy(f"node has {free} free cache tokens, session wants {want}")
+            take(victim)
+        return gone
+
+    def _idle(self, s: Session, now: float) -> bool:
+        return s.state.idle_for(now) >= self.limits.evict_idle_s
+
+    def _victim(self, left: list[Session], host: str, now: float) -> Session | None:
+        counts = Counter(s.host for s in left)
+        idle = [s for s in left if self._idle(s, now)]
+        if idle:  # the address holding the most first; never used, then longest idle
+            return max(
+                idle, key=lambda s: (counts[s.host], not s.state.used, s.state.idle_for(now))
             )
+        share = self.limits.max_sessions / len(set(counts) | {host})
+        if counts[host] + 1 > share:
+            return None  # the newcomer's address holds its equal share already
+        big, n = counts.most_common(1)[0]
+        if big == host or n <= share or n <= counts[host] + 1:
+            return None
+        return max((s for s in left if s.host == big), key=lambda s: s.state.idle_for(now))
 
     def add(self, session: Session) -> None:
-        self.check_admission(session.sid, session.max_length)
+        if self.make_room(session, time.monotonic()):
+            raise NodeBusy(f"node serves its maximum of {self.limits.max_sessions} sessions")
         self._sessions[session.sid] = session
 
     def get(self, sid: str, conn: object) -> Session:
@@ -70,3 +138,8 @@ class SessionTable:
             return False
         del self._sessions[session.sid]
         return True
+
+
+def _held(sessions: Iterable[Session], host: str) -> tuple[int, int]:
+    mine = [s for s in sessions if s.host == host]
+    return len(mine), sum(s.max_length for s in mine)

@@ -18,10 +18,14 @@ class Status:
     free_cache_tokens: int
     tokens: int  # computed since the node started (prompt and decode, through the whole span)
     link: dict[str, float]  # the uplink's figures (bandwidth_Bps, rtt_s, ...)
+    refused: int = 0  # opens and connections turned away for want of room or share, so far
+    evicted: int = 0  # sessions that gave their place to a newcomer, so far
+    throttled_hosts: int = 0  # addresses either happened to
 
 
 def status_line(now: Status, before: Status, seconds: float) -> str:
-    """E.g. `3 sessions, 41.2 tokens/s, link 4.8 Mbit/s, RTT 23 ms`."""
+    """E.g. `3 sessions, 41.2 tokens/s, link 4.8 Mbit/s, RTT 23 ms`, then what admission
+    turned away since `before`, if anything."""
     rate = (now.tokens - before.tokens) / seconds if seconds > 0 else 0.0
     bandwidth = now.link.get("bandwidth_Bps", 0.0)
     rtt = now.link.get("rtt_s", 0.0)
@@ -31,7 +35,14 @@ def status_line(now: Status, before: Status, seconds: float) -> str:
         else "link not measured yet"
     )
     s = "" if now.sessions == 1 else "s"
-    return f"{now.sessions} session{s}, {rate:.1f} tokens/s, {link}"
+    line = f"{now.sessions} session{s}, {rate:.1f} tokens/s, {link}"
+    refused, evicted = now.refused - before.refused, now.evicted - before.evicted
+    if refused or evicted:
+        line += (
+            f"; throttled: {refused} refused, {evicted} evicted in {seconds:.0f} s"
+            f" ({now.throttled_hosts} addresses so far)"
+        )
+    return line
 
 
 async def log_status(read, interval: float = STATUS_INTERVAL) -> None:

@@ -1,0 +1,133 @@
+"""Who gets in: a node's connections shared fairly between source addresses, and the record of
+whom it turned away, for the log.
+
+A source address stands for a host (IPv6: its /64, which one subscriber usually holds whole);
+until the data plane authenticates peers it is the only identity a node can count by. Each
+address may hold a bounded share of the node; when the node is full, a newcomer from an address
+holding less than its share may take the place of a connection that does nothing (no session)
+from the address holding the most. The session table (sessions.py) applies the same idea to
+sessions and cache tokens.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from swarm.errors import NodeBusy
+
+log = logging.getLogger("swarm.node")
+
+THROTTLE_LOG_S = 60.0  # at most one warning per address per this many seconds
+MAX_HOSTS = 4096  # addresses remembered for that
+
+
+def source_host(sockaddr) -> str:
+    """The address a connection is counted under: its IPv4 address, or its IPv6 /64."""
+    try:
+        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
+    except (ValueError, IndexError, TypeError, AttributeError):
+        return "?"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+def peer_host(stream) -> str:
+    """`source_host` of a FramedStream's peer; "?" once its socket has closed."""
+    try:
+        return source_host(stream.socket.getpeername())
+    except (OSError, AttributeError):
+        return "?"
+
+
+@dataclass(eq=False)
+class Inbound:
+    """One inbound connection as admission sees it: `close` ends its task, `idle` says whether
+    it holds no session (so closing it costs nobody a session)."""
+
+    host: str
+    opened: float
+    close: Callable[[], None]
+    idle: Callable[[], bool]
+
+
+@dataclass
+class ConnectionTable:
+    max_connections: int
+    max_host_connections: int
+    _conns: list[Inbound] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self._conns)
+
+    def count(self, host: str) -> int:
+        return sum(1 for c in self._conns if c.host == host)
+
+    def admit(self, conn: Inbound) -> Inbound | None:
+        """Take `conn` in; the connection to close to make room for it, if one must go.
+        Raises NodeBusy if its address holds its share or the node is full of busy ones."""
+        mine = self.count(conn.host)
+        if mine >= self.max_host_connections:
+            raise NodeBusy(
+                f"{self.max_host_connections} connections from {conn.host} already; close one"
+            )
+        victim = None
+        if len(self._conns) >= self.max_connections:
+            victim = self._victim(conn.host, mine)
+            if victim is None:
+                raise NodeBusy(f"node holds its maximum of {self.max_connections} connections")
+            self._conns.remove(victim)
+        self._conns.append(conn)
+        return victim
+
+    def remove(self, conn: Inbound) -> None:
+        if conn in self._conns:
+            self._conns.remove(conn)
+
+    def _victim(self, host: str, mine: int) -> Inbound | None:
+        """The oldest connection without a session from the address holding the most, if that
+        address holds more than the newcomer's would."""
+        counts = Counter(c.host for c in self._conns)
+        for other, n in counts.most_common():
+            if n <= mine + 1:
+                return None
+            idle = [c for c in self._conns if c.host == other and c.idle()]
+            if idle:
+                return min(idle, key=lambda c: c.opened)
+        return None
+
+
+@dataclass
+class Throttle:
+    """What the node turned away or evicted: counted for the status line, and a warning in the
+    log at most once a minute per address."""
+
+    refused: int = 0  # opens and connections refused for want of room or share
+    evicted: int = 0  # sessions that gave their place to a newcomer
+    hosts: set[str] = field(default_factory=set)  # addresses turned away (at most MAX_HOSTS)
+    _logged: dict[str, float] = field(default_factory=dict)
+
+    def refuse(self, host: str, what: str, why: str, now: float) -> None:
+        self.refused += 1
+        self._warn(host, f"refused {what} from {host}: {why}", now)
+
+    def evict(self, host: str, why: str, now: float) -> None:
+        self.evicted += 1
+        self._warn(host, f"evicted a session of {host}: {why}", now)
+
+    def _warn(self, host: str, text: str, now: float) -> None:
+        if len(self.hosts) < MAX_HOSTS:
+            self.hosts.add(host)
+        last = self._logged.get(host)
+        if last is not None and now - last < THROTTLE_LOG_S:
+            return
+        if len(self._logged) >= MAX_HOSTS:  # many addresses: forget who was warned about when
+            self._logged.clear()
+        self._logged[host] = now
+        log.warning("throttling: %s (more from this address in the next minute unlogged)", text)

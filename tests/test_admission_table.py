@@ -1,0 +1,134 @@
+"""Who gives way in a full session table, decided by the sans-IO SessionTable and ConnectionTable
+on sessions whose protocol state is the node's own SessionState."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from swarm.errors import NodeBusy
+from swarm.node.admission import ConnectionTable, Inbound, source_host
+from swarm.node.config import Limits
+from swarm.node.session_state import SessionState, StepIn
+from swarm.node.sessions import SessionTable
+from swarm.node.status import Status, status_line
+from swarm.protocol import Opened
+
+LIMITS = Limits(
+    max_sessions=4,
+    max_cache_tokens=1000,
+    max_session_tokens=500,
+    max_host_sessions=2,
+    max_host_cache_tokens=600,
+    evict_idle_s=5.0,
+)
+
+
+@dataclass(eq=False)
+class Held:
+    """What the table reads of a session: its id, address, size and protocol state."""
+
+    sid: str
+    host: str
+    max_length: int = 100
+    opened: float = 0.0
+    state: SessionState = field(init=False)
+
+    def __post_init__(self):
+        self.state = SessionState(self.sid, self.max_length, last=True, now=self.opened)
+        self.state.handle(Opened(sid=self.sid))
+
+    def step(self, now: float) -> Held:
+        pos = self.state.next_pos
+        self.state.handle(StepIn("prefill", pos, 1, pos + 1, now))
+        return self
+
+
+def table(*held: Held) -> SessionTable:
+    t = SessionTable(LIMITS)
+    for h in held:
+        t._sessions[h.sid] = h  # placed as they were admitted earlier
+    return t
+
+
+def test_an_idle_session_of_the_address_holding_most_gives_way_first():
+    a1, a2 = Held("a1", "A").step(1.0), Held("a2", "A").step(2.0)
+    b1, c1 = Held("b1", "B").step(0.5), Held("c1", "C").step(9.0)
+    assert table(a1, a2, b1, c1).make_room(Held("n", "N", opened=10.0), now=10.0) == [a1]
+
+
+def test_never_used_goes_before_used_at_the_same_address():
+    used, unused = Held("u", "A").step(1.0), Held("x", "A", opened=2.0)
+    others = [Held("b", "B").step(9.9), Held("c", "C").step(9.9)]
+    assert table(used, unused, *others).make_room(Held("n", "N"), now=10.0) == [unused]
+
+
+def test_busy_equal_shares_refuse_a_newcomer():
+    held = [Held(f"s{i}", f"H{i}").step(9.0) for i in range(4)]
+    with pytest.raises(NodeBusy, match="maximum of 4 sessions"):
+        table(*held).make_room(Held("n", "N"), now=10.0)
+
+
+def test_an_address_over_an_equal_share_gives_its_least_active_session_to_a_newcomer():
+    a1, a2 = Held("a1", "A").step(8.0), Held("a2", "A").step(9.0)
+    b1, c1 = Held("b1", "B").step(9.0), Held("c1", "C").step(9.0)
+    assert table(a1, a2, b1, c1).make_room(Held("n", "N"), now=10.0) == [a1]
+
+
+def test_an_address_at_its_share_makes_room_among_its_own_idle_sessions_only():
+    own_idle, own_busy = Held("a1", "A").step(1.0), Held("a2", "A").step(9.0)
+    other_idle = Held("b1", "B").step(0.0)
+    t = table(own_idle, own_busy, other_idle)
+    assert t.make_room(Held("n", "A"), now=10.0) == [own_idle]
+    with pytest.raises(NodeBusy, match="A holds 2 sessions"):
+        table(Held("a1", "A").step(9.0), own_busy).make_room(Held("n", "A"), now=10.0)
+
+
+def test_free_cache_tokens_counts_idle_sessions_as_free():
+    now = time.monotonic()
+    busy = Held("a", "A", max_length=300, opened=now).step(now)
+    idle = Held("b", "B", max_length=400, opened=now - 60).step(now - 60)
+    assert table(busy, idle).free_cache_tokens == 700
+
+
+def test_a_full_connection_table_closes_an_idle_connection_of_the_address_holding_most():
+    t = ConnectionTable(max_connections=3, max_host_connections=2)
+    a_busy = Inbound("A", 0.0, lambda: None, lambda: False)
+    a_idle = Inbound("A", 1.0, lambda: None, lambda: True)
+    b_idle = Inbound("B", 0.5, lambda: None, lambda: True)
+    for c in (a_busy, a_idle, b_idle):
+        assert t.admit(c) is None
+    assert t.admit(Inbound("N", 2.0, lambda: None, lambda: True)) is a_idle
+    with pytest.raises(NodeBusy, match="maximum of 3 connections"):  # nobody holds more
+        t.admit(Inbound("B", 3.0, lambda: None, lambda: True))
+
+
+def test_an_address_at_its_connection_share_is_refused():
+    t = ConnectionTable(max_connections=10, max_host_connections=2)
+    for opened in (0.0, 1.0):
+        t.admit(Inbound("B", opened, lambda: None, lambda: True))
+    with pytest.raises(NodeBusy, match="2 connections from B"):
+        t.admit(Inbound("B", 3.0, lambda: None, lambda: True))
+
+
+@pytest.mark.parametrize(
+    "sockaddr, host",
+    [
+        (("10.1.2.3", 5), "10.1.2.3"),
+        (("::ffff:10.1.2.3", 5, 0, 0), "10.1.2.3"),
+        (("2001:db8:1:2:aaaa::1", 5, 0, 0), "2001:db8:1:2::/64"),
+        (("2001:db8:1:2:bbbb::9", 5, 0, 0), "2001:db8:1:2::/64"),
+    ],
+)
+def test_an_ipv6_subscriber_counts_as_one_address(sockaddr, host):
+    assert source_host(sockaddr) == host
+
+
+def test_the_status_line_tells_what_admission_turned_away():
+    before = Status(sessions=6, free_cache_tokens=0, tokens=0, link={}, refused=3, evicted=1)
+    now = Status(6, 0, 0, {}, refused=40, evicted=5, throttled_hosts=4)
+    assert status_line(now, before, 30.0).endswith(
+        "; throttled: 37 refused, 4 evicted in 30 s (4 addresses so far)"
+    )
