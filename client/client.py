@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import trio
 
+from swarm.client.head_batch import LogitsBatcher
 from swarm.client.routing import find_route, missing_blocks, usable
 from swarm.client.runtime import TrioThread
 from swarm.client.session import PREFILL_CHUNK, RemoteSession
@@ -50,6 +51,7 @@ class Client:
         self._tokenizer = None
         self.dht = start_dht(initial_peers, client_mode=True)
         self.loop = TrioThread()
+        self.logits = LogitsBatcher()  # sessions stepping together share the head's matmul
         self._rtts: dict[str, float] = {}
 
     @property
@@ -213,7 +215,7 @@ class InferenceSession:
                 self.history += ids
                 if failed_at is not None:
                     self.recoveries.append(time.monotonic() - failed_at)
-                return head.logits(out)
+                return self.client.logits.logits(head, out)
             except SwarmError as exc:
                 if not exc.retry_elsewhere or attempt == self.client.max_retries:
                     raise
