@@ -1,4 +1,4 @@
-"""python -m swarm.node --layers START:END [--initial-peers MULTIADDR ...]"""
+"""python -m swarm.node [--layers START:END | --num-blocks N] [--initial-peers MULTIADDR ...]"""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ import torch
 import trio
 
 from swarm.address import join_host_port
-from swarm.dht import start_dht, visible_maddrs
+from swarm.dht import read_nodes, start_dht, visible_maddrs
 from swarm.errors import SwarmError
-from swarm.model.blocks import Span
+from swarm.model.blocks import KVCache, Span
 from swarm.model.linear import usable_formats
 from swarm.model.source import open_model
 from swarm.node.announce import Announcer
 from swarm.node.config import NodeConfig, parse_args
 from swarm.node.observer import StepObserver
+from swarm.node.placement import better_span, blocks_for_memory, choose_span, coverage, gaps
 from swarm.node.server import Node
 from swarm.node.status import Status, log_status
 
@@ -46,7 +47,8 @@ def measure_throughput(span: Span) -> float:
 async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
     t0 = time.perf_counter()
     source = open_model(cfg.model)
-    source.config.check_span(cfg.start, cfg.end)
+    if not cfg.automatic_span:
+        source.config.check_span(cfg.start, cfg.end)
     fingerprint = source.fingerprint()
     dht = start_dht(cfg.initial_peers, host=cfg.dht_host, nice=cfg.dht_nice)
     try:
@@ -57,45 +59,158 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
         listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
         port = listeners[0].socket.getsockname()[1]
         addr = cfg.public_address or join_host_port(cfg.host, port)
+        usable = await trio.to_thread.run_sync(usable_formats, say)
+        if cfg.automatic_span:
+            span_range = await choose_first_span(cfg, source, dht, usable)
+        else:
+            span_range = (cfg.start, cfg.end)
+        serving = Serving(cfg, source, fingerprint, dht, addr, usable, observer)
+        while span_range is not None:
+            span_range = await serving.serve(span_range, listeners, t0)
+            if span_range is not None:  # moved: the next span listens on the same port
+                listeners = await trio.open_tcp_listeners(port, host=cfg.host)
+                t0 = time.perf_counter()
+        say("node stopped")
+    finally:
+        dht.shutdown()
+
+
+async def choose_first_span(cfg: NodeConfig, source, dht, usable) -> tuple[int, int]:
+    """Where a node started without --layers goes: the thinnest window of the swarm, as wide as
+    --num-blocks or as its memory allows."""
+    num_layers = source.config.num_layers
+    blocks = cfg.num_blocks or await trio.to_thread.run_sync(blocks_that_fit, cfg, source, usable)
+    records = await read_records(dht, source.config)
+    span = choose_span(coverage(records, num_layers), min(blocks, num_layers))
+    said = f"{len(records)} other node{'s' if len(records) != 1 else ''} announced"
+    thin = gaps(coverage(records, num_layers))
+    said += f"; blocks nobody serves: {_ranges(thin)}" if thin else "; every block is served"
+    say(f"choosing blocks: {said}; taking {span[0]}:{span[1]} ({span[1] - span[0]} blocks)")
+    return span
+
+
+def blocks_that_fit(cfg: NodeConfig, source, usable) -> int:
+    """Blocks whose weights and KV cache fit --max-memory, or 3/4 of the memory free now."""
+    probe = Span.load(source, 0, 1, weights=cfg.weights, usable=usable)
+    block_bytes = probe.nbytes
+    cache = KVCache.bytes_per_token(source.config, 1, probe.cache_dtype)
+    cache_bytes = cfg.limits.max_cache_tokens * cache
+    if cfg.max_memory_mb is not None:
+        budget = int(cfg.max_memory_mb * 2**20)
+    else:
+        budget = int(available_memory() * 0.75)
+    n = blocks_for_memory(block_bytes, cache_bytes, budget)
+    say(
+        f"a block takes {block_bytes / 2**20:.1f} MiB of weights and {cache_bytes / 2**20:.1f}"
+        f" MiB of cache; {budget / 2**20:.0f} MiB allow {n}"
+    )
+    return n
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2**30  # unknown: a modest share
+
+
+async def read_records(dht, config) -> list:
+    records, _exp, _bad = await trio.to_thread.run_sync(
+        read_nodes, dht, config.name, config.num_layers, abandon_on_cancel=True
+    )
+    return records
+
+
+def _ranges(blocks: list[int]) -> str:
+    out, start = [], None
+    for i, b in enumerate(blocks):
+        if start is None:
+            start = b
+        if i + 1 == len(blocks) or blocks[i + 1] != b + 1:
+            out.append(f"{start}:{b + 1}")
+            start = None
+    return ", ".join(out)
+
+
+class Serving:
+    """A node's life on one span after another: load, announce, serve; with an automatic span,
+    watch the swarm and move (after draining) when that fills a gap nobody else would."""
+
+    def __init__(self, cfg, source, fingerprint, dht, addr, usable, observer):
+        self.cfg, self.source, self.fingerprint, self.dht = cfg, source, fingerprint, dht
+        self.addr, self.usable, self.observer = addr, usable, observer
+
+    async def serve(self, span_range: tuple[int, int], listeners, t0: float):
+        """Serve `span_range` until a signal (returns None) or a move (returns the new span)."""
+        cfg, source = self.cfg, self.source
+        start, end = span_range
         announcer = Announcer(
-            dht,
-            str(dht.peer_id),
-            addr,
+            self.dht,
+            str(self.dht.peer_id),
+            self.addr,
             source.config.name,
             source.config.num_layers,
-            fingerprint,
-            cfg.start,
-            cfg.end,
+            self.fingerprint,
+            start,
+            end,
             cfg.limits.announce_ttl_s,
         )
         await announcer.publish("joining")
 
         def progress(done: int, total: int) -> None:
-            say(f"loading blocks {cfg.start}:{cfg.end}: {done}/{total}")
+            say(f"loading blocks {start}:{end}: {done}/{total}")
 
-        usable = await trio.to_thread.run_sync(usable_formats, say)
         span = await trio.to_thread.run_sync(
-            partial(Span.load, source, cfg.start, cfg.end, progress, cfg.weights, usable)
+            partial(Span.load, source, start, end, progress, cfg.weights, self.usable)
         )
-        node = Node(cfg, span, fingerprint, observer)
+        node = Node(cfg, span, self.fingerprint, self.observer)
         node.compute.decode_step_seconds = await trio.to_thread.run_sync(measure_throughput, span)
         formats = ", ".join(f"{n} {fmt}" for fmt, n in span.formats.items())
         say(
-            f"loaded blocks {cfg.start}:{cfg.end} of {source.config.name} as {span.format}"
-            f" ({formats} matrices; {span.nbytes / (cfg.end - cfg.start) / 2**20:.1f} MiB a"
-            f" layer; fingerprint {fingerprint}) in {time.perf_counter() - t0:.1f} s;"
+            f"loaded blocks {start}:{end} of {source.config.name} as {span.format}"
+            f" ({formats} matrices; {span.nbytes / (end - start) / 2**20:.1f} MiB a"
+            f" layer; fingerprint {self.fingerprint}) in {time.perf_counter() - t0:.1f} s;"
             f" ~{node.throughput:.0f} tokens/s"
         )
+        moved: list[tuple[int, int]] = []
         async with trio.open_nursery() as nursery:
             await nursery.start(node.serve, listeners)
-            say(f"serving blocks {cfg.start}:{cfg.end} on {addr} (peer {dht.peer_id})")
+            say(f"serving blocks {start}:{end} on {self.addr} (peer {self.dht.peer_id})")
             nursery.start_soon(announcer.keep_fresh, node)
             nursery.start_soon(log_status, functools.partial(status, node))
+            if cfg.automatic_span and cfg.rebalance_s > 0:
+                nursery.start_soon(self._watch, node, announcer, span_range, moved, nursery)
             await shutdown_on_signal(node, announcer, cfg.limits.grace_s)
             nursery.cancel_scope.cancel()
-        say("node stopped")
-    finally:
-        dht.shutdown()
+        return moved[0] if moved else None
+
+    async def _watch(self, node, announcer, current, moved, nursery) -> None:
+        config = self.source.config
+        me = str(self.dht.peer_id)
+        while True:
+            await trio.sleep(self.cfg.rebalance_s)
+            records = await read_records(self.dht, config)
+            target = better_span(records, me, current, config.num_layers)
+            if target is None:
+                continue
+            thin = _ranges(gaps(coverage(records, config.num_layers, frozenset({me}))))
+            say(
+                f"moving from blocks {current[0]}:{current[1]} to {target[0]}:{target[1]}:"
+                f" nobody serves {thin} and others still serve ours; draining"
+                f" {len(node.sessions)} sessions first"
+            )
+            node.stop_accepting()
+            await announcer.publish("offline", node, ttl=max(announcer.ttl, 10))
+            with trio.move_on_after(self.cfg.limits.grace_s):
+                while len(node.sessions):
+                    await trio.sleep(0.2)
+            moved.append(target)
+            nursery.cancel_scope.cancel()
+            return
 
 
 def status(node: Node) -> Status:

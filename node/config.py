@@ -226,8 +226,8 @@ class ComputeConfig:
 
 @dataclass(frozen=True)
 class NodeConfig:
-    start: int  # blocks start:end, from --layers START:END
-    end: int
+    start: int | None  # blocks start:end, from --layers START:END; None: chosen from the swarm
+    end: int | None
     model: str | None = option(
         None,
         "a .gguf file or a Hugging Face folder "
@@ -262,9 +262,36 @@ class NodeConfig:
         " (0-19; more leaves the CPU to compute)",
         type=_nice_steps,
     )
+    num_blocks: int | None = option(
+        None,
+        "without --layers: serve this many blocks where the swarm is thinnest"
+        " (default: as many as --max-memory or the free memory allows)",
+        type=_positive_int,
+        metavar="N",
+    )
+    max_memory_mb: float | None = option(
+        None,
+        "without --layers or --num-blocks: memory for blocks and their KV cache"
+        " (default: 3/4 of the memory free at start)",
+        flag="--max-memory",
+        type=_non_negative_float,
+        metavar="MB",
+    )
+    rebalance_s: float = option(
+        60.0,
+        "without --layers: how often to check whether moving to other blocks fills a gap"
+        " the node would not open (0: never move)",
+        flag="--rebalance-interval",
+        type=_non_negative_float,
+        metavar="SECONDS",
+    )
     limits: Limits = field(default_factory=Limits)
     link: LinkConfig = field(default_factory=LinkConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
+
+    @property
+    def automatic_span(self) -> bool:
+        return self.start is None
 
 
 GROUPS = {  # section of --help for each part of NodeConfig
@@ -323,7 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name in dict.fromkeys(GROUPS.values()):
         groups[name] = p.add_argument_group(name)
     groups["node"].add_argument(
-        "--layers", type=parse_layers, required=True, help="START:END, half-open"
+        "--layers",
+        type=parse_layers,
+        default=None,
+        help="START:END, half-open (default: chosen where the swarm is thinnest, and moved"
+        " when the swarm changes)",
     )
     for dest, f, group in _options(NodeConfig):
         meta = f.metadata
@@ -355,7 +386,7 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         elif isinstance(value, list):
             value = tuple(value)
         values[group][name] = value
-    start, end = ns["layers"]
+    start, end = ns["layers"] or (None, None)
     return NodeConfig(
         start=start,
         end=end,

@@ -20,7 +20,7 @@ _SERVING = re.compile(r"serving blocks (\d+):(\d+) on (\S+) \(peer (\S+)\)")
 @dataclass
 class NodeProcess:
     proc: subprocess.Popen
-    layers: tuple[int, int]
+    layers: tuple[int, int] | None  # None: the node chooses (known once it serves)
     lines: list[str] = field(default_factory=list)
     maddrs: list[str] = field(default_factory=list)
     addr: str = ""
@@ -47,6 +47,7 @@ class NodeProcess:
             if m := _MADDR.search(line):
                 self.maddrs.append(m.group(1))
             if m := _SERVING.search(line):
+                self.layers = (int(m.group(1)), int(m.group(2)))
                 self.addr, self.peer = m.group(3), m.group(4)
                 return
         raise TimeoutError(
@@ -88,7 +89,7 @@ def die_with_parent() -> None:
 
 
 def start_node(
-    layers: tuple[int, int],
+    layers: tuple[int, int] | None,
     initial_peers: Sequence[str] = (),
     model: str | None = None,
     extra: Sequence[str] = (),
@@ -97,8 +98,10 @@ def start_node(
     program: Sequence[str] = ("-m", "swarm.node"),
 ) -> NodeProcess:
     """Start `python -m swarm.node` (or `python <program>`, a script that runs a node) in a new
-    process; call wait_serving() before using it."""
-    cmd = [sys.executable, *program, "--layers", f"{layers[0]}:{layers[1]}"]
+    process; call wait_serving() before using it. `layers` None: the node picks its own."""
+    cmd = [sys.executable, *program]
+    if layers is not None:
+        cmd += ["--layers", f"{layers[0]}:{layers[1]}"]
     if model:
         cmd += ["--model", str(model)]
     if initial_peers:

@@ -1,0 +1,89 @@
+"""Which blocks a node serves when its volunteer does not say: where the swarm is thinnest.
+
+Pure functions over the DHT's records. A block's coverage is how many nodes serve it (online,
+or joining: a node announces its choice before it loads, so the next one sees it) and their
+summed throughput. A new node takes the window of its size with the most uncovered blocks,
+then the fewest nodes, then the least throughput, then the lowest start.
+
+A running node moves only when that fills a gap without opening one: its own blocks stay
+covered by others, some other window has blocks nobody serves, and among the nodes that could
+leave their blocks without opening a gap it has the lowest peer id (so two redundant nodes do
+not both jump). A node that moves drains its sessions first (see __main__.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from swarm.records import NodeRecord
+
+COUNTED_STATES = ("online", "joining")
+
+
+@dataclass(frozen=True)
+class Block:
+    nodes: int = 0
+    throughput: float = 0.0
+
+
+def coverage(
+    records: Iterable[NodeRecord], num_layers: int, exclude: frozenset[str] = frozenset()
+) -> list[Block]:
+    """Per block, the nodes (other than `exclude`) that serve or are about to serve it."""
+    nodes, speed = [0] * num_layers, [0.0] * num_layers
+    for r in records:
+        if r.state not in COUNTED_STATES or r.peer in exclude:
+            continue
+        for b in range(r.start, min(r.end, num_layers)):
+            nodes[b] += 1
+            speed[b] += r.throughput
+    return [Block(n, t) for n, t in zip(nodes, speed)]
+
+
+def _window_key(blocks: list[Block], start: int, size: int):
+    window = blocks[start : start + size]
+    return (
+        -sum(1 for b in window if b.nodes == 0),
+        sum(b.nodes for b in window),
+        sum(b.throughput for b in window),
+        start,
+    )
+
+
+def choose_span(blocks: list[Block], size: int) -> tuple[int, int]:
+    """The window of `size` blocks where the swarm is thinnest."""
+    size = max(1, min(size, len(blocks)))
+    start = min(range(len(blocks) - size + 1), key=lambda s: _window_key(blocks, s, size))
+    return start, start + size
+
+
+def gaps(blocks: list[Block]) -> list[int]:
+    return [i for i, b in enumerate(blocks) if b.nodes == 0]
+
+
+def better_span(
+    records: list[NodeRecord], me: str, current: tuple[int, int], num_layers: int
+) -> tuple[int, int] | None:
+    """Where this node (`me`, serving `current`) should move, or None to stay."""
+    others = coverage(records, num_layers, frozenset({me}))
+    if not gaps(others) or any(others[b].nodes == 0 for b in range(*current)):
+        return None  # nothing to fill, or leaving would open a gap of our own
+    movable = [
+        r.peer for r in records if r.state == "online" and _redundant(r, records, num_layers)
+    ]
+    if me not in movable or min(movable) != me:
+        return None  # another redundant node goes first
+    target = choose_span(others, current[1] - current[0])
+    return None if target == current else target
+
+
+def _redundant(r: NodeRecord, records: list[NodeRecord], num_layers: int) -> bool:
+    """Whether every block `r` serves stays served without it."""
+    without = coverage(records, num_layers, frozenset({r.peer}))
+    return all(without[b].nodes > 0 for b in range(r.start, min(r.end, num_layers)))
+
+
+def blocks_for_memory(block_bytes: int, cache_bytes_per_block: int, budget: int) -> int:
+    """How many blocks fit `budget` bytes, each with its weights and its share of the cache."""
+    return max(1, budget // max(1, block_bytes + cache_bytes_per_block))

@@ -1,0 +1,117 @@
+"""A node without --layers picks where the swarm is thinnest, and moves only to fill a gap it
+would not open (issue 24)."""
+
+from __future__ import annotations
+
+import time
+
+from swarm.client.client import Client
+from swarm.launch import start_node, stop_all
+from swarm.node.placement import better_span, blocks_for_memory, choose_span, coverage
+from swarm.records import NodeRecord
+
+LAYERS = 12
+
+
+def rec(peer: str, start: int, end: int, state: str = "online", tps: float = 10.0):
+    return NodeRecord(
+        peer=peer,
+        addr="127.0.0.1:1",
+        model="m",
+        start=start,
+        end=end,
+        state=state,
+        fingerprint="f",
+        version="v",
+        num_layers=LAYERS,
+        throughput=tps,
+    )
+
+
+def test_a_new_node_takes_the_blocks_nobody_serves():
+    records = [rec("a", 0, 4), rec("b", 8, 12)]
+    assert choose_span(coverage(records, LAYERS), 4) == (4, 8)
+
+
+def test_with_every_block_served_it_takes_the_fewest_nodes_then_the_least_throughput():
+    records = [rec("a", 0, 12, tps=5), rec("b", 0, 6, tps=5), rec("c", 6, 12, tps=50)]
+    assert choose_span(coverage(records, LAYERS), 6) == (0, 6)
+    records.append(rec("d", 0, 6))
+    assert choose_span(coverage(records, LAYERS), 6) == (6, 12)
+
+
+def test_a_node_still_joining_counts_so_the_next_one_goes_elsewhere():
+    records = [rec("a", 0, 6, state="joining")]
+    assert choose_span(coverage(records, LAYERS), 6) == (6, 12)
+
+
+def test_offline_nodes_leave_their_blocks_uncovered():
+    records = [rec("a", 0, 6), rec("b", 6, 12, state="offline")]
+    assert choose_span(coverage(records, LAYERS), 6) == (6, 12)
+
+
+def test_a_node_stays_where_leaving_would_open_a_gap():
+    records = [rec("a", 0, 4), rec("b", 4, 8)]  # 8:12 uncovered, but a and b are each alone
+    assert better_span(records, "a", (0, 4), LAYERS) is None
+
+
+def test_a_redundant_node_moves_to_the_gap():
+    records = [rec("a", 0, 6), rec("b", 0, 6)]
+    assert better_span(records, "a", (0, 6), LAYERS) == (6, 12)
+
+
+def test_of_two_redundant_nodes_only_the_lowest_peer_id_moves():
+    records = [rec("a", 0, 6), rec("b", 0, 6)]
+    assert better_span(records, "b", (0, 6), LAYERS) is None
+
+
+def test_nobody_moves_when_every_block_is_served():
+    records = [rec("a", 0, 6), rec("b", 0, 6), rec("c", 6, 12)]
+    assert better_span(records, "a", (0, 6), LAYERS) is None
+
+
+def test_memory_decides_how_many_blocks_fit():
+    assert blocks_for_memory(block_bytes=100, cache_bytes_per_block=50, budget=1000) == 6
+    assert blocks_for_memory(block_bytes=100, cache_bytes_per_block=50, budget=10) == 1
+
+
+def test_nodes_without_layers_cover_the_model_and_one_moves_to_a_gap(tiny_model_dir):
+    extra = [
+        "--num-blocks",
+        "3",
+        "--weights",
+        "float32",
+        "--announce-ttl",
+        "3",
+        "--rebalance-interval",
+        "1",
+    ]
+    nodes = []
+    try:
+        for _ in range(3):  # one after another, each seeing the others' records
+            peers = nodes[0].maddrs[:1] if nodes else ()
+            nodes.append(start_node(None, peers, model=str(tiny_model_dir), extra=extra))
+            nodes[-1].wait_serving()
+        spans = sorted(n.layers for n in nodes)
+        assert spans[:2] == [(0, 3), (3, 6)] or spans[1:] == [(0, 3), (3, 6)]
+        client = Client(nodes[0].maddrs[:1], model=str(tiny_model_dir))
+        try:
+            assert sum(h.end - h.start for h in client.route()) == 6
+            # stop a node nobody else backs up; a redundant one must move into its gap
+            alone = next(n for n in nodes if [m.layers for m in nodes].count(n.layers) == 1)
+            alone.stop()
+            survivors = [n for n in nodes if n is not alone]
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                online = [r for r in client.nodes() if r.state == "online"]
+                served = {b for r in online for b in range(r.start, r.end)}
+                if served == set(range(6)):
+                    break
+                time.sleep(1)
+            assert served == set(range(6)), f"still uncovered: {set(range(6)) - served}"
+            assert any("moving from blocks" in line for n in survivors for line in n.lines)
+            assert sum(h.end - h.start for h in client.route()) == 6
+        finally:
+            client.close()
+    finally:
+        stop_all(nodes)
