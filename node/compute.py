@@ -210,7 +210,7 @@ class ComputeQueue:
         prefill_nice: int = 3,
         prefill_order: str = "shortest",
         observe: Callable[[str, int, float], None] | None = None,
-        max_batch: int = 8,
+        max_batch: int = 4,
     ) -> None:
         """`observe(phase, tokens, seconds)`: told of each job that succeeded; `max_batch`: most
         decode steps in one pass."""

@@ -218,7 +218,7 @@ class ComputeConfig:
         ms=True,
     )
     max_batch: int = option(
-        8,
+        4,
         "most decode steps of different sessions computed as one pass (1: each alone)",
         type=_positive_int,
     )

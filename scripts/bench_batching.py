@@ -194,7 +194,9 @@ def report(table) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in table:
-        lone = next(x for x in table if x["nodes"] == r["nodes"] and x["sessions"] == 1)
+        lone = next(
+            (x for x in table if x["nodes"] == r["nodes"] and x["sessions"] == 1), r
+        )  # without a lone run in the table, ratios are to the row itself
         batches = " / ".join(f"{b:.1f}" for b in r["batch"]) or "-"
         print(
             f"| {r['nodes']} | {r['sessions']} | {r['tok_s']:.1f}"
