@@ -114,30 +114,18 @@ class Client:
         """Yield the reply's text piece by piece as tokens arrive."""
         ids = self.encode(prompt)
         sampler = Sampler(temperature, top_p, top_k, seed)
-        eos = set(self.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        generated: list[int] = []
-        emitted = ""
+        text = ReplyText(self, stop)
         with self.session(len(ids) + max_new_tokens) as session:
             logits = session.feed(ids)
             for i in range(max_new_tokens):
-                token = sampler(logits)
-                if token in eos:
+                piece, done = text.add(sampler(logits))
+                if piece:
+                    yield piece
+                if done:
                     break
-                generated.append(token)
-                text = self.tokenizer.decode(generated, skip_special_tokens=True)
-                hit = [text.index(s) for s in stop if s and s in text]
-                if hit:
-                    text = text[: min(hit)]
-                if len(text) > len(emitted) and not text.endswith("\ufffd"):
-                    yield text[len(emitted) :]
-                    emitted = text
-                if hit:
-                    return
                 if i + 1 < max_new_tokens:
-                    logits = session.feed([token])
-        self.last_tokens = generated
+                    logits = session.feed([text.tokens[-1]])
+        self.last_tokens = text.tokens
 
     def generate(self, prompt: str | list[dict[str, str]], **kwargs) -> str:
         return "".join(self.stream(prompt, **kwargs))
@@ -239,6 +227,32 @@ class InferenceSession:
         hops = {h.peer: h.addr for h in self.remote.route}
         alive = self.client.loop.run(ping_all, hops, 2.0)
         self.excluded.update(p for p in hops if p not in alive)
+
+
+class ReplyText:
+    """A reply's tokens turned into text as they come: pieces to emit, and whether the reply
+    ended (end-of-text token or a stop string; text from a stop string on is never emitted)."""
+
+    def __init__(self, client: Client, stop: Sequence[str] = ()):
+        self.tokenizer, self.stop = client.tokenizer, [s for s in stop if s]
+        self.eos = set(client.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos.add(self.tokenizer.eos_token_id)
+        self.tokens: list[int] = []
+        self.emitted = ""
+
+    def add(self, token: int) -> tuple[str, bool]:
+        if token in self.eos:
+            return "", True
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        hit = [text.index(s) for s in self.stop if s in text]
+        if hit:
+            text = text[: min(hit)]
+        piece = ""
+        if len(text) > len(self.emitted) and not text.endswith("\ufffd"):
+            piece, self.emitted = text[len(self.emitted) :], text
+        return piece, bool(hit)
 
 
 class Sampler:

@@ -1,0 +1,72 @@
+"""The client from trio tasks: `await` a session's steps without blocking the caller's loop.
+
+A `Client` runs its network on its own loop thread and its head in the calling thread. From a
+trio program (an HTTP server, say), each step goes to a worker thread, so the program's other
+tasks run meanwhile and many sessions of one Client step at once (their heads' matmuls batch,
+see head_batch.py). Cancelling a step abandons its thread's wait; the session is then closed,
+since its caches no longer match what the caller has seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import torch
+import trio
+
+from swarm.client.client import Client, InferenceSession, ReplyText, Sampler
+
+
+class AsyncSession:
+    """`async with AsyncSession(client, max_length) as s: logits = await s.feed(ids)`."""
+
+    def __init__(self, client: Client, max_length: int):
+        self._session = InferenceSession(client, max_length)
+        self._broken = False
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def feed(self, ids: list[int]) -> torch.Tensor:
+        """Append tokens; logits [vocab] for the next one."""
+        if self._broken:
+            raise RuntimeError("this session was cancelled mid-step; open a new one")
+        try:
+            return await trio.to_thread.run_sync(self._session.feed, ids, abandon_on_cancel=True)
+        except trio.Cancelled:
+            self._broken = True
+            raise
+
+    async def aclose(self) -> None:
+        # shielded: a cancelled caller still frees the session's caches on the nodes
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self._session.close)
+
+
+async def astream(
+    client: Client,
+    prompt: str | list[dict[str, str]],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+) -> AsyncIterator[str]:
+    """`Client.stream` for trio tasks: the reply's text piece by piece."""
+    ids = await trio.to_thread.run_sync(client.encode, prompt)
+    sampler = Sampler(temperature, top_p, top_k, seed)
+    text = ReplyText(client, stop)
+    async with AsyncSession(client, len(ids) + max_new_tokens) as session:
+        logits = await session.feed(ids)
+        for i in range(max_new_tokens):
+            piece, done = text.add(sampler(logits))
+            if piece:
+                yield piece
+            if done:
+                return
+            if i + 1 < max_new_tokens:
+                logits = await session.feed([text.tokens[-1]])

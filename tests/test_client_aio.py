@@ -1,0 +1,80 @@
+"""One Client used from many trio tasks at once (issue 23): each task's session gets its own
+tokens, and a task cancelled mid-step frees its session on the nodes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+
+from swarm.client.aio import AsyncSession
+from swarm.client.client import Client
+from tests.conftest import reference_greedy
+
+PROMPTS = [[5, 17, 300, 42], [7, 99, 123, 64, 1, 2, 3], [400, 12], [33] * 9]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_swarm, tiny_model_dir):
+    client = Client(tiny_swarm[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
+    yield client
+    client.close()
+
+
+async def greedy(client: Client, ids: list[int]) -> list[int]:
+    out = []
+    async with AsyncSession(client, len(ids) + NEW_TOKENS) as s:
+        logits = await s.feed(ids)
+        for _ in range(NEW_TOKENS):
+            out.append(int(logits.argmax()))
+            logits = await s.feed([out[-1]])
+    return out
+
+
+def test_trio_tasks_sharing_a_client_each_get_their_own_tokens(tiny_client, tiny_reference):
+    got: dict[int, list[int]] = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for i, ids in enumerate(PROMPTS):
+
+                async def one(i=i, ids=ids):
+                    got[i] = await greedy(tiny_client, ids)
+
+                nursery.start_soon(one)
+
+    trio.run(main)
+    for i, ids in enumerate(PROMPTS):
+        assert got[i] == reference_greedy(tiny_reference, ids, NEW_TOKENS)
+
+
+def open_sessions(client: Client) -> int:
+    return sum(r.sessions for r in client.nodes())
+
+
+def wait_for_sessions(client: Client, ok, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout  # records refresh every announce-ttl / 3
+    while not ok(n := open_sessions(client)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return n
+
+
+def test_a_task_cancelled_mid_step_frees_its_session_on_the_nodes(tiny_client):
+    before = open_sessions(tiny_client)  # other modules' sessions may still be open
+
+    async def main():
+        with trio.move_on_after(30) as scope:
+            async with AsyncSession(tiny_client, 500) as s:
+                logits = await s.feed(PROMPTS[0])
+                seen = await trio.to_thread.run_sync(
+                    wait_for_sessions, tiny_client, lambda n: n > before
+                )
+                assert seen > before, "the open session never showed in the records"
+                scope.deadline = trio.current_time() + 0.3
+                while True:  # stepping until cancelled, wherever that lands
+                    logits = await s.feed([int(logits.argmax())])
+
+    trio.run(main)
+    assert wait_for_sessions(tiny_client, lambda n: n <= before) <= before
