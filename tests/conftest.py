@@ -8,7 +8,7 @@ import torch
 from swarm.launch import start_swarm, stop_all
 from swarm.model.tiny import reference_greedy, save_tiny_llama
 
-__all__ = ["reference_greedy"]  # the tests import it from here
+__all__ = ["reference_greedy", "swarm_greedy"]  # the tests import them from here
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +52,24 @@ def tiny_swarm(tiny_model_dir):
     )
     yield nodes
     stop_all(nodes)
+
+
+def swarm_greedy(client, ids: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens after `ids` through the swarm, one session, token by token."""
+    out = []
+    with client.session(len(ids) + new_tokens) as s:
+        logits = s.feed(ids)
+        for _ in range(new_tokens):
+            out.append(int(logits.argmax()))
+            logits = s.feed([out[-1]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_swarm, tiny_model_dir):
+    """A client of the shared tiny swarm, float32 on the wire."""
+    from swarm.client.client import Client
+
+    client = Client(tiny_swarm[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
+    yield client
+    client.close()

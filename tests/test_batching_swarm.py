@@ -10,6 +10,7 @@ import pytest
 
 from swarm.client.client import Client
 from swarm.launch import start_swarm, stop_all
+from tests.conftest import swarm_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -22,22 +23,12 @@ PROMPTS = [
 NEW_TOKENS = 24
 
 
-def greedy(client: Client, ids: list[int]) -> list[int]:
-    out = []
-    with client.session(len(ids) + NEW_TOKENS) as s:
-        logits = s.feed(ids)
-        for _ in range(NEW_TOKENS):
-            out.append(int(logits.argmax()))
-            logits = s.feed([out[-1]])
-    return out
-
-
 def together(client: Client, prompts: list[list[int]]) -> list[list[int]]:
     results: list = [None] * len(prompts)
 
     def run(i: int) -> None:
         try:
-            results[i] = greedy(client, prompts[i])
+            results[i] = swarm_greedy(client, prompts[i], NEW_TOKENS)
         except Exception as exc:  # reported by the assertion below
             results[i] = exc
 
@@ -70,7 +61,7 @@ def test_concurrent_sessions_get_the_tokens_each_gets_alone(weights):
         client = Client(nodes[0].maddrs[:1], wire_dtype="float32")
         try:
             prompts = [client.encode(p) for p in PROMPTS]
-            alone = [greedy(client, ids) for ids in prompts]
+            alone = [swarm_greedy(client, ids, NEW_TOKENS) for ids in prompts]
             assert together(client, prompts) == alone
             assert mean_batch(client) > 1.0, "the sessions never shared a decode pass"
         finally:

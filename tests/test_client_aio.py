@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import trio
 
 from swarm.client.aio import AsyncSession
@@ -14,13 +13,6 @@ from tests.conftest import reference_greedy
 
 PROMPTS = [[5, 17, 300, 42], [7, 99, 123, 64, 1, 2, 3], [400, 12], [33] * 9]
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def tiny_client(tiny_swarm, tiny_model_dir):
-    client = Client(tiny_swarm[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
-    yield client
-    client.close()
 
 
 async def greedy(client: Client, ids: list[int]) -> list[int]:

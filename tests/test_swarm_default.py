@@ -6,7 +6,7 @@ import pytest
 
 from swarm.client.client import Client
 from swarm.launch import start_node, start_swarm, stop_all
-from tests.conftest import reference_greedy
+from tests.conftest import reference_greedy, swarm_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -15,16 +15,6 @@ PROMPTS = [
     [{"role": "user", "content": "Write a haiku about a lighthouse."}],
 ]
 NEW_TOKENS = 32
-
-
-def swarm_greedy(client: Client, ids: list[int], new_tokens: int) -> list[int]:
-    out = []
-    with client.session(len(ids) + new_tokens) as s:
-        logits = s.feed(ids)
-        for _ in range(new_tokens):
-            out.append(int(logits.argmax()))
-            logits = s.feed([out[-1]])
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -2,27 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
-from swarm.client.client import Client
-from tests.conftest import reference_greedy
-
-
-@pytest.fixture(scope="module")
-def tiny_client(tiny_swarm, tiny_model_dir):
-    client = Client(tiny_swarm[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
-    yield client
-    client.close()
-
-
-def greedy(client: Client, ids: list[int], new_tokens: int) -> list[int]:
-    out = []
-    with client.session(len(ids) + new_tokens) as s:
-        logits = s.feed(ids)
-        for _ in range(new_tokens):
-            out.append(int(logits.argmax()))
-            logits = s.feed([out[-1]])
-    return out
+from tests.conftest import reference_greedy, swarm_greedy
 
 
 def test_client_finds_every_node_on_the_dht(tiny_client, tiny_swarm):
@@ -39,9 +19,9 @@ def test_route_covers_all_blocks_using_sub_ranges_of_overlapping_spans(tiny_clie
 def test_greedy_tokens_match_the_unsplit_model(tiny_client, tiny_reference):
     ids = [5, 17, 300, 42, 7, 99, 123, 64]
     expected = reference_greedy(tiny_reference, ids, 24)
-    assert greedy(tiny_client, ids, 24) == expected
+    assert swarm_greedy(tiny_client, ids, 24) == expected
 
 
 def test_a_long_prompt_matches_the_unsplit_model(tiny_client, tiny_reference):
     ids = [(i * 37 + 11) % 500 + 3 for i in range(200)]
-    assert greedy(tiny_client, ids, 8) == reference_greedy(tiny_reference, ids, 8)
+    assert swarm_greedy(tiny_client, ids, 8) == reference_greedy(tiny_reference, ids, 8)
