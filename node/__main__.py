@@ -20,6 +20,7 @@ from swarm.model.linear import usable_formats
 from swarm.model.source import open_model
 from swarm.node.announce import Announcer
 from swarm.node.config import NodeConfig, parse_args
+from swarm.node.directory import PeerDirectory
 from swarm.node.observer import StepObserver
 from swarm.node.placement import better_span, blocks_for_memory, choose_span, coverage, gaps
 from swarm.node.server import Node
@@ -167,7 +168,8 @@ class Serving:
         span = await trio.to_thread.run_sync(
             partial(Span.load, source, start, end, progress, cfg.weights, self.usable)
         )
-        node = Node(cfg, span, self.fingerprint, self.observer)
+        directory = PeerDirectory.of_dht(self.dht, source.config.name, source.config.num_layers)
+        node = Node(cfg, span, self.fingerprint, self.observer, directory=directory)
         node.compute.decode_step_seconds = await trio.to_thread.run_sync(measure_throughput, span)
         formats = ", ".join(f"{n} {fmt}" for fmt, n in span.formats.items())
         say(

@@ -25,6 +25,7 @@ from swarm.model.blocks import Span
 from swarm.node.admission import ConnectionTable, Inbound, Throttle, peer_host
 from swarm.node.compute import ComputeQueue
 from swarm.node.config import NodeConfig, scheduler_options
+from swarm.node.directory import PeerDirectory
 from swarm.node.downstream import Downstream
 from swarm.node.observer import NoObserver, StepObserver
 from swarm.node.session import Session, send_quietly
@@ -44,8 +45,11 @@ class Node:
         span: Span,
         fingerprint: str,
         observer: StepObserver | None = None,
+        *,
+        directory: PeerDirectory,
     ):
         self.config = config
+        self.directory = directory  # the next hops an open may name
         self.span = span
         self.fingerprint = fingerprint
         self.observer: StepObserver = observer or NoObserver()

@@ -23,7 +23,7 @@ import outcome
 import torch
 import trio
 
-from swarm.errors import PeerFailed, ProtocolError, SessionNotFound, SwarmError
+from swarm.errors import PeerFailed, ProtocolError, SessionNotFound, SwarmError, UnannouncedPeer
 from swarm.model.blocks import KVCache, Span
 from swarm.node.admission import peer_host
 from swarm.node.compute import Done, Ticket
@@ -251,6 +251,12 @@ class Session:
         else:
             nxt = msg.route[msg.hop + 1]
             dest = nxt.addr
+            try:
+                await self.node.directory.check(nxt)
+            except UnannouncedPeer as exc:
+                self.close()
+                await send_quietly(self.owner, Error.of(exc, sid=self.sid, hop=msg.hop + 1))
+                return False
             try:
                 ds = await self.node.downstream.connect(dest)
             except (OSError, UnicodeError, ValueError, trio.TooSlowError) as exc:

@@ -74,6 +74,13 @@ class PeerFailed(SwarmError):
         self.peer = peer
 
 
+class UnannouncedPeer(PeerFailed):
+    """An open names a next hop at an address the DHT does not announce for that peer: the
+    node dials nobody on a stranger's word. A client whose view was stale routes elsewhere."""
+
+    code = "unannounced_peer"
+
+
 ERRORS_BY_CODE: dict[str, type[SwarmError]] = {
     cls.code: cls
     for cls in (
@@ -88,6 +95,7 @@ ERRORS_BY_CODE: dict[str, type[SwarmError]] = {
         NodeBusy,
         CacheFull,
         PeerFailed,
+        UnannouncedPeer,
     )
 }
 

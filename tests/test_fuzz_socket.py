@@ -21,6 +21,7 @@ import torch
 import trio
 
 from swarm.client.client import Client
+from swarm.dht import announce, start_dht
 from swarm.errors import SwarmError
 from swarm.launch import NodeProcess, start_swarm, stop_all
 from swarm.model.source import open_model
@@ -38,6 +39,7 @@ from swarm.protocol import (
     Step,
     to_wire,
 )
+from swarm.records import NodeRecord
 from swarm.transport import FramedStream, connect, ping
 from swarm.wire import FrameDecoder, encode_frame, pack_tensor
 from tests.conftest import reference_greedy
@@ -700,7 +702,7 @@ async def test_attach_with_a_non_ascii_token_gets_session_not_found(
         pytest.param("no-such-host.invalid", id="unresolvable"),
     ],
 )
-async def test_open_naming_an_unusable_next_hop_gets_peer_failed(
+async def test_open_naming_an_unusable_next_hop_gets_unannounced_peer(
     lone_node, lone_nodes, fingerprint, next_host
 ):
     host, port = address(lone_node)
@@ -709,11 +711,19 @@ async def test_open_naming_an_unusable_next_hop_gets_peer_failed(
     got = await verdict(conn, 30)
     await conn.aclose()
     await assert_alive(lone_node, lone_nodes.log)
-    assert got == "error:peer_failed"
+    assert got == "error:unannounced_peer"
 
 
-async def test_open_whose_next_hop_never_accepts_gets_peer_failed(
-    lone_node, lone_nodes, fingerprint
+@pytest.fixture
+def announcer(lone_node):
+    """A DHT peer in the lone node's swarm, to announce a next hop the node will believe."""
+    dht = start_dht(lone_node.maddrs[:1])
+    yield dht
+    dht.shutdown()
+
+
+async def test_open_whose_announced_next_hop_never_accepts_gets_peer_failed(
+    lone_node, lone_nodes, fingerprint, tiny_model_dir, announcer
 ):
     """A next hop whose accept queue is full: the connect hangs until the node gives up."""
     with socket.socket() as full:
@@ -726,9 +736,23 @@ async def test_open_whose_next_hop_never_accepts_gets_peer_failed(
                 s.connect(full.getsockname())
             except BlockingIOError:
                 pass
+        config = open_model(str(tiny_model_dir)).config
+        record = NodeRecord(
+            peer="QmFullAcceptQueue",
+            addr=f"127.0.0.1:{full.getsockname()[1]}",
+            model=config.name,
+            start=3,
+            end=6,
+            state="online",
+            fingerprint=fingerprint,
+            version="0",
+            num_layers=config.num_layers,
+        )
+        assert announce(announcer, [record], ttl=60) > 0
         await trio.sleep(0.5)
         conn = await connect(*address(lone_node))
-        await conn.send(two_hop_open(lone_node, fingerprint, Hop(*full.getsockname(), 3, 6, "")))
+        hop = Hop(*full.getsockname(), 3, 6, record.peer)
+        await conn.send(two_hop_open(lone_node, fingerprint, hop))
         got = await verdict(conn, 60)
         await conn.aclose()
         for s in fillers:
