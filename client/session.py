@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import secrets
+import time
 
 import torch
 import trio
 
 from swarm.errors import PeerFailed, ProtocolError, SwarmError
+from swarm.heartbeat import INTERVAL_S, Heartbeat, send_queue_busy
 from swarm.protocol import (
     DECODE,
     PREFILL,
@@ -18,6 +20,7 @@ from swarm.protocol import (
     Hop,
     Open,
     Opened,
+    Ping,
     Result,
     Step,
 )
@@ -53,6 +56,7 @@ class RemoteSession:
         self.position = 0
         self.first: FramedStream | None = None
         self.last: FramedStream | None = None
+        self._beats: dict[int, Heartbeat] = {}  # id(connection) -> its heartbeat, while stepping
 
     async def open(self) -> None:
         first, last = self.route[0], self.route[-1]
@@ -103,6 +107,8 @@ class RemoteSession:
             raise self._failed(hop, f"connection lost: {exc}") from None
         if msg is None:
             raise self._failed(hop, "connection closed")
+        if (beat := self._beats.get(id(conn))) is not None:
+            beat.heard()
         return msg
 
     async def _expect(self, conn: FramedStream, kind: type, hop: int, timeout: float):
@@ -144,6 +150,7 @@ class RemoteSession:
             async with trio.open_nursery() as nursery:
                 if self.first is not self.last:
                     nursery.start_soon(self._watch_first)
+                nursery.start_soon(self._heartbeat)
                 with trio.move_on_after(timeout):
                     while True:
                         msg = await self._receive(self.last, len(self.route) - 1)
@@ -155,6 +162,8 @@ class RemoteSession:
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             raise _first_swarm_error(group) from None
+        finally:
+            self._beats = {}
         if result is None:
             raise PeerFailed(f"no result within {timeout:.0f} s", hop=None)
         self.position = end
@@ -166,6 +175,33 @@ class RemoteSession:
             await self.first.send(msg)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise self._failed(0, f"connection lost: {exc}") from None
+
+    async def _heartbeat(self) -> None:
+        """While a step is out, ping the first and the last hop; a hop silent for the
+        heartbeat's timeout is hung (a hop in between is watched by the node before it)."""
+        ends = {0: self.first, len(self.route) - 1: self.last}
+        if self.first is self.last:
+            ends = {0: self.first}
+        beats = {hop: Heartbeat() for hop in ends}
+        self._beats = {id(conn): beats[hop] for hop, conn in ends.items()}
+        nonce = 0
+        while True:
+            for hop, conn in ends.items():
+                now = time.monotonic()
+                beat = beats[hop]
+                beat.queued(now, send_queue_busy(conn.socket))
+                if beat.hung(now):
+                    raise self._failed(hop, f"no answer to pings for {beat.silent_for(now):.1f} s")
+                nonce += 1
+                await self._send(conn, hop, Ping(nonce=nonce))
+                beat.pinged(now)
+            await trio.sleep(INTERVAL_S)
+
+    async def _send(self, conn: FramedStream, hop: int, msg) -> None:
+        try:
+            await conn.send(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise self._failed(hop, f"connection lost: {exc}") from None
 
     async def _watch_first(self) -> None:
         """Errors travel back hop by hop to the first node's connection."""

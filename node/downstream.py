@@ -17,6 +17,7 @@ import trio
 
 from swarm.address import parse_host_port
 from swarm.errors import PeerFailed, SwarmError
+from swarm.heartbeat import INTERVAL_S, Heartbeat, send_queue_busy
 from swarm.node.sessions import SessionTable
 from swarm.node.uplink import ACK_NONCE_BASE, Uplink
 from swarm.protocol import Error, Opened, Ping, Pong
@@ -27,6 +28,7 @@ log = logging.getLogger("swarm.node")
 PING_INTERVAL = 2.0
 CONNECT_TIMEOUT = 10.0
 MAX_PINGS = 1000
+HEARTBEAT_NONCE_BASE = 1 << 32  # heartbeat pings: above the round-trip ones, below acks
 
 
 @dataclass(frozen=True)
@@ -60,12 +62,14 @@ class Downstream:
         self._streams: dict[str, FramedStream] = {}
         self._connecting: dict[str, trio.Lock] = {}
         self._pings: dict[tuple[str, int], tuple[float, bool]] = {}  # -> (sent, path clear)
+        self._beats: dict[str, Heartbeat] = {}  # dest -> whether it still answers
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Own the connections' reader tasks and ping every connection, until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._heartbeats)
             task_status.started()
             nonce = 0
             while True:
@@ -76,6 +80,24 @@ class Downstream:
                     self._uplink.send_control(ds, Ping(nonce=nonce))
                 if len(self._pings) > MAX_PINGS:
                     self._pings.clear()
+
+    async def _heartbeats(self) -> None:
+        """Ping every next hop every INTERVAL_S; one that stays silent is lost, so the sessions
+        through it fail upstream naming it, within about two seconds of it stopping."""
+        nonce = HEARTBEAT_NONCE_BASE
+        while True:
+            await trio.sleep(INTERVAL_S)
+            for dest, ds in list(self._streams.items()):
+                now = time.monotonic()
+                beat = self._beats.setdefault(dest, Heartbeat())
+                beat.queued(now, send_queue_busy(ds.socket))
+                if beat.hung(now):
+                    silent = beat.silent_for(now)
+                    await self.lost(ds, TimeoutError(f"no answer to pings for {silent:.1f} s"))
+                    continue
+                nonce += 1
+                self._uplink.send_control(ds, Ping(nonce=nonce))
+                beat.pinged(now)
 
     def stream(self, dest: str | None) -> FramedStream | None:
         return self._streams.get(dest) if dest is not None else None
@@ -91,6 +113,7 @@ class Downstream:
             with trio.fail_after(CONNECT_TIMEOUT):
                 ds = await connect(host, port, self._max_frame)
             self._streams[dest] = ds
+            self._beats[dest] = Heartbeat()
             assert self._nursery is not None, "Downstream.run is not running"
             self._nursery.start_soon(self._read, dest, ds)
             return ds
@@ -104,6 +127,8 @@ class Downstream:
                 if msg is None:
                     reason = ConnectionError("connection closed")
                     break
+                if (beat := self._beats.get(dest)) is not None and self._streams.get(dest) is ds:
+                    beat.heard()
                 if isinstance(msg, Pong):
                     self._pong(dest, classify(msg))
                     continue
@@ -132,6 +157,7 @@ class Downstream:
             if ds is not stream:
                 continue
             del self._streams[dest]
+            self._beats.pop(dest, None)
             self._uplink.forget_dest(dest)
             log.warning("lost downstream %s: %s", dest, reason)
             for s in self._sessions:
