@@ -67,8 +67,9 @@ class Limits:
     max_host_connections: int = option(
         32, "inbound connections from one source address", type=_positive_int
     )
+    # a client may load its LM head between the open and its first step: seconds on a busy PC
     open_deadline_s: float = option(
-        10.0,
+        30.0,
         "drop a session not attached or stepped this many seconds after it opened",
         flag="--open-deadline",
     )
