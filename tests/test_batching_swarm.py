@@ -68,3 +68,44 @@ def test_concurrent_sessions_get_the_tokens_each_gets_alone(weights):
             client.close()
     finally:
         stop_all(nodes)
+
+
+def test_sessions_that_leave_mid_generation_leave_the_others_tokens_unchanged():
+    """Two sessions close after 4 of their tokens while two others decode on, sharing passes
+    with them; a failing step inside a pass is tested in test_batching.py."""
+    nodes = start_swarm([(0, 15), (15, 30)], extra=["--wire-dtype", "float32"])
+    try:
+        client = Client(nodes[0].maddrs[:1], wire_dtype="float32")
+        try:
+            prompts = [client.encode(p) for p in PROMPTS]
+            alone = [swarm_greedy(client, ids, NEW_TOKENS) for ids in prompts[:2]]
+            left: list[int] = []
+
+            def leaves(ids: list[int]) -> None:
+                with client.session(len(ids) + NEW_TOKENS) as s:
+                    logits = s.feed(ids)
+                    for _ in range(4):
+                        logits = s.feed([int(logits.argmax())])
+                left.append(len(ids))  # closed, the others decoding on
+
+            results: list = [None, None]
+
+            def full(i: int) -> None:
+                results[i] = swarm_greedy(client, prompts[i], NEW_TOKENS)
+
+            threads = [
+                threading.Thread(target=full, args=(0,)),
+                threading.Thread(target=leaves, args=(prompts[2],)),
+                threading.Thread(target=leaves, args=(prompts[3],)),
+                threading.Thread(target=full, args=(1,)),
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+            assert results == alone
+            assert len(left) == 2
+        finally:
+            client.close()
+    finally:
+        stop_all(nodes)
