@@ -121,6 +121,28 @@ def test_page_shows_each_nodes_weight_format():
     assert [n["weights"] for n in nodes] == ["int4", "float32"]
 
 
+def test_page_shows_each_nodes_sessions_and_mean_decode_batch():
+    # a node from before records carried the fields: no sessions, batches of one
+    old = {
+        k: v
+        for k, v in rec("f", 4, 8).to_wire().items()
+        if k not in ("sessions", "decode_batch", "decode_passes")
+    }
+    busy = rec("q", 0, 4, sessions=5, decode_batch=2.46, decode_passes=300)
+    snap = Snapshot(
+        taken_at=1001.0,
+        dht=DhtStatus("ok", 1001.0, 0.01),
+        models=(view(busy, NodeRecord.from_wire(old)),),
+    )
+    cells = re.findall(
+        r'<td data-label="Sessions" class=num><div>(\d+) <span[^>]*>· batch ([\d.]+)',
+        render_page(snap, 10),
+    )
+    assert cells == [("5", "2.5"), ("0", "1.0")]
+    nodes = snap.to_json()["models"][0]["nodes"]
+    assert [(n["sessions"], n["decode_batch"]) for n in nodes] == [(5, 2.46), (0, 1.0)]
+
+
 def test_page_has_no_script_and_no_external_asset():
     snap = Snapshot(
         taken_at=1001.0, dht=DhtStatus("ok", 1001.0, 0.01), models=(view(rec("a", 0, 8)),)
