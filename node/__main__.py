@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 import signal
 import sys
 import time
@@ -22,11 +23,19 @@ from swarm.node.announce import Announcer
 from swarm.node.config import NodeConfig, parse_args
 from swarm.node.directory import PeerDirectory
 from swarm.node.observer import StepObserver
-from swarm.node.placement import better_span, blocks_for_memory, choose_span, coverage, gaps
+from swarm.node.placement import (
+    better_span,
+    blocks_for_memory,
+    choose_span,
+    coverage,
+    gaps,
+    settled_span,
+)
 from swarm.node.server import Node
 from swarm.node.status import Status, log_status
 
 log = logging.getLogger("swarm.node")
+SETTLE_S = 2.0  # how long a node without --layers lets simultaneous choices reach the DHT
 
 
 def say(text: str) -> None:
@@ -66,8 +75,10 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
         else:
             span_range = (cfg.start, cfg.end)
         serving = Serving(cfg, source, fingerprint, dht, addr, usable, observer)
+        settle = cfg.automatic_span  # the first choice may race a node choosing at once
         while span_range is not None:
-            span_range = await serving.serve(span_range, listeners, t0)
+            span_range = await serving.serve(span_range, listeners, t0, settle)
+            settle = False
             if span_range is not None:  # moved: the next span listens on the same port
                 listeners = await trio.open_tcp_listeners(port, host=cfg.host)
                 t0 = time.perf_counter()
@@ -145,22 +156,45 @@ class Serving:
         self.cfg, self.source, self.fingerprint, self.dht = cfg, source, fingerprint, dht
         self.addr, self.usable, self.observer = addr, usable, observer
 
-    async def serve(self, span_range: tuple[int, int], listeners, t0: float):
-        """Serve `span_range` until a signal (returns None) or a move (returns the new span)."""
-        cfg, source = self.cfg, self.source
-        start, end = span_range
-        announcer = Announcer(
+    def _announcer(self, start: int, end: int) -> Announcer:
+        config = self.source.config
+        return Announcer(
             self.dht,
             str(self.dht.peer_id),
             self.addr,
-            source.config.name,
-            source.config.num_layers,
+            config.name,
+            config.num_layers,
             self.fingerprint,
             start,
             end,
-            cfg.limits.announce_ttl_s,
+            self.cfg.limits.announce_ttl_s,
         )
+
+    async def _settle(self, span_range: tuple[int, int]) -> tuple[int, int]:
+        """Nodes started at the same moment may choose the same blocks, each before the other's
+        record arrived: after announcing, look again; where a node with a lower peer id chose
+        overlapping blocks, it keeps them and this one chooses again."""
+        await trio.sleep(SETTLE_S + random.random())
+        config = self.source.config
+        records = await read_records(self.dht, config)
+        again, rival = settled_span(records, str(self.dht.peer_id), span_range, config.num_layers)
+        if again != span_range:
+            say(
+                f"choosing again: {rival.peer[-8:]} chose {rival.start}:{rival.end} at the same"
+                f" time; taking {again[0]}:{again[1]}"
+            )
+        return again
+
+    async def serve(self, span_range: tuple[int, int], listeners, t0: float, settle: bool = False):
+        """Serve `span_range` until a signal (returns None) or a move (returns the new span)."""
+        cfg, source = self.cfg, self.source
+        announcer = self._announcer(*span_range)
         await announcer.publish("joining")
+        if settle and (again := await self._settle(span_range)) != span_range:
+            span_range = again
+            announcer = self._announcer(*span_range)
+            await announcer.publish("joining")
+        start, end = span_range
 
         def progress(done: int, total: int) -> None:
             say(f"loading blocks {start}:{end}: {done}/{total}")

@@ -58,6 +58,24 @@ def choose_span(blocks: list[Block], size: int) -> tuple[int, int]:
     return start, start + size
 
 
+def settled_span(
+    records: list[NodeRecord], me: str, chosen: tuple[int, int], num_layers: int
+) -> tuple[tuple[int, int], NodeRecord | None]:
+    """A span `chosen` a moment ago, looked at again once other nodes' choices had time to
+    arrive: where a node with a lower peer id is joining on overlapping blocks, it keeps them
+    and this node chooses again around it. Returns the span and that rival (or None)."""
+    others = [r for r in records if r.peer != me]
+    start, end = chosen
+    rivals = [
+        r
+        for r in others
+        if r.state == "joining" and r.peer < me and r.start < end and start < r.end
+    ]
+    if not rivals:
+        return chosen, None
+    return choose_span(coverage(others, num_layers), end - start), rivals[0]
+
+
 def gaps(blocks: list[Block]) -> list[int]:
     return [i for i, b in enumerate(blocks) if b.nodes == 0]
 

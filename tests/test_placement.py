@@ -7,7 +7,13 @@ import time
 
 from swarm.client.client import Client
 from swarm.launch import start_node, stop_all
-from swarm.node.placement import better_span, blocks_for_memory, choose_span, coverage
+from swarm.node.placement import (
+    better_span,
+    blocks_for_memory,
+    choose_span,
+    coverage,
+    settled_span,
+)
 from swarm.records import NodeRecord
 
 LAYERS = 12
@@ -70,6 +76,12 @@ def test_nobody_moves_when_every_block_is_served():
     assert better_span(records, "a", (0, 6), LAYERS) is None
 
 
+def test_of_two_nodes_choosing_the_same_blocks_at_once_the_higher_peer_id_chooses_again():
+    records = [rec("a", 0, 4), rec("m", 4, 8, state="joining"), rec("z", 4, 8, state="joining")]
+    assert settled_span(records, "z", (4, 8), LAYERS)[0] == (8, 12)
+    assert settled_span(records, "m", (4, 8), LAYERS) == ((4, 8), None)
+
+
 def test_memory_decides_how_many_blocks_fit():
     assert blocks_for_memory(block_bytes=100, cache_bytes_per_block=50, budget=1000) == 6
     assert blocks_for_memory(block_bytes=100, cache_bytes_per_block=50, budget=10) == 1
@@ -113,5 +125,23 @@ def test_nodes_without_layers_cover_the_model_and_one_moves_to_a_gap(tiny_model_
             assert sum(h.end - h.start for h in client.route()) == 6
         finally:
             client.close()
+    finally:
+        stop_all(nodes)
+
+
+def test_nodes_started_together_without_layers_cover_the_model(tiny_model_dir):
+    extra = ["--num-blocks", "2", "--weights", "float32", "--rebalance-interval", "0"]
+    first = start_node(None, model=str(tiny_model_dir), extra=extra)
+    nodes = [first]
+    try:
+        first.wait_serving()
+        # whichever reads the DHT first takes 2:4; the other sees that choice at once or, if
+        # both read before either announced, when it looks again (settled_span)
+        for _ in range(2):
+            nodes.append(start_node(None, first.maddrs[:1], model=str(tiny_model_dir), extra=extra))
+        for n in nodes[1:]:
+            n.wait_serving()
+        served = {b for n in nodes for b in range(*n.layers)}
+        assert served == set(range(6)), f"spans {[n.layers for n in nodes]}"
     finally:
         stop_all(nodes)
