@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +23,8 @@ log = logging.getLogger("swarm.node")
 
 THROTTLE_LOG_S = 60.0  # at most one warning per address per this many seconds
 MAX_HOSTS = 4096  # addresses remembered for that
+RECENT_S = 60.0  # the DHT record counts refusals and evictions over this window
+RECENT_MAX = 100_000  # at most this many of them remembered
 
 
 def source_host(sockaddr) -> str:
@@ -112,14 +114,23 @@ class Throttle:
     evicted: int = 0  # sessions that gave their place to a newcomer
     hosts: set[str] = field(default_factory=set)  # addresses turned away (at most MAX_HOSTS)
     _logged: dict[str, float] = field(default_factory=dict)
+    _times: deque = field(default_factory=lambda: deque(maxlen=RECENT_MAX))  # of either
 
     def refuse(self, host: str, what: str, why: str, now: float) -> None:
         self.refused += 1
+        self._times.append(now)
         self._warn(host, f"refused {what} from {host}: {why}", now)
 
     def evict(self, host: str, why: str, now: float) -> None:
         self.evicted += 1
+        self._times.append(now)
         self._warn(host, f"evicted a session of {host}: {why}", now)
+
+    def recent(self, now: float, window: float = RECENT_S) -> int:
+        """Refusals and evictions in the last `window` seconds (what the DHT record carries)."""
+        while self._times and self._times[0] < now - window:
+            self._times.popleft()
+        return len(self._times)
 
     def _warn(self, host: str, text: str, now: float) -> None:
         if len(self.hosts) < MAX_HOSTS:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import trio
 
@@ -52,6 +53,7 @@ class Announcer:
             weights=node.span.format if node else DEFAULT_WEIGHTS,
             sessions=len(node.sessions) if node else 0,
             decode_batch=round(node.compute.mean_decode_batch, 3) if node else 1.0,
+            throttled=node.throttle.recent(time.monotonic()) if node else 0,
             decode_passes=node.compute.decode_passes if node else 0,
             updated=get_dht_time(),
         )

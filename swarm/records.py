@@ -45,6 +45,7 @@ class NodeRecord:
     weights: str = DEFAULT_WEIGHTS  # how the node keeps its weights: "float32", "int4", ...
     sessions: int = 0  # sessions open at the node
     decode_batch: float = 1.0  # decode steps per decode pass, on average (sessions batched)
+    throttled: int = 0  # opens and connections refused, sessions evicted, in the last minute
     decode_passes: int = 0  # decode passes since the node started
 
     def to_wire(self) -> dict[str, Any]:
@@ -83,6 +84,7 @@ class NodeRecord:
                 decode_batch=float(_typed(raw, "decode_batch", (int, float)))
                 if "decode_batch" in raw
                 else 1.0,
+                throttled=_typed(raw, "throttled", int) if "throttled" in raw else 0,
                 decode_passes=_typed(raw, "decode_passes", int) if "decode_passes" in raw else 0,
             )
         except KeyError as exc:

@@ -272,3 +272,22 @@ async def test_a_close_from_the_opener_still_ends_the_session(node, fingerprint)
     await trio.sleep(0.3)
     assert await attach_probe(node, msg.sid, msg.sink_token) == "session_not_found"
     await conn.aclose()
+
+
+async def test_the_dht_record_counts_what_the_node_turned_away(node, fingerprint, honest):
+    conn = await attacker(node, "127.0.0.33")
+    got = await open_sessions(conn, node, fingerprint, 3)  # the third is over the share
+
+    def announced_throttled() -> int:
+        deadline = time.monotonic() + 20  # the next announcement, every --announce-ttl / 3
+        while time.monotonic() < deadline:
+            mine = [r for r in honest.nodes() if r.peer == node.peer]
+            if mine and mine[0].throttled > 0:
+                return mine[0].throttled
+            time.sleep(0.5)
+        return 0
+
+    throttled = await trio.to_thread.run_sync(announced_throttled)
+    await conn.aclose()
+    assert isinstance(got[2], Error) and got[2].code == "busy"
+    assert throttled >= 1

@@ -9,12 +9,15 @@ from dataclasses import dataclass, field
 import pytest
 
 from swarm.errors import NodeBusy
-from swarm.node.admission import ConnectionTable, Inbound, source_host
+from swarm.health.render import render_page
+from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
+from swarm.node.admission import ConnectionTable, Inbound, Throttle, source_host
 from swarm.node.config import Limits
 from swarm.node.session_state import SessionState, StepIn
 from swarm.node.sessions import SessionTable
 from swarm.node.status import Status, status_line
 from swarm.protocol import Opened
+from swarm.records import ModelRecord, NodeRecord
 
 LIMITS = Limits(
     max_sessions=4,
@@ -132,3 +135,34 @@ def test_the_status_line_tells_what_admission_turned_away():
     assert status_line(now, before, 30.0).endswith(
         "; throttled: 37 refused, 4 evicted in 30 s (4 addresses so far)"
     )
+
+
+def test_the_throttle_counts_what_it_turned_away_in_the_last_minute():
+    t = Throttle()
+    t.refuse("A", "a session", "full", now=0.0)
+    t.evict("B", "idle", now=30.0)
+    t.refuse("A", "a connection", "full", now=61.0)
+    assert t.recent(now=61.0) == 2  # the first is over a minute old
+    assert (t.refused, t.evicted, t.hosts) == (2, 1, {"A", "B"})
+
+
+@pytest.mark.parametrize("throttled, shown", [(0, False), (37, True)])
+def test_the_health_page_shows_a_node_turning_hosts_away(throttled, shown):
+    record = NodeRecord(
+        peer="p",
+        addr="10.0.0.1:7000",
+        model="m",
+        start=0,
+        end=4,
+        state="online",
+        fingerprint="fp",
+        version="0",
+        num_layers=4,
+        updated=1000.0,
+        throttled=throttled,
+    )
+    model = build_model_view(ModelRecord("m", 4, "fp"), [Known(record, 1010.0)], {}, 1001.0)
+    snap = Snapshot(taken_at=1001.0, dht=DhtStatus("ok", 1001.0, 0.01), models=(model,))
+    assert ("37 turned away" in render_page(snap, 10)) is shown
+    assert snap.to_json()["models"][0]["nodes"][0]["throttled"] == throttled
+    assert NodeRecord.from_wire(record.to_wire()).throttled == throttled

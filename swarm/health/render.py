@@ -216,6 +216,15 @@ def _table(m: ModelView) -> str:
     )
 
 
+def _throttled(n: int) -> str:
+    if n <= 0:
+        return ""
+    return (
+        ' <span class="warn throttled" title="opens and connections refused, sessions evicted,'
+        f' in the last minute: someone wants more than a fair share">· {n:,} turned away</span>'
+    )
+
+
 def _row(n: NodeView, num_layers: int) -> str:
     r = n.record
     left = 100.0 * r.start / max(num_layers, 1)
@@ -250,7 +259,7 @@ def _row(n: NodeView, num_layers: int) -> str:
         f"{_num(r.throughput)} tok/s",
         f"{r.free_cache_tokens:,}",
         f'{r.sessions} <span class="muted" title="decode steps per pass, on average">'
-        f"· batch {r.decode_batch:.1f}</span>",
+        f"· batch {r.decode_batch:.1f}</span>" + _throttled(r.throttled),
         _link(r.link),
         rtt,
         refreshed,

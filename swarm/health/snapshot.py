@@ -56,6 +56,7 @@ class NodeView:
             "free_cache_tokens": r.free_cache_tokens,
             "sessions": r.sessions,
             "decode_batch": r.decode_batch,
+            "throttled": r.throttled,
             "link": dict(r.link),
             "reachable": None if self.reach is None else self.reach.reachable,
             "rtt_ms": None if self.reach is None else _ms(self.reach.rtt_s),
