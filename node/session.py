@@ -381,7 +381,12 @@ class Session:
             )
 
     def _rank(self) -> float:
-        return self.node.compute.prefill_rank(self.pieces.prompt_since, self.pieces.tokens_left())
+        compute = self.node.compute
+        left = self.pieces.tokens_left()
+        rank = compute.prefill_rank(self.pieces.prompt_since, left)
+        per_token = compute.prefill_token_seconds or 0.0
+        cost = min(left, self.node.config.compute.pass_tokens) * per_token
+        return self.node.sessions.prompt_rank(self, rank, cost)
 
     async def _compute_failed(self, error: Exception) -> None:
         if self.state.closed:

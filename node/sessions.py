@@ -55,6 +55,16 @@ class SessionTable:
             return 0
         return max(0, self.limits.max_cache_tokens - sum(s.max_length for s in busy))
 
+    def prompt_rank(self, session: Session, rank: float, cost: float) -> float:
+        """The prompt lane's rank for `session`'s next pass: `rank` as the lane gives it, put
+        back by the passes its address has waiting besides it, each `cost` seconds, times the
+        addresses with prompts waiting: about where it would come if the lane took the
+        addresses in turns. A lone prompt keeps the lane's rank; an address pushing many at
+        once cannot fill the lane ahead of everyone else's."""
+        waiting = [s for s in self._sessions.values() if s.pieces or s is session]
+        others = sum(1 for s in waiting if s.host == session.host and s is not session)
+        return rank + others * len({s.host for s in waiting}) * cost
+
     def make_room(self, session: Session, now: float) -> list[Session]:
         """The sessions that must give their place for `session` to be admitted (none if it
         fits). Raises the NodeBusy or CacheFull the newcomer gets if it cannot be."""

@@ -37,6 +37,7 @@ class Held:
     host: str
     max_length: int = 100
     opened: float = 0.0
+    pieces: list = field(default_factory=list)  # prompt pieces waiting for a pass
     state: SessionState = field(init=False)
 
     def __post_init__(self):
@@ -166,3 +167,12 @@ def test_the_health_page_shows_a_node_turning_hosts_away(throttled, shown):
     assert ("37 turned away" in render_page(snap, 10)) is shown
     assert snap.to_json()["models"][0]["nodes"][0]["throttled"] == throttled
     assert NodeRecord.from_wire(record.to_wire()).throttled == throttled
+
+
+def test_an_address_pushing_several_prompts_takes_its_turn_in_the_prompt_lane():
+    pairs = [("a1", "A"), ("a2", "A"), ("a3", "A"), ("b", "B")]
+    a1, a2, a3, b = (Held(sid, host, pieces=[1]) for sid, host in pairs)
+    t = table(a1, a2, a3, b, Held("idle", "C"))
+    # a1 waits behind A's two other prompts, in turns with B's: 2 passes x 2 addresses
+    assert t.prompt_rank(a1, 10.0, 1.0) == 14.0
+    assert t.prompt_rank(b, 10.5, 1.0) == 10.5  # a lone prompt keeps the lane's rank
