@@ -100,7 +100,7 @@ def main() -> None:
         print(
             f"\n{a.fault}: {ok}/{a.trials} recovered with identical output;"
             f" stall p50 {statistics.median(stalls) if stalls else 0:.2f} s, p99 {p99:.2f} s,"
-            f" max {max(stalls) if stalls else 0:.2f} s"
+            f" max {max(stalls) if stalls else 0:.2f} s; load {os.getloadavg()[0]:.1f}"
         )
     finally:
         client.close()
