@@ -70,3 +70,5 @@ async def astream(
                 return
             if i + 1 < max_new_tokens:
                 logits = await session.feed([text.tokens[-1]])
+        if tail := text.flush():
+            yield tail

@@ -125,6 +125,9 @@ class Client:
                     break
                 if i + 1 < max_new_tokens:
                     logits = session.feed([text.tokens[-1]])
+            else:
+                if tail := text.flush():
+                    yield tail
         self.last_tokens = text.tokens
 
     def generate(self, prompt: str | list[dict[str, str]], **kwargs) -> str:
@@ -231,7 +234,9 @@ class InferenceSession:
 
 class ReplyText:
     """A reply's tokens turned into text as they come: pieces to emit, and whether the reply
-    ended (end-of-text token or a stop string; text from a stop string on is never emitted)."""
+    ended (end-of-text token or a stop string; text from a stop string on is never emitted).
+    A tail that could be the start of a stop string is held back until the next token settles
+    it, or `flush()` at the end lets it out."""
 
     def __init__(self, client: Client, stop: Sequence[str] = ()):
         self.tokenizer, self.stop = client.tokenizer, [s for s in stop if s]
@@ -240,19 +245,37 @@ class ReplyText:
             self.eos.add(self.tokenizer.eos_token_id)
         self.tokens: list[int] = []
         self.emitted = ""
+        self._text = ""  # the reply so far, cut at a stop string
 
     def add(self, token: int) -> tuple[str, bool]:
         if token in self.eos:
-            return "", True
+            return self.flush(), True
         self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         hit = [text.index(s) for s in self.stop if s in text]
         if hit:
-            text = text[: min(hit)]
+            self._text = text[: min(hit)]
+            return self.flush(), True
+        self._text = text
+        ready = text[: len(text) - self._held(text)]
         piece = ""
-        if len(text) > len(self.emitted) and not text.endswith("\ufffd"):
-            piece, self.emitted = text[len(self.emitted) :], text
-        return piece, bool(hit)
+        if len(ready) > len(self.emitted) and not ready.endswith("\ufffd"):
+            piece, self.emitted = ready[len(self.emitted) :], ready
+        return piece, False
+
+    def flush(self) -> str:
+        """The text not emitted yet: call once the reply is over."""
+        piece = self._text[len(self.emitted) :]
+        self.emitted = self._text
+        return piece
+
+    def _held(self, text: str) -> int:
+        """Length of the longest tail of `text` that begins some stop string."""
+        return max(
+            (n for s in self.stop for n in range(min(len(s) - 1, len(text)), 0, -1)
+             if text.endswith(s[:n])),
+            default=0,
+        )  # fmt: skip
 
 
 class Sampler:

@@ -6,16 +6,17 @@ import pytest
 import torch
 
 from swarm.launch import start_swarm, stop_all
-from swarm.model.tiny import reference_greedy, save_tiny_llama
+from swarm.model.tiny import reference_greedy, save_tiny_llama, save_tiny_tokenizer
 
 __all__ = ["reference_greedy", "swarm_greedy"]  # the tests import them from here
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """A random-weight Llama saved as a Hugging Face safetensors folder."""
+    """A random-weight Llama saved as a Hugging Face safetensors folder, with a tokenizer."""
     path = tmp_path_factory.mktemp("tiny-llama")
     save_tiny_llama(path)
+    save_tiny_tokenizer(path)
     return path
 
 

@@ -1,0 +1,105 @@
+"""python -m swarm.api --initial-peers MULTIADDR... [--host 127.0.0.1] [--port 8000]"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from swarm.address import join_host_port
+from swarm.api.app import create_app
+from swarm.api.generation import Backend
+from swarm.client.client import Client
+from swarm.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
+
+KEY_ENV = "SWARM_API_KEY"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m swarm.api",
+        description="Serve an OpenAI-compatible API and a chat page: joins the DHT as a client.",
+    )
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR")
+    p.add_argument("--model", default=None, help="local model file or folder (default: SmolLM2)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${KEY_ENV}; unset: open)",
+    )
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=16,
+        help="requests generating at once; more wait their turn (a node gives one address 16)",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=512,
+        help="reply length when a chat request names none (clipped to the context left)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        default=None,
+        choices=sorted(WIRE_DTYPES),
+        help=f"dtype of the activations sent (default: {DEFAULT_WIRE_DTYPE})",
+    )
+    p.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    return p
+
+
+def hypercorn_config(host: str, port: int, access_log: bool) -> Config:
+    config = Config()
+    config.bind = [join_host_port(host, port)]
+    config.backlog = 2048
+    config.graceful_timeout = 2.0
+    config.include_server_header = False
+    config.accesslog = "-" if access_log else None
+    # a reply may take minutes between request and last byte; only idle keep-alives time out
+    config.keep_alive_timeout = 75
+    return config
+
+
+async def run(args: argparse.Namespace) -> None:
+    client = await trio.to_thread.run_sync(
+        lambda: Client(args.initial_peers, model=args.model, wire_dtype=args.wire_dtype)
+    )
+    try:
+        backend = Backend(client, args.max_sessions, args.default_max_tokens)
+        app = create_app(backend, api_key=args.api_key or None)
+        async with trio.open_nursery() as nursery:
+            config = hypercorn_config(args.host, args.port, args.access_log)
+            binds = await nursery.start(serve, app, config)
+            for url in binds:
+                print(f"api on {url}/v1 serving {backend.name}; chat page on {url}/", flush=True)
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    break
+            nursery.cancel_scope.cancel()
+    finally:
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    trio.run(run, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""One model served through one shared Client: its route check, and each request's reply.
+
+Every request gets its own swarm session (`AsyncSession`): its steps run in worker threads, so
+many requests step at once and the nodes batch them. A request cancelled anywhere (its HTTP
+client went away) closes its session on the nodes on the way out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+
+from swarm.api.schema import ApiError, GenerationRequest
+from swarm.client.aio import AsyncSession
+from swarm.client.client import Client, ReplyText, Sampler
+from swarm.client.routing import missing_blocks, usable
+from swarm.errors import CacheFull, SwarmError
+
+
+@dataclass
+class Reply:
+    """A reply in progress: its counts and, once over, why it ended."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    finish_reason: str | None = None  # "stop" (end of text or a stop string) or "length"
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+class Backend:
+    """A model the server answers for: its Client, shared by every request."""
+
+    def __init__(self, client: Client, max_sessions: int, default_max_tokens: int):
+        self.client = client
+        self.name = client.config.name
+        self.context = client.config.max_position
+        self.default_max_tokens = default_max_tokens
+        # past this many open sessions requests queue here, not at the nodes' per-address share
+        self.sessions = trio.CapacityLimiter(max_sessions)
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """Blocks no usable node serves right now (blocking: reads the DHT)."""
+        records = usable(self.client.nodes(), self.client.fingerprint)
+        return missing_blocks(records, self.client.config.num_layers)
+
+    async def check_route(self) -> None:
+        gaps = await trio.to_thread.run_sync(self.gaps, abandon_on_cancel=True)
+        if gaps:
+            blocks = ", ".join(f"{a}:{b}" for a, b in gaps)
+            raise ApiError(
+                503,
+                f"the swarm has no route for {self.name}: no online node serves blocks {blocks}",
+                code="route_unavailable",
+                type="server_error",
+            )
+
+    async def encode(self, request: GenerationRequest) -> list[int]:
+        if request.chat:
+            return await trio.to_thread.run_sync(self.client.encode, list(request.messages))
+        if isinstance(request.prompt, tuple):
+            vocab = self.client.config.vocab
+            if max(request.prompt) >= vocab:
+                raise ApiError(400, f"token ids must be below {vocab}", param="prompt")
+            return list(request.prompt)
+        return await trio.to_thread.run_sync(self.client.encode, request.prompt)
+
+    def budget(self, request: GenerationRequest, prompt_tokens: int) -> int:
+        """How many tokens the reply may have; ApiError if the prompt leaves no room for them."""
+        room = self.context - prompt_tokens
+        asked = request.sampling.max_tokens
+        if asked is None and room >= 1:
+            return min(self.default_max_tokens, room)
+        if asked is None or asked > room:
+            wanted = prompt_tokens + (asked or 1)
+            raise ApiError(
+                400,
+                f"this model's context is {self.context} tokens; the request needs {wanted}"
+                f" ({prompt_tokens} in the prompt, {asked or 1} for the reply)",
+                param="max_tokens" if asked else ("messages" if request.chat else "prompt"),
+                code="context_length_exceeded",
+            )
+        return asked
+
+
+@asynccontextmanager
+async def open_reply(
+    backend: Backend, request: GenerationRequest
+) -> AsyncIterator[tuple[Reply, AsyncIterator[str]]]:
+    """Check, encode and prefill (errors raise here, before any byte is sent); then the reply's
+    counts and its text pieces. Leaving the block closes the session on the swarm."""
+    if not request.prompt and not request.chat:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    ids = await backend.encode(request)
+    if not ids:
+        raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
+    max_tokens = backend.budget(request, len(ids))
+    s = request.sampling
+    async with backend.sessions:
+        await backend.check_route()
+        try:
+            async with AsyncSession(backend.client, len(ids) + max_tokens) as session:
+                logits = await session.feed(ids)
+                reply = Reply(prompt_tokens=len(ids))
+                sampler = Sampler(s.temperature, s.top_p, 0, s.seed)
+                text = ReplyText(backend.client, s.stop)
+
+                async def pieces() -> AsyncIterator[str]:
+                    nonlocal logits
+                    for i in range(max_tokens):
+                        piece, done = text.add(sampler(logits))
+                        reply.completion_tokens += 1
+                        if piece:
+                            yield piece
+                        if done:
+                            reply.finish_reason = "stop"
+                            return
+                        if i + 1 < max_tokens:
+                            logits = await session.feed([text.tokens[-1]])
+                    reply.finish_reason = "length"
+                    if tail := text.flush():
+                        yield tail
+
+                yield reply, pieces()
+        except SwarmError as exc:
+            raise swarm_error(exc) from exc
+
+
+def swarm_error(exc: SwarmError) -> ApiError:
+    """What a client should see of a swarm failure: its own fault (400) or the swarm's (503)."""
+    if isinstance(exc, CacheFull):
+        return ApiError(400, str(exc), code="context_length_exceeded")
+    return ApiError(
+        503, f"the swarm failed this request: {exc}", code=exc.code, type="server_error"
+    )
