@@ -26,6 +26,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from devtools.cdp import Browser
 from swarm.client.client import Client
 from swarm.launch import start_node, start_swarm, stop_all
 from swarm.model.tiny import save_tiny_llama, save_tiny_tokenizer
@@ -386,3 +387,39 @@ def test_the_page_is_self_contained(api):
     assert "connect-src 'self'" in policy and "default-src 'none'" in policy
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
     assert '<meta name="viewport"' in page
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium: apt-get install chromium")
+def test_the_page_in_chromium_streams_a_reply_to_a_typed_message(api, reference, tmp_path):
+    text = "Tell me of the bees."
+    want = reference.generate([{"role": "user", "content": text}], max_new_tokens=300)
+    with Browser(CHROMIUM, tmp_path / "profile") as page:
+        page.open(api.url + "/")
+        # the server wants a key: the page listed no model until one is typed in
+        assert page.wait_for("document.getElementById('model').textContent.includes('key')")
+        page.eval(f"document.getElementById('key').value = {json.dumps(KEY)}")
+        page.eval("document.getElementById('key').dispatchEvent(new Event('change'))")
+        page.wait_for("document.getElementById('model').value")
+        page.eval("document.getElementById('temperature').value = '0'")
+        page.eval("document.getElementById('max-tokens').value = '300'")
+        page.eval(f"document.getElementById('prompt').value = {json.dumps(text)}")
+        page.eval("document.getElementById('send').click()")
+        reply = "document.querySelector('.msg.assistant')"
+        seen = set()  # the reply's states and lengths while it streams in
+        while True:
+            state, shown = page.wait_for(
+                f"{reply} && [{reply}.dataset.state, {reply}.firstChild?.textContent ?? '']"
+            )
+            seen.add((state, len(shown)))
+            if state != "streaming":
+                break
+        assert state == "done"
+        assert shown == want
+        assert any(s == "streaming" and 0 < n < len(want) for s, n in seen), "no partial reply"
+        assert page.eval("document.querySelector('.msg.user').textContent") == text
+        assert "300 tokens" in page.eval(f"{reply}.textContent") or len(want) < 300
+        page.viewport(390, 844, mobile=True)  # a phone: nothing wider than the screen
+        assert page.eval("document.documentElement.scrollWidth <= innerWidth")
+        shot = page.screenshot(tmp_path / "chat-phone.png")
+        assert shot.stat().st_size > 5000
+        print(f"screenshot: {shot}")
