@@ -36,7 +36,10 @@ class Client:
         step_timeout: float = 30.0,
         max_retries: int = 4,
         prefill_chunk: int = PREFILL_CHUNK,
+        plaintext: bool = False,
     ):
+        """`plaintext`: also route through nodes run with --plaintext (an experiment; by
+        default every connection is TLS, checked against the key each node's record names)."""
         if not initial_peers:
             raise ValueError("initial_peers is empty: pass the multiaddr a node printed")
         self.source = open_model(model)
@@ -48,6 +51,7 @@ class Client:
         self.step_timeout = step_timeout
         self.max_retries = max_retries
         self.prefill_chunk = prefill_chunk
+        self.plaintext = plaintext
         self._tokenizer = None
         self.dht = start_dht(initial_peers, client_mode=True)
         self.loop = TrioThread()
@@ -71,11 +75,16 @@ class Client:
         return records
 
     def route(self, exclude: set[str] = frozenset()) -> list[Hop]:
-        records = usable(self.nodes(), self.fingerprint, exclude)
+        every = self.nodes()
+        records = usable(every, self.fingerprint, exclude, self.plaintext)
         if missing_blocks(records, self.config.num_layers):
-            find_route(records, self.config.num_layers, self.fingerprint, model=self.config.name)
+            without_tls = len(usable(every, self.fingerprint, exclude, True)) - len(records)
+            model = self.config.name
+            if without_tls:
+                model += f" ({without_tls} nodes run without TLS: Client(plaintext=True) uses them)"
+            find_route(records, self.config.num_layers, self.fingerprint, model=model)
         self._weights.update({r.peer: r.weights for r in records})
-        rtts = self.loop.run(ping_all, {r.peer: r.addr for r in records}, 2.0)
+        rtts = self.loop.run(ping_all, {r.peer: r.hop() for r in records}, 2.0)
         self._rtts.update(rtts)
         reachable = [r for r in records if r.peer in rtts]
         return find_route(
@@ -85,6 +94,7 @@ class Client:
             self._rtts,
             exclude,
             model=self.config.name,
+            plaintext=self.plaintext,
         )
 
     # ---- sessions ----------------------------------------------------------------------------
@@ -227,7 +237,7 @@ class InferenceSession:
         if self.remote is None:
             return
         # nobody named: a hop hung. Ping each; exclude the silent ones.
-        hops = {h.peer: h.addr for h in self.remote.route}
+        hops = {h.peer: h for h in self.remote.route}
         alive = self.client.loop.run(ping_all, hops, 2.0)
         self.excluded.update(p for p in hops if p not in alive)
 
@@ -303,16 +313,16 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-async def ping_all(addrs: dict[str, str], timeout: float) -> dict[str, float]:
-    """Round trips in seconds of the peers whose "host:port" answered a ping within `timeout`."""
+async def ping_all(hops: dict[str, Hop], timeout: float) -> dict[str, float]:
+    """Round trips in seconds of the peers that answered a ping within `timeout`."""
     out: dict[str, float] = {}
 
-    async def one(peer: str, addr: str) -> None:
-        reach = await ping(addr, timeout=timeout)
+    async def one(peer: str, hop: Hop) -> None:
+        reach = await ping(hop, timeout=timeout)
         if reach.rtt_s is not None:
             out[peer] = reach.rtt_s
 
     async with trio.open_nursery() as nursery:
-        for peer, addr in addrs.items():
-            nursery.start_soon(one, peer, addr)
+        for peer, hop in hops.items():
+            nursery.start_soon(one, peer, hop)
     return out

@@ -13,11 +13,21 @@ DEFAULT_RTT = 0.05  # seconds, for nodes not pinged yet
 DEFAULT_BLOCK_TIME = 0.005  # seconds per block per token, for nodes without a throughput figure
 
 
-def usable(records: Iterable[NodeRecord], fingerprint: str, exclude: set[str] = frozenset()):
+def usable(
+    records: Iterable[NodeRecord],
+    fingerprint: str,
+    exclude: set[str] = frozenset(),
+    plaintext: bool = False,
+):
+    """The records a route may use: online, the same model, not excluded, and with TLS unless
+    `plaintext` (an experiment's client may use nodes run with --plaintext)."""
     return [
         r
         for r in records
-        if r.state == ONLINE and r.fingerprint == fingerprint and r.peer not in exclude
+        if r.state == ONLINE
+        and r.fingerprint == fingerprint
+        and r.peer not in exclude
+        and (r.tls or plaintext)
     ]
 
 
@@ -38,10 +48,11 @@ def find_route(
     rtts: dict[str, float] | None = None,
     exclude: set[str] = frozenset(),
     model: str = "the model",
+    plaintext: bool = False,
 ) -> list[Hop]:
     """Shortest path over block boundaries 0..num_layers; a hop may use part of a node's span."""
     rtts = rtts or {}
-    nodes = usable(records, fingerprint, exclude)
+    nodes = usable(records, fingerprint, exclude, plaintext)
     gaps = missing_blocks(nodes, num_layers)
     if gaps:
         text = ", ".join(f"{a}:{b}" for a, b in gaps)
@@ -67,7 +78,6 @@ def find_route(
     route, pos = [], num_layers
     while pos > 0:
         start, r = prev[pos]
-        host, port = r.host_port
-        route.append(Hop(host, port, start, pos, r.peer))
+        route.append(r.hop(start, pos))
         pos = start
     return route[::-1]

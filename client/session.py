@@ -24,7 +24,7 @@ from swarm.protocol import (
     Result,
     Step,
 )
-from swarm.transport import FramedStream, connect
+from swarm.transport import FramedStream, dial_hop
 from swarm.wire import DEFAULT_MAX_FRAME, DEFAULT_WIRE_DTYPE, pack_tensor, unpack_tensor
 
 PREFILL_CHUNK = 256  # tokens per prefill step the client sends
@@ -84,13 +84,15 @@ class RemoteSession:
     async def _connect(self, hop: int, h: Hop) -> FramedStream:
         try:
             with trio.fail_after(10):
-                return await connect(h.host, h.port, self.max_frame)
-        except (OSError, trio.TooSlowError) as exc:
-            raise self._failed(hop, f"cannot connect: {exc}") from None
+                return await dial_hop(h, self.max_frame)
+        except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+            raise self._failed(hop, f"cannot connect: {exc or type(exc).__name__}") from None
+        except PeerFailed as exc:  # the wrong peer at the address, or its relay lost it
+            raise self._failed(hop, str(exc), type(exc)) from None
 
-    def _failed(self, hop: int, why: str) -> PeerFailed:
+    def _failed(self, hop: int, why: str, kind: type[PeerFailed] = PeerFailed) -> PeerFailed:
         h = self.route[hop]
-        return PeerFailed(
+        return kind(
             f"hop {hop} ({h.addr}, blocks {h.start}:{h.end}) failed: {why}",
             hop=hop,
             peer=h.peer,

@@ -33,6 +33,7 @@ from swarm.node.placement import (
 )
 from swarm.node.server import Node
 from swarm.node.status import Status, log_status
+from swarm.tls import Identity
 
 log = logging.getLogger("swarm.node")
 SETTLE_S = 2.0  # how long a node without --layers lets simultaneous choices reach the DHT
@@ -155,6 +156,8 @@ class Serving:
     def __init__(self, cfg, source, fingerprint, dht, addr, usable, observer):
         self.cfg, self.source, self.fingerprint, self.dht = cfg, source, fingerprint, dht
         self.addr, self.usable, self.observer = addr, usable, observer
+        # one key for the node's life: a moved node keeps its identity
+        self.identity = None if cfg.plaintext else Identity.generate()
 
     def _announcer(self, start: int, end: int) -> Announcer:
         config = self.source.config
@@ -168,6 +171,7 @@ class Serving:
             start,
             end,
             self.cfg.limits.announce_ttl_s,
+            tls=self.identity.key_id if self.identity else "",
         )
 
     async def _settle(self, span_range: tuple[int, int]) -> tuple[int, int]:
@@ -202,8 +206,12 @@ class Serving:
         span = await trio.to_thread.run_sync(
             partial(Span.load, source, start, end, progress, cfg.weights, self.usable)
         )
-        directory = PeerDirectory.of_dht(self.dht, source.config.name, source.config.num_layers)
-        node = Node(cfg, span, self.fingerprint, self.observer, directory=directory)
+        directory = PeerDirectory.of_dht(
+            self.dht, source.config.name, source.config.num_layers, plaintext=cfg.plaintext
+        )
+        node = Node(
+            cfg, span, self.fingerprint, self.observer, directory=directory, identity=self.identity
+        )
         node.compute.decode_step_seconds = await trio.to_thread.run_sync(measure_throughput, span)
         formats = ", ".join(f"{n} {fmt}" for fmt, n in span.formats.items())
         say(
@@ -215,7 +223,8 @@ class Serving:
         moved: list[tuple[int, int]] = []
         async with trio.open_nursery() as nursery:
             await nursery.start(node.serve, listeners)
-            say(f"serving blocks {start}:{end} on {self.addr} (peer {self.dht.peer_id})")
+            secured = f"TLS key {self.identity.key_id}" if self.identity else "PLAINTEXT"
+            say(f"serving blocks {start}:{end} on {self.addr} (peer {self.dht.peer_id}), {secured}")
             nursery.start_soon(announcer.keep_fresh, node)
             nursery.start_soon(log_status, functools.partial(status, node))
             if cfg.automatic_span and cfg.rebalance_s > 0:

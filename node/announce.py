@@ -28,11 +28,14 @@ class Announcer:
         start: int,
         end: int,
         ttl: float,
+        tls: str = "",
     ):
         self.dht = dht
         self.peer, self.addr, self.model = peer, addr, model
         self.num_layers, self.fingerprint = num_layers, fingerprint
         self.start, self.end, self.ttl = start, end, ttl
+        self.tls = tls
+        self.relay = ""  # the relay's peer id while nobody can dial this node directly
 
     def record(self, state: str, node=None) -> NodeRecord:
         from hivemind.utils import get_dht_time
@@ -55,6 +58,8 @@ class Announcer:
             decode_batch=round(node.compute.mean_decode_batch, 3) if node else 1.0,
             throttled=node.throttle.recent(time.monotonic()) if node else 0,
             decode_passes=node.compute.decode_passes if node else 0,
+            tls=self.tls,
+            relay=self.relay,
             updated=get_dht_time(),
         )
 

@@ -253,6 +253,12 @@ class NodeConfig:
         None, "announce this address instead (a relay or NAT mapping)", metavar="HOST:PORT"
     )
     dht_host: str = option("127.0.0.1", "address the DHT listens on")
+    plaintext: bool = option(
+        False,
+        "an experiment: no TLS on this node's connections (its record and the health page"
+        " say so; clients use it only if asked to, TLS nodes never forward to it)",
+        action="store_true",
+    )
     wire_dtype: str = option(
         DEFAULT_WIRE_DTYPE, "dtype of activations this node sends", choices=sorted(WIRE_DTYPES)
     )
@@ -362,9 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
         flag = meta["flag"] or "--" + f.name.replace("_", "-")
         kw = dict(meta["argparse"])
         default = f.default * 1000 if meta["ms"] else f.default
-        if "type" not in kw and "nargs" not in kw and default is not None:
+        if "type" not in kw and "nargs" not in kw and "action" not in kw and default is not None:
             kw["type"] = _non_negative_float if meta["ms"] else type(default)
-        if "metavar" not in kw and "choices" not in kw and "nargs" not in kw:
+        if not {"metavar", "choices", "nargs", "action"} & kw.keys():
             kw["metavar"] = _metavar(f.name, default, meta["ms"])
         if isinstance(default, tuple):
             default = list(default)

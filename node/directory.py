@@ -6,9 +6,9 @@ So the node checks the next hop against the records of its model's nodes (online
 hop's blocks, at that address). It reads them from the DHT at most every `refresh_s` seconds,
 whatever the opens ask: a hop not found waits for the next two reads, then is refused.
 
-What this cannot stop until the data plane authenticates peers: someone who writes a record of
-its own naming an address (the client would dial it too), or a node other than the announced
-one answering at that address.
+The hop's TLS key id must be the record's too: the node then dials with that key, so a peer
+answering at the address without the record owner's key is refused (swarm.tls). A hop without
+a key (a plaintext node) is refused unless this node runs plaintext itself (an experiment).
 """
 
 from __future__ import annotations
@@ -34,26 +34,35 @@ READ_TIMEOUT_S = 10.0
 
 
 class PeerDirectory:
-    def __init__(self, read: Callable[[], Sequence[NodeRecord]], refresh_s: float = REFRESH_S):
-        """`read`: the model's node records, blocking (it runs in a thread)."""
+    def __init__(
+        self,
+        read: Callable[[], Sequence[NodeRecord]],
+        refresh_s: float = REFRESH_S,
+        plaintext: bool = False,
+    ):
+        """`read`: the model's node records, blocking (it runs in a thread); `plaintext`: may
+        dial next hops without TLS."""
         self._read = read
+        self.plaintext = plaintext
         self.refresh_s = refresh_s
         self._records: dict[str, NodeRecord] = {}
         self._read_at = -math.inf
         self._lock = trio.Lock()
 
     @classmethod
-    def of_dht(cls, dht, model: str, num_layers: int) -> PeerDirectory:
+    def of_dht(cls, dht, model: str, num_layers: int, plaintext: bool = False) -> PeerDirectory:
         """The directory of `model`'s nodes as `dht` finds them."""
 
         def read() -> list[NodeRecord]:
             return read_nodes(dht, model, num_layers)[0]
 
-        return cls(read)
+        return cls(read, plaintext=plaintext)
 
     def announced(self, hop: Hop) -> bool:
         rec = self._records.get(hop.peer)
         if rec is None or rec.state != ONLINE or not rec.start <= hop.start < hop.end <= rec.end:
+            return False
+        if (rec.tls, rec.relay) != (hop.tls, hop.relay):
             return False
         try:
             return parse_host_port(rec.addr) == (hop.host, hop.port)
@@ -64,6 +73,11 @@ class PeerDirectory:
         """Return if `hop` is announced; else read the DHT again, twice at most (each read no
         sooner than `refresh_s` after the one before: a node that has just come online may not
         have reached every DHT peer yet), and raise UnannouncedPeer if it still is not."""
+        if not hop.tls and not self.plaintext:
+            raise UnannouncedPeer(
+                f"the next hop {hop.addr[:80]} runs without TLS; this node forwards only over"
+                " TLS (both must run --plaintext for that experiment)"
+            )
         for _ in range(READS):
             if self.announced(hop):
                 return

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 
 import trio
 
-from swarm.address import parse_host_port
 from swarm.errors import PeerFailed, SwarmError
 from swarm.heartbeat import INTERVAL_S, Heartbeat, send_queue_busy
 from swarm.node.sessions import SessionTable
 from swarm.node.uplink import ACK_NONCE_BASE, Uplink
-from swarm.protocol import Error, Opened, Ping, Pong
-from swarm.transport import FramedStream, connect
+from swarm.protocol import Error, Hop, Opened, Ping, Pong
+from swarm.transport import FramedStream, dial_hop
 
 log = logging.getLogger("swarm.node")
 
@@ -60,6 +59,7 @@ class Downstream:
         self._sessions = sessions
         self._max_frame = max_frame
         self._streams: dict[str, FramedStream] = {}
+        self._keys: dict[str, str] = {}  # the TLS key each connection was checked against
         self._connecting: dict[str, trio.Lock] = {}
         self._pings: dict[tuple[str, int], tuple[float, bool]] = {}  # -> (sent, path clear)
         self._beats: dict[str, Heartbeat] = {}  # dest -> whether it still answers
@@ -102,17 +102,18 @@ class Downstream:
     def stream(self, dest: str | None) -> FramedStream | None:
         return self._streams.get(dest) if dest is not None else None
 
-    async def connect(self, dest: str) -> FramedStream:
-        """The connection to `dest` ("host:port"), opened if there is none."""
+    async def connect(self, hop: Hop) -> FramedStream:
+        """The connection to `hop` (keyed by `hop.link`), opened if there is none."""
+        dest = hop.link
         lock = self._connecting.setdefault(dest, trio.Lock())
         async with lock:
             ds = self._streams.get(dest)
-            if ds is not None and not ds.closed:
+            if ds is not None and not ds.closed and self._keys.get(dest) == hop.tls:
                 return ds
-            host, port = parse_host_port(dest)
             with trio.fail_after(CONNECT_TIMEOUT):
-                ds = await connect(host, port, self._max_frame)
+                ds = await dial_hop(hop, self._max_frame)
             self._streams[dest] = ds
+            self._keys[dest] = hop.tls
             self._beats[dest] = Heartbeat()
             assert self._nursery is not None, "Downstream.run is not running"
             self._nursery.start_soon(self._read, dest, ds)

@@ -16,6 +16,7 @@ from swarm.errors import (
     FingerprintMismatch,
     FrameTooLarge,
     NodeBusy,
+    PlaintextRefused,
     ProtocolError,
     SessionNotFound,
     SpanError,
@@ -32,6 +33,7 @@ from swarm.node.session import Session, send_quietly
 from swarm.node.sessions import SessionTable
 from swarm.node.uplink import Uplink
 from swarm.protocol import Attach, Attached, Close, Error, Open, Ping, Step
+from swarm.tls import HANDSHAKE_TIMEOUT_S, TLS_HANDSHAKE, Identity, peek_byte
 from swarm.transport import FramedStream
 from swarm.wire import WIRE_DTYPES
 
@@ -47,8 +49,10 @@ class Node:
         observer: StepObserver | None = None,
         *,
         directory: PeerDirectory,
+        identity: Identity | None = None,
     ):
         self.config = config
+        self.identity = identity  # the TLS key this node proves; None: plaintext (--plaintext)
         self.directory = directory  # the next hops an open may name
         self.span = span
         self.fingerprint = fingerprint
@@ -111,7 +115,9 @@ class Node:
             victim = self.connections.admit(inbound)
         except NodeBusy as exc:
             self.throttle.refuse(inbound.host, "a connection", str(exc), inbound.opened)
-            await self._reply_error(conn, exc)
+            with trio.move_on_after(2):  # a short handshake, to say why in a way it can read
+                await self._secure(conn)
+                await self._reply_error(conn, exc)
             await conn.aclose()
             return
         if victim is not None:
@@ -120,6 +126,8 @@ class Node:
             victim.close()
         try:
             with scope:
+                if not await self._secure(conn):
+                    return
                 async with trio.open_nursery() as sessions:  # the sessions this connection opened
                     await self._read(conn, sessions)
                     conn.closed = True
@@ -134,6 +142,23 @@ class Node:
                 if s.sink is conn:
                     s.sink_gone()
             await conn.aclose()
+
+    async def _secure(self, conn: FramedStream) -> bool:
+        """Run the server side of TLS on `conn` (unless plaintext); False if it failed."""
+        if self.identity is None:
+            return True
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+                first = await peek_byte(conn)
+            if first != TLS_HANDSHAKE:  # a plaintext peer: tell it why, in words it can read
+                await self._reply_error(conn, PlaintextRefused())
+                return False
+            conn.stream = await self.identity.accept(conn.stream)
+        except (trio.BrokenResourceError, trio.TooSlowError, OSError) as exc:
+            # a scanner, a plaintext client or a stalled handshake: nobody to tell
+            log.debug("TLS handshake from %s failed: %s", conn.peer(), exc)
+            return False
+        return True
 
     async def _read(self, conn: FramedStream, sessions: trio.Nursery) -> None:
         try:

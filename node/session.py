@@ -250,7 +250,7 @@ class Session:
             self.state.handle(Opened(sid=self.sid))
         else:
             nxt = msg.route[msg.hop + 1]
-            dest = nxt.addr
+            dest = nxt.link
             try:
                 await self.node.directory.check(nxt)
             except UnannouncedPeer as exc:
@@ -258,11 +258,25 @@ class Session:
                 await send_quietly(self.owner, Error.of(exc, sid=self.sid, hop=msg.hop + 1))
                 return False
             try:
-                ds = await self.node.downstream.connect(dest)
-            except (OSError, UnicodeError, ValueError, trio.TooSlowError) as exc:
-                # unreachable, unresolvable, or not even a valid host name
+                ds = await self.node.downstream.connect(nxt)
+            except (
+                OSError,
+                UnicodeError,
+                ValueError,
+                trio.TooSlowError,
+                trio.BrokenResourceError,
+                SwarmError,
+            ) as exc:
+                # unreachable, unresolvable, not a valid host name, a failed TLS handshake,
+                # the wrong peer there or a relay that does not know it
                 self.close()
-                err = PeerFailed(f"cannot reach hop {msg.hop + 1} at {dest}: {exc}")
+                err = (
+                    exc
+                    if isinstance(exc, SwarmError)
+                    else PeerFailed(
+                        f"cannot reach hop {msg.hop + 1} at {dest}: {exc or type(exc).__name__}"
+                    )
+                )
                 await send_quietly(self.owner, Error.of(err, sid=self.sid, hop=msg.hop + 1))
                 return False
             self.downstream = dest

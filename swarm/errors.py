@@ -81,6 +81,26 @@ class UnannouncedPeer(PeerFailed):
     code = "unannounced_peer"
 
 
+class WrongPeer(PeerFailed):
+    """The peer at a node's address failed to prove, by the TLS key its signed DHT record
+    names, that it is that node (an impostor, or a new node at an old address)."""
+
+    code = "wrong_peer"
+
+
+class PlaintextRefused(ProtocolError):
+    """A connection to a TLS node began without a TLS handshake. Dial nodes with
+    swarm.transport.dial_hop (or connect with the key id their record names)."""
+
+    code = "tls_required"
+
+    def __init__(self, message: str = ""):
+        super().__init__(
+            message
+            or "this node speaks only TLS: dial it with the key id its DHT record names"
+        )
+
+
 ERRORS_BY_CODE: dict[str, type[SwarmError]] = {
     cls.code: cls
     for cls in (
@@ -96,6 +116,8 @@ ERRORS_BY_CODE: dict[str, type[SwarmError]] = {
         CacheFull,
         PeerFailed,
         UnannouncedPeer,
+        WrongPeer,
+        PlaintextRefused,
     )
 }
 

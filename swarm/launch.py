@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _MADDR = re.compile(r"--initial-peers (/\S+)")
-_SERVING = re.compile(r"serving blocks (\d+):(\d+) on (\S+) \(peer (\S+)\)")
+_SERVING = re.compile(r"serving blocks (\d+):(\d+) on (\S+) \(peer (\S+)\)(?:, TLS key (\w+))?")
 
 
 @dataclass
@@ -25,6 +25,7 @@ class NodeProcess:
     maddrs: list[str] = field(default_factory=list)
     addr: str = ""
     peer: str = ""
+    tls: str = ""  # the key id it proves ("": --plaintext)
     _queue: queue.Queue = field(default_factory=queue.Queue)
 
     def _pump(self) -> None:
@@ -48,7 +49,7 @@ class NodeProcess:
                 self.maddrs.append(m.group(1))
             if m := _SERVING.search(line):
                 self.layers = (int(m.group(1)), int(m.group(2)))
-                self.addr, self.peer = m.group(3), m.group(4)
+                self.addr, self.peer, self.tls = m.group(3), m.group(4), m.group(5) or ""
                 return
         raise TimeoutError(
             f"node {self.layers} not serving after {timeout} s:\n" + "\n".join(self.lines)
@@ -72,6 +73,16 @@ class NodeProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def hop(self, start: int | None = None, end: int | None = None):
+        """The route hop that reaches this node for blocks start:end (default: its span)."""
+        from swarm.address import parse_host_port
+        from swarm.protocol import Hop
+
+        host, port = parse_host_port(self.addr)
+        start = self.layers[0] if start is None else start
+        end = self.layers[1] if end is None else end
+        return Hop(host, port, start, end, self.peer, self.tls)
 
     @property
     def pid(self) -> int:

@@ -20,13 +20,21 @@ class Hop:
     start: int
     end: int
     peer: str = ""
+    tls: str = ""  # the key id the hop's record names ("": a plaintext node)
+    relay: str = ""  # the relay's peer id when host:port is the relay's (swarm.relay)
 
     @property
     def addr(self) -> str:
         return join_host_port(self.host, self.port)
 
+    @property
+    def link(self) -> str:
+        """What names the connection to this hop: its address, or, behind a relay (whose
+        address several nodes share), the relay's address and the node's peer id."""
+        return f"{self.addr}/p2p/{self.peer}" if self.relay else self.addr
+
     def to_wire(self) -> list:
-        return [self.host, self.port, self.start, self.end, self.peer]
+        return [self.host, self.port, self.start, self.end, self.peer, self.tls, self.relay]
 
 
 @dataclass(frozen=True)
@@ -157,12 +165,14 @@ def _int(d: dict, key: str, lo: int = 0, hi: int = 2**31) -> int:
 def _hop(raw: Any) -> Hop:
     if (
         not isinstance(raw, list)
-        or len(raw) != 5
+        or not 5 <= len(raw) <= 7
         or not isinstance(raw[0], str)
         or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw[1:4])
-        or not isinstance(raw[4], str)
+        or not all(isinstance(x, str) for x in raw[4:])
     ):
-        raise ProtocolError(f"route hop must be [host, port, start, end, peer], got {raw!r}")
+        raise ProtocolError(
+            f"route hop must be [host, port, start, end, peer, tls, relay], got {raw!r}"[:300]
+        )
     return Hop(*raw)
 
 

@@ -6,11 +6,13 @@ hivemind's RSASignatureValidator lets only that owner change it. `swarm.models` 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from swarm.address import parse_host_port
+from swarm.protocol import Hop
 
 JOINING, ONLINE, OFFLINE = "joining", "online", "offline"
 STATES = (JOINING, ONLINE, OFFLINE)
@@ -47,6 +49,9 @@ class NodeRecord:
     decode_batch: float = 1.0  # decode steps per decode pass, on average (sessions batched)
     throttled: int = 0  # opens and connections refused, sessions evicted, in the last minute
     decode_passes: int = 0  # decode passes since the node started
+    tls: str = ""  # key id (swarm.tls) the node proves in its TLS handshake; "": plaintext
+    relay: str = ""  # peer id of the node relaying this one, which nobody can dial; then
+    # `addr` is the relay's and a dialler asks it for this peer first (swarm.relay)
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,6 +59,13 @@ class NodeRecord:
     @property
     def host_port(self) -> tuple[str, int]:
         return parse_host_port(self.addr)
+
+    def hop(self, start: int | None = None, end: int | None = None) -> Hop:
+        """How to reach this node for blocks start:end (default: its whole span)."""
+        host, port = self.host_port
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        return Hop(host, port, start, end, self.peer, self.tls, self.relay)
 
     @classmethod
     def from_wire(cls, raw: Any) -> NodeRecord:
@@ -86,6 +98,8 @@ class NodeRecord:
                 else 1.0,
                 throttled=_typed(raw, "throttled", int) if "throttled" in raw else 0,
                 decode_passes=_typed(raw, "decode_passes", int) if "decode_passes" in raw else 0,
+                tls=_typed(raw, "tls", str) if "tls" in raw else "",
+                relay=_typed(raw, "relay", str) if "relay" in raw else "",
             )
         except KeyError as exc:
             raise ValueError(f"record lacks field {exc}") from None
@@ -95,6 +109,10 @@ class NodeRecord:
             raise ValueError(f"record span {rec.start}:{rec.end} is not inside 0:{rec.num_layers}")
         if not 0 < len(rec.weights) <= MAX_WEIGHTS_NAME:
             raise ValueError(f"record weights {rec.weights[:40]!r} is not a format name")
+        if rec.tls and not re.fullmatch(r"[0-9a-f]{64}", rec.tls):
+            raise ValueError(f"record tls {rec.tls[:40]!r} is not a key id")
+        if len(rec.relay) > MAX_NAME:
+            raise ValueError("record relay is not a peer id")
         parse_host_port(rec.addr)  # its ValueError names the address
         return rec
 

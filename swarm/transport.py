@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import trio
 
-from swarm.address import parse_host_port
-from swarm.errors import ProtocolError
-from swarm.protocol import Message, Ping, Pong, parse_message, to_wire
+from swarm.address import join_host_port
+from swarm.errors import ProtocolError, SwarmError
+from swarm.protocol import Hop, Message, Ping, Pong, parse_message, to_wire
+from swarm.tls import dial
 from swarm.wire import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame
 
 RECEIVE_CHUNK = 256 * 1024
@@ -29,7 +30,7 @@ class Arrival:
 
 
 class FramedStream:
-    def __init__(self, stream: trio.SocketStream, max_frame: int = DEFAULT_MAX_FRAME):
+    def __init__(self, stream: trio.abc.Stream, max_frame: int = DEFAULT_MAX_FRAME):
         self.stream = stream
         self.decoder = FrameDecoder(max_frame)
         self._send_lock = trio.Lock()
@@ -42,13 +43,21 @@ class FramedStream:
 
     @property
     def socket(self) -> socket.socket | None:
-        return getattr(self.stream, "socket", None)
+        """The TCP socket under the stream (under TLS too: the link scheduler reads TCP_INFO)."""
+        stream = self.stream
+        while isinstance(stream, trio.SSLStream):
+            stream = stream.transport_stream
+        return getattr(stream, "socket", None)
+
+    @property
+    def encrypted(self) -> bool:
+        return isinstance(self.stream, trio.SSLStream)
 
     def peer(self) -> str:
         try:
-            host, port = self.stream.socket.getpeername()[:2]
+            host, port = self.socket.getpeername()[:2]
             return f"{host}:{port}"
-        except OSError:
+        except (OSError, AttributeError):
             return "?"
 
     async def send(self, message: Message) -> None:
@@ -96,13 +105,39 @@ class FramedStream:
         self.closed = True
         with trio.move_on_after(1) as scope:
             scope.shield = True
-            await self.stream.aclose()
+            try:
+                await self.stream.aclose()
+            except (trio.BrokenResourceError, OSError):
+                pass  # the peer went first: a TLS close_notify had nowhere to go
+        if scope.cancelled_caught:
+            await trio.aclose_forcefully(self.stream)
 
 
-async def connect(host: str, port: int, max_frame: int = DEFAULT_MAX_FRAME) -> FramedStream:
+async def connect(
+    host: str, port: int, max_frame: int = DEFAULT_MAX_FRAME, *, tls: str | None
+) -> FramedStream:
+    """A framed connection to a node. `tls`: the key id its DHT record announces, checked in a
+    TLS handshake (WrongPeer if the node cannot prove it); None only for a plaintext node."""
     stream = await trio.open_tcp_stream(host, port)
     stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return FramedStream(stream, max_frame)
+    if tls is None:
+        return FramedStream(stream, max_frame)
+    try:
+        secure = await dial(stream, tls, join_host_port(host, port))
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    return FramedStream(secure, max_frame)
+
+
+async def dial_hop(hop: Hop, max_frame: int = DEFAULT_MAX_FRAME) -> FramedStream:
+    """A framed connection to the node `hop` names: TLS checked against its key (plaintext
+    only for a hop announced without one), through its relay if it has one."""
+    if hop.relay:
+        from swarm.relay import splice  # relay builds on this module
+
+        return await splice(hop, max_frame)
+    return await connect(hop.host, hop.port, max_frame, tls=hop.tls or None)
 
 
 @dataclass(frozen=True)
@@ -117,21 +152,18 @@ class Reach:
         return self.error is None
 
 
-async def ping(addr: str, *, timeout: float, rounds: int = 1) -> Reach:
-    """Connect to a node's data-plane "host:port" and time `rounds` pings; never raises.
+async def ping(hop: Hop, *, timeout: float, rounds: int = 1) -> Reach:
+    """Connect to a node as its record says (`NodeRecord.hop`) and time `rounds` pings;
+    never raises.
 
     The best of several rounds on one connection is the figure: the first round trip
     can include the node waking a task up, later ones are the network's.
     """
-    try:
-        host, port = parse_host_port(addr)
-    except ValueError:
-        return Reach(error=f"bad address {addr[:80]!r}")
     best: float | None = None
     conn: FramedStream | None = None
     try:
         with trio.fail_after(timeout):
-            conn = await connect(host, port, max_frame=MAX_PONG_FRAME)
+            conn = await dial_hop(hop, MAX_PONG_FRAME)
             for _ in range(rounds):
                 nonce = random.getrandbits(62)
                 sent = time.perf_counter()
@@ -149,6 +181,8 @@ async def ping(addr: str, *, timeout: float, rounds: int = 1) -> Reach:
         return Reach(error=_os_reason(exc))
     except ProtocolError as exc:
         return Reach(error=f"bad reply: {exc}")
+    except SwarmError as exc:  # the wrong peer, or a relay that does not know the node
+        return Reach(error=str(exc))
     finally:
         if conn is not None:
             await conn.aclose()

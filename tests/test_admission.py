@@ -14,6 +14,7 @@ from swarm.client.client import Client
 from swarm.launch import NodeProcess, start_swarm, stop_all
 from swarm.model.source import open_model
 from swarm.protocol import Attach, Attached, Close, Error, Hop, Open, Opened
+from swarm.tls import dial
 from swarm.transport import FramedStream
 from tests.conftest import reference_greedy
 
@@ -65,14 +66,14 @@ def address(node: NodeProcess) -> tuple[str, int]:
 async def attacker(node: NodeProcess, source: str) -> FramedStream:
     """A connection to `node` from loopback address `source` (127.0.0.2, ...)."""
     stream = await trio.open_tcp_stream(*address(node), local_address=source)
-    return FramedStream(stream)
+    return FramedStream(await dial(stream, node.tls, node.addr))
 
 
 def open_msg(node: NodeProcess, fingerprint: str, max_length: int = 64, sid: str = "") -> Open:
     host, port = address(node)
     return Open(
         sid=sid or os.urandom(16).hex(),
-        route=(Hop(host, port, 0, 6, node.peer),),
+        route=(Hop(host, port, 0, 6, node.peer, node.tls),),
         hop=0,
         fingerprint=fingerprint,
         wire_dtype="float32",
@@ -237,7 +238,10 @@ async def test_closing_the_upstream_connection_frees_the_session_down_the_route(
     await opener.send(
         Open(
             sid=sid,
-            route=(Hop(h1, p1, 0, 2, first.peer), Hop(h2, p2, 2, 5, second.peer)),
+            route=(
+                Hop(h1, p1, 0, 2, first.peer, first.tls),
+                Hop(h2, p2, 2, 5, second.peer, second.tls),
+            ),
             hop=0,
             fingerprint=fingerprint,
             wire_dtype="float32",

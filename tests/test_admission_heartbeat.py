@@ -55,11 +55,7 @@ def wait_online(nodes, model: str, timeout: float = 60.0) -> None:
 
 
 def route_of(nodes) -> list[Hop]:
-    hops = []
-    for n in nodes:
-        host, _, port = n.addr.rpartition(":")
-        hops.append(Hop(host, int(port), n.layers[0], n.layers[1], n.peer))
-    return hops
+    return [n.hop() for n in nodes]
 
 
 @pytest.mark.parametrize("hop", [0, 1, 2])

@@ -12,6 +12,7 @@ import trio
 from swarm.launch import NodeProcess
 from swarm.model.source import open_model
 from swarm.protocol import Error, Hop, Open, Opened
+from swarm.tls import dial
 from swarm.transport import FramedStream
 
 
@@ -35,11 +36,11 @@ async def open_through(first: NodeProcess, fingerprint: str, next_hop: Hop):
     """Open a two-hop route from 127.0.0.40 through `first` to `next_hop`: the answer."""
     host, port = address(first)
     stream = await trio.open_tcp_stream(host, port, local_address="127.0.0.40")
-    conn = FramedStream(stream)
+    conn = FramedStream(await dial(stream, first.tls, first.addr))
     await conn.send(
         Open(
             sid=os.urandom(16).hex(),
-            route=(Hop(host, port, 0, 2, first.peer), next_hop),
+            route=(Hop(host, port, 0, 2, first.peer, first.tls), next_hop),
             hop=0,
             fingerprint=fingerprint,
             wire_dtype="float32",
@@ -88,23 +89,32 @@ async def test_an_announced_next_hop_is_opened(tiny_swarm, fingerprint):
     first, second = nodes_by_span(tiny_swarm)
     host, port = address(second)
     assert isinstance(
-        await open_through(first, fingerprint, Hop(host, port, 2, 5, second.peer)), Opened
+        await open_through(first, fingerprint, Hop(host, port, 2, 5, second.peer, second.tls)),
+        Opened,
     )
 
 
 @pytest.mark.parametrize(
     "how",
-    ["unknown peer", "announced peer at another port", "blocks it does not serve", "no peer"],
+    [
+        "unknown peer",
+        "announced peer at another port",
+        "announced peer with another TLS key",
+        "blocks it does not serve",
+        "no peer",
+    ],
 )
 async def test_an_open_naming_an_unannounced_next_hop_is_refused_without_dialing(
     tiny_swarm, fingerprint, listener, how
 ):
     first, second = nodes_by_span(tiny_swarm)
+    key = second.tls
     hop = {
-        "unknown peer": Hop("127.0.0.1", listener.port, 2, 5, "QmNobodyAnnouncedThis"),
-        "announced peer at another port": Hop("127.0.0.1", listener.port, 2, 5, second.peer),
-        "blocks it does not serve": Hop(*address(second), 5, 6, second.peer),
-        "no peer": Hop("127.0.0.1", listener.port, 2, 5, ""),
+        "unknown peer": Hop("127.0.0.1", listener.port, 2, 5, "QmNobodyAnnouncedThis", key),
+        "announced peer at another port": Hop("127.0.0.1", listener.port, 2, 5, second.peer, key),
+        "announced peer with another TLS key": Hop(*address(second), 2, 5, second.peer, "0" * 64),
+        "blocks it does not serve": Hop(*address(second), 5, 6, second.peer, key),
+        "no peer": Hop("127.0.0.1", listener.port, 2, 5, "", key),
     }[how]
     msg = await open_through(first, fingerprint, hop)
     assert isinstance(msg, Error) and msg.code == "unannounced_peer", msg

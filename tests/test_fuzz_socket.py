@@ -51,6 +51,7 @@ RSS_BUDGET = 50 * 1024 * 1024
 PROMPT = [7, 70, 170, 270, 370, 470, 3, 33]
 MAX_LENGTH = 480  # the tiny model's context is 512
 NODE_ARGS = [
+    "--plaintext",  # these attacks speak raw frames; TLS's own are in tests/test_tls.py
     "--weights",
     "float32",
     "--wire-dtype",
@@ -80,7 +81,7 @@ def chain(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(chain, tiny_model_dir):
-    c = Client(chain[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
+    c = Client(chain[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32", plaintext=True)
     yield c
     c.close()
 
@@ -169,7 +170,7 @@ async def assert_alive(node: NodeProcess, log=None) -> None:
     if node.proc.poll() is not None:
         tail = log.read_text()[-3000:] if log is not None else "(stderr not kept)"
         raise AssertionError(f"node {node.layers} died with {node.proc.poll()}:\n{tail}")
-    reach = await ping(node.addr, timeout=10)
+    reach = await ping(node.hop(), timeout=10)
     assert reach.reachable, f"node {node.layers} does not answer pings: {reach.error}"
 
 
@@ -217,7 +218,7 @@ def hidden(tokens: int, dtype: str = "float32") -> dict:
 async def own_session(node: NodeProcess, fingerprint: str, sid: str, start: int, end: int):
     """An attacker's own one-hop session on `node`, attached on the same connection."""
     host, port = address(node)
-    conn = await connect(host, port)
+    conn = await connect(host, port, tls=None)
     await conn.send(
         Open(
             sid=sid,
@@ -415,7 +416,7 @@ async def foreign_sessions(
 ) -> None:
     """Another connection names the legitimate session: refused as if it did not exist."""
     host, port = address(node)
-    conn = await connect(host, port)
+    conn = await connect(host, port, tls=None)
     probes = [
         Step(sid=sid, phase="decode", pos=p, end=p + 1, hidden=hidden(1)) for p in (0, 8, 9, 200)
     ]
@@ -445,7 +446,7 @@ async def foreign_sessions(
     ledger.add("open with a taken sid", "error:busy")
     await conn.aclose()
     # nobody else can claim the legitimate session's results on the last node
-    sink = await connect(*address(last))
+    sink = await connect(*address(last), tls=None)
     for token in ("", "0" * 32, os.urandom(16).hex()):
         await sink.send(Attach(sid=sid, sink_token=token))
         await expect_error(sink, "session_not_found")
@@ -630,7 +631,7 @@ async def test_hostile_connections_leave_a_concurrent_session_and_the_node_intac
 
 async def test_a_foreign_session_id_gets_the_same_error_as_an_unknown_one(chain, client):
     """Nothing in the refusal tells an attacker that a guessed id exists."""
-    conn = await connect(*address(chain[0]))
+    conn = await connect(*address(chain[0]), tls=None)
 
     def legit():
         with client.session(32) as s:
@@ -668,7 +669,7 @@ async def test_attach_with_a_non_ascii_token_gets_session_not_found(
     lone_node, lone_nodes, fingerprint
 ):
     host, port = address(lone_node)
-    conn = await connect(host, port)
+    conn = await connect(host, port, tls=None)
     got = []
     for sid, opened_with, attached_with in [
         ("g" * 32, "s" * 32, "\u00f1" * 32),
@@ -706,7 +707,7 @@ async def test_open_naming_an_unusable_next_hop_gets_unannounced_peer(
     lone_node, lone_nodes, fingerprint, next_host
 ):
     host, port = address(lone_node)
-    conn = await connect(host, port)
+    conn = await connect(host, port, tls=None)
     await conn.send(two_hop_open(lone_node, fingerprint, Hop(next_host, 80, 3, 6, "")))
     got = await verdict(conn, 30)
     await conn.aclose()
@@ -750,7 +751,7 @@ async def test_open_whose_announced_next_hop_never_accepts_gets_peer_failed(
         )
         assert announce(announcer, [record], ttl=60) > 0
         await trio.sleep(0.5)
-        conn = await connect(*address(lone_node))
+        conn = await connect(*address(lone_node), tls=None)
         hop = Hop(*full.getsockname(), 3, 6, record.peer)
         await conn.send(two_hop_open(lone_node, fingerprint, hop))
         got = await verdict(conn, 60)

@@ -56,7 +56,7 @@ def one_hop_open(client: Client, tiny_swarm, sid: str, **overrides) -> Open:
 
 
 async def test_unknown_session_is_refused(tiny_swarm):
-    conn = await connect(*first_node(tiny_swarm))
+    conn = await connect(*first_node(tiny_swarm), tls=tiny_swarm[0].tls)
     hidden = pack_tensor(torch.zeros(1, 1, HIDDEN), "float32")
     await conn.send(Step(sid="f" * 32, phase="prefill", pos=0, end=1, hidden=hidden))
     err = await expect_error(conn, "session_not_found")
@@ -65,7 +65,7 @@ async def test_unknown_session_is_refused(tiny_swarm):
 
 
 async def test_wrong_model_fingerprint_is_refused(tiny_swarm, client):
-    conn = await connect(*first_node(tiny_swarm))
+    conn = await connect(*first_node(tiny_swarm), tls=tiny_swarm[0].tls)
     await conn.send(one_hop_open(client, tiny_swarm, "a" * 32, fingerprint="0" * 16))
     err = await expect_error(conn, "fingerprint_mismatch")
     assert "0" * 16 in err.message
@@ -74,7 +74,7 @@ async def test_wrong_model_fingerprint_is_refused(tiny_swarm, client):
 
 async def test_blocks_outside_the_node_span_are_refused(tiny_swarm, client):
     host, port = first_node(tiny_swarm)
-    conn = await connect(host, port)
+    conn = await connect(host, port, tls=tiny_swarm[0].tls)
     msg = one_hop_open(client, tiny_swarm, "b" * 32, route=(Hop(host, port, 0, 4, ""),))
     await conn.send(msg)
     err = await expect_error(conn, "span")
@@ -83,7 +83,7 @@ async def test_blocks_outside_the_node_span_are_refused(tiny_swarm, client):
 
 
 async def test_wrong_tensor_shape_is_refused_and_the_session_survives(tiny_swarm, client):
-    conn = await connect(*first_node(tiny_swarm))
+    conn = await connect(*first_node(tiny_swarm), tls=tiny_swarm[0].tls)
     await conn.send(one_hop_open(client, tiny_swarm, "c" * 32))
     with trio.fail_after(10):
         assert isinstance(await conn.receive(), Opened)
@@ -106,11 +106,8 @@ async def test_wrong_tensor_shape_is_refused_and_the_session_survives(tiny_swarm
 
 
 async def test_oversize_frame_is_refused_before_it_is_read(tiny_swarm):
-    stream = await trio.open_tcp_stream(*first_node(tiny_swarm))
-    await stream.send_all(struct.pack(">I", 2**31))
-    from swarm.transport import FramedStream
-
-    conn = FramedStream(stream)
+    conn = await connect(*first_node(tiny_swarm), tls=tiny_swarm[0].tls)
+    await conn.stream.send_all(struct.pack(">I", 2**31))
     err = await expect_error(conn, "frame_too_large")
     assert str(2**31) in err.message
     with trio.fail_after(10):
@@ -126,7 +123,7 @@ def test_bad_input_on_one_connection_leaves_other_sessions_intact(
         logits = s.feed(ids)
 
         async def garbage():
-            conn = await connect(*first_node(tiny_swarm))
+            conn = await connect(*first_node(tiny_swarm), tls=tiny_swarm[0].tls)
             await conn.send_raw(struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1")
             await expect_error(conn, "protocol")
             await conn.aclose()

@@ -49,7 +49,9 @@ class Backend:
 
     def gaps(self) -> list[tuple[int, int]]:
         """Blocks no usable node serves right now (blocking: reads the DHT)."""
-        records = usable(self.client.nodes(), self.client.fingerprint)
+        records = usable(
+            self.client.nodes(), self.client.fingerprint, plaintext=self.client.plaintext
+        )
         return missing_blocks(records, self.client.config.num_layers)
 
     async def check_route(self) -> None:

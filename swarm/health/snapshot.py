@@ -167,12 +167,13 @@ def short_peer(peer: str) -> str:
 def build_model_view(
     model: ModelRecord, known: list[Known], reach: dict[str, Reach], now: float
 ) -> ModelView:
-    """Coverage and node rows for one model; `reach` maps a node address to its last ping."""
+    """Coverage and node rows for one model; `reach` maps a node's link (`Hop.link`) to its
+    last ping."""
     views = []
     for k in known:
         r = k.record
         expired = k.expires <= now
-        ping = None if expired else reach.get(r.addr)
+        ping = None if expired else reach.get(r.hop().link)
         fingerprint_ok = r.fingerprint == model.fingerprint and r.num_layers == model.num_layers
         usable = (
             not expired

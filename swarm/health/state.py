@@ -161,19 +161,21 @@ class Collector:
 
     async def _ping_all(self) -> dict[str, Reach]:
         now = self._clock()
-        addrs = sorted({k.record.addr for k in self._known.values() if k.expires > now})
+        hops = {
+            h.link: h for h in (k.record.hop() for k in self._known.values() if k.expires > now)
+        }  # keyed by link: nodes behind one relay share its address
         results: dict[str, Reach] = {}
         limiter = trio.CapacityLimiter(self.config.ping_concurrency)
 
-        async def one(addr: str) -> None:
+        async def one(link: str, hop) -> None:
             async with limiter:
-                results[addr] = await self._ping(
-                    addr, timeout=self.config.ping_timeout, rounds=self.config.ping_rounds
+                results[link] = await self._ping(
+                    hop, timeout=self.config.ping_timeout, rounds=self.config.ping_rounds
                 )
 
         async with trio.open_nursery() as nursery:
-            for addr in addrs:
-                nursery.start_soon(one, addr)
+            for link, hop in sorted(hops.items()):
+                nursery.start_soon(one, link, hop)
         return results
 
     def _build(self, reach: dict[str, Reach]) -> Snapshot:

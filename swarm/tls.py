@@ -1,0 +1,121 @@
+"""TLS on the data plane, with the peer identified by a key its signed DHT record names.
+
+A node makes a fresh key and a self-signed certificate at start and puts the SHA-256 of the
+certificate's public key (`key_id`) in its DHT record, which hivemind's signature validator lets
+only the record's owner write. Whoever dials a node knows from the record which key to expect and
+checks it after the handshake, so nothing else at the node's address can pass for it. No
+certificate authority is involved: the DHT record plays that part. The node does not check who
+dialled it (clients have no identity to prove).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import socket
+import ssl
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from swarm.errors import WrongPeer
+
+HANDSHAKE_TIMEOUT_S = 10.0
+TLS_HANDSHAKE = 0x16  # the first byte of every TLS connection (a handshake record)
+
+
+async def peek_byte(conn) -> int | None:
+    """The first byte waiting on a FramedStream's socket, left there (None: closed)."""
+    sock = conn.socket
+    data = await sock.recv(1, socket.MSG_PEEK)
+    return data[0] if data else None
+
+
+def key_id(certificate_der: bytes) -> str:
+    """Hex SHA-256 of a DER certificate's SubjectPublicKeyInfo: what a record announces."""
+    public = x509.load_der_x509_certificate(certificate_der).public_key()
+    spki = public.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return hashlib.sha256(spki).hexdigest()
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A node's TLS key and certificate, and the context that presents them."""
+
+    key_id: str
+    context: ssl.SSLContext
+
+    @classmethod
+    def generate(cls) -> Identity:
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "swarm node")])
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=3650))
+            .sign(key, hashes.SHA256())
+        )
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        # ssl loads keys only from files: write them to a private temporary directory
+        with tempfile.TemporaryDirectory() as tmp:
+            cert_file, key_file = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
+            cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+            key_file.write_bytes(
+                key.private_bytes(
+                    serialization.Encoding.PEM,
+                    serialization.PrivateFormat.PKCS8,
+                    serialization.NoEncryption(),
+                )
+            )
+            context.load_cert_chain(cert_file, key_file)
+        return cls(key_id(cert.public_bytes(serialization.Encoding.DER)), context)
+
+    async def accept(self, stream: trio.abc.Stream) -> trio.SSLStream:
+        """The server side of a handshake on an accepted connection (bounded in time)."""
+        tls = trio.SSLStream(stream, self.context, server_side=True)
+        with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+            await tls.do_handshake()
+        return tls
+
+
+def _client_context() -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    # the peer is checked against the key its DHT record names, in `dial`, not against a CA
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+CLIENT_CONTEXT = _client_context()
+
+
+async def dial(stream: trio.abc.Stream, expected_key: str, where: str) -> trio.SSLStream:
+    """The client side of a handshake on `stream`; raises WrongPeer unless the peer's
+    certificate carries `expected_key`."""
+    tls = trio.SSLStream(stream, CLIENT_CONTEXT, server_side=False)
+    with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+        await tls.do_handshake()
+    der = tls.getpeercert(binary_form=True)
+    got = key_id(der) if der else "(none)"
+    if got != expected_key:
+        await trio.aclose_forcefully(tls)
+        raise WrongPeer(
+            f"the peer at {where} is not the node its record names: its TLS key is"
+            f" {got[:16]}…, the record says {expected_key[:16]}…"
+        )
+    return tls
