@@ -33,6 +33,7 @@ from swarm.node.placement import (
 )
 from swarm.node.server import Node
 from swarm.node.status import Status, log_status
+from swarm.relay import check_reachable, stay_relayed
 from swarm.tls import Identity
 
 log = logging.getLogger("swarm.node")
@@ -223,8 +224,13 @@ class Serving:
         moved: list[tuple[int, int]] = []
         async with trio.open_nursery() as nursery:
             await nursery.start(node.serve, listeners)
+            await self._reach(node, announcer, nursery)
+            via = f", relayed by {announcer.relay}" if announcer.relay else ""
             secured = f"TLS key {self.identity.key_id}" if self.identity else "PLAINTEXT"
-            say(f"serving blocks {start}:{end} on {self.addr} (peer {self.dht.peer_id}), {secured}")
+            say(
+                f"serving blocks {start}:{end} on {announcer.addr} (peer {self.dht.peer_id}),"
+                f" {secured}{via}"
+            )
             nursery.start_soon(announcer.keep_fresh, node)
             nursery.start_soon(log_status, functools.partial(status, node))
             if cfg.automatic_span and cfg.rebalance_s > 0:
@@ -232,6 +238,44 @@ class Serving:
             await shutdown_on_signal(node, announcer, cfg.limits.grace_s)
             nursery.cancel_scope.cancel()
         return moved[0] if moved else None
+
+    async def _reach(self, node: Node, announcer: Announcer, nursery) -> None:
+        """Find out whether others can dial this node; if not (or --relay always), serve
+        through a relay, announcing its address."""
+        cfg = self.cfg
+        if self.identity is None or cfg.relay == "never":
+            return
+        me = str(self.dht.peer_id)
+        config = self.source.config
+        if cfg.relay == "auto":
+            records = await read_records(self.dht, config)
+            reachable, why = await check_reachable(self.addr, self.identity.key_id, me, records)
+            if reachable is None:
+                say(f"reachability: unknown ({why}); serving directly at {self.addr}")
+                return
+            if reachable:
+                say(f"reachability: direct ({why})")
+                return
+            say(f"reachability: others cannot dial {self.addr} ({why}); looking for a relay")
+        else:
+            say("reachability: not checked (--relay always); looking for a relay")
+        node.relay_hub.capacity = 0  # nobody can reach a relay behind a relay
+        direct = self.addr
+        first = trio.Event()
+
+        async def relayed_by(record) -> None:
+            announcer.addr = record.addr if record else direct
+            announcer.relay = record.peer if record else ""
+            first.set()
+            if record is not None:
+                await announcer.publish("online", node)
+
+        async def candidates():
+            return await read_records(self.dht, config)
+
+        nursery.start_soon(stay_relayed, me, candidates, relayed_by, node.accept_relayed, say)
+        with trio.move_on_after(30):
+            await first.wait()
 
     async def _watch(self, node, announcer, current, moved, nursery) -> None:
         config = self.source.config

@@ -11,12 +11,12 @@ sessions and cache tokens.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from swarm.address import source_host
 from swarm.errors import NodeBusy
 
 log = logging.getLogger("swarm.node")
@@ -25,19 +25,6 @@ THROTTLE_LOG_S = 60.0  # at most one warning per address per this many seconds
 MAX_HOSTS = 4096  # addresses remembered for that
 RECENT_S = 60.0  # the DHT record counts refusals and evictions over this window
 RECENT_MAX = 100_000  # at most this many of them remembered
-
-
-def source_host(sockaddr) -> str:
-    """The address a connection is counted under: its IPv4 address, or its IPv6 /64."""
-    try:
-        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
-    except (ValueError, IndexError, TypeError, AttributeError):
-        return "?"
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
 
 
 def peer_host(stream) -> str:

@@ -67,6 +67,9 @@ class Limits:
     max_host_connections: int = option(
         32, "inbound connections from one source address", type=_positive_int
     )
+    max_relayed: int = option(
+        8, "nodes nobody can dial this node relays for, when others can dial it (0: none)"
+    )
     # a client may load its LM head between the open and its first step: seconds on a busy PC
     open_deadline_s: float = option(
         30.0,
@@ -253,6 +256,12 @@ class NodeConfig:
         None, "announce this address instead (a relay or NAT mapping)", metavar="HOST:PORT"
     )
     dht_host: str = option("127.0.0.1", "address the DHT listens on")
+    relay: str = option(
+        "auto",
+        "reach this node through another node: auto when others cannot dial its address (found"
+        " out at start), always (to measure the relayed path), never",
+        choices=("auto", "always", "never"),
+    )
     plaintext: bool = option(
         False,
         "an experiment: no TLS on this node's connections (its record and the health page"

@@ -32,7 +32,8 @@ from swarm.node.observer import NoObserver, StepObserver
 from swarm.node.session import Session, send_quietly
 from swarm.node.sessions import SessionTable
 from swarm.node.uplink import Uplink
-from swarm.protocol import Attach, Attached, Close, Error, Open, Ping, Step
+from swarm.protocol import Attach, Attached, Close, Error, Open, Ping, Relay, Step
+from swarm.relay import RelayHub
 from swarm.tls import HANDSHAKE_TIMEOUT_S, TLS_HANDSHAKE, Identity, peek_byte
 from swarm.transport import FramedStream
 from swarm.wire import WIRE_DTYPES
@@ -53,6 +54,8 @@ class Node:
     ):
         self.config = config
         self.identity = identity  # the TLS key this node proves; None: plaintext (--plaintext)
+        # relaying for nodes nobody can dial takes TLS: the relay must not read what it copies
+        self.relay_hub = RelayHub(config.limits.max_relayed if identity else 0)
         self.directory = directory  # the next hops an open may name
         self.span = span
         self.fingerprint = fingerprint
@@ -102,11 +105,13 @@ class Node:
 
     # ---- inbound connections --------------------------------------------------------------
 
-    async def _handle_connection(self, stream: trio.SocketStream) -> None:
+    async def _handle_connection(self, stream: trio.SocketStream, source: str = "") -> None:
+        """Serve one inbound connection; `source`: the dialler's host when a relay spliced it
+        (the socket's peer is then the relay)."""
         conn = FramedStream(stream, self.config.limits.max_frame)
         scope = trio.CancelScope()
         inbound = Inbound(
-            peer_host(conn),
+            source or peer_host(conn),
             time.monotonic(),
             scope.cancel,
             lambda: not any(s.owner is conn or s.sink is conn for s in self.sessions),
@@ -116,8 +121,8 @@ class Node:
         except NodeBusy as exc:
             self.throttle.refuse(inbound.host, "a connection", str(exc), inbound.opened)
             with trio.move_on_after(2):  # a short handshake, to say why in a way it can read
-                await self._secure(conn)
-                await self._reply_error(conn, exc)
+                if await self._secure(conn, inbound.host):
+                    await self._reply_error(conn, exc)
             await conn.aclose()
             return
         if victim is not None:
@@ -126,7 +131,7 @@ class Node:
             victim.close()
         try:
             with scope:
-                if not await self._secure(conn):
+                if not await self._secure(conn, inbound.host):
                     return
                 async with trio.open_nursery() as sessions:  # the sessions this connection opened
                     await self._read(conn, sessions)
@@ -143,15 +148,20 @@ class Node:
                     s.sink_gone()
             await conn.aclose()
 
-    async def _secure(self, conn: FramedStream) -> bool:
-        """Run the server side of TLS on `conn` (unless plaintext); False if it failed."""
+    async def accept_relayed(self, stream: trio.SocketStream, source: str) -> None:
+        """A connection a relay spliced to this node (it dialled the relay back)."""
+        await self._handle_connection(stream, source)
+
+    async def _secure(self, conn: FramedStream, host: str) -> bool:
+        """Run the server side of TLS on `conn` (unless plaintext); False if it failed or
+        the connection was a relay request (served here, to its end)."""
         if self.identity is None:
             return True
         try:
             with trio.fail_after(HANDSHAKE_TIMEOUT_S):
                 first = await peek_byte(conn)
-            if first != TLS_HANDSHAKE:  # a plaintext peer: tell it why, in words it can read
-                await self._reply_error(conn, PlaintextRefused())
+            if first != TLS_HANDSHAKE:
+                await self._plaintext_request(conn, host)
                 return False
             conn.stream = await self.identity.accept(conn.stream)
         except (trio.BrokenResourceError, trio.TooSlowError, OSError) as exc:
@@ -159,6 +169,17 @@ class Node:
             log.debug("TLS handshake from %s failed: %s", conn.peer(), exc)
             return False
         return True
+
+    async def _plaintext_request(self, conn: FramedStream, host: str) -> None:
+        """Before TLS only relay requests are taken; anything else is told to speak TLS."""
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+                msg = await conn.receive()
+            if not isinstance(msg, Relay):
+                raise PlaintextRefused()
+            await self.relay_hub.handle(conn, msg, host)
+        except SwarmError as exc:
+            await self._reply_error(conn, exc)
 
     async def _read(self, conn: FramedStream, sessions: trio.Nursery) -> None:
         try:

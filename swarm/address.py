@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 
 def parse_host_port(text: str, *, any_port: bool = False) -> tuple[str, int]:
     """Split "host:port" or "[v6]:port" into (host, port); raise ValueError on anything else.
@@ -22,3 +24,16 @@ def parse_host_port(text: str, *, any_port: bool = False) -> tuple[str, int]:
 def join_host_port(host: str, port: int) -> str:
     """The inverse of parse_host_port: brackets an IPv6 host."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def source_host(sockaddr) -> str:
+    """The address a connection is counted under: its IPv4 address, or its IPv6 /64."""
+    try:
+        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
+    except (ValueError, IndexError, TypeError, AttributeError):
+        return "?"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)

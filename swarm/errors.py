@@ -96,8 +96,7 @@ class PlaintextRefused(ProtocolError):
 
     def __init__(self, message: str = ""):
         super().__init__(
-            message
-            or "this node speaks only TLS: dial it with the key id its DHT record names"
+            message or "this node speaks only TLS: dial it with the key id its DHT record names"
         )
 
 

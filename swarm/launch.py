@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _MADDR = re.compile(r"--initial-peers (/\S+)")
-_SERVING = re.compile(r"serving blocks (\d+):(\d+) on (\S+) \(peer (\S+)\)(?:, TLS key (\w+))?")
+_SERVING = re.compile(
+    r"serving blocks (\d+):(\d+) on (\S+) \(peer (\S+)\)(?:, TLS key (\w+))?(?:, relayed by (\S+))?"
+)
 
 
 @dataclass
@@ -26,6 +28,7 @@ class NodeProcess:
     addr: str = ""
     peer: str = ""
     tls: str = ""  # the key id it proves ("": --plaintext)
+    relay: str = ""  # the peer id of its relay, if nobody can dial it (then addr is the relay's)
     _queue: queue.Queue = field(default_factory=queue.Queue)
 
     def _pump(self) -> None:
@@ -50,6 +53,7 @@ class NodeProcess:
             if m := _SERVING.search(line):
                 self.layers = (int(m.group(1)), int(m.group(2)))
                 self.addr, self.peer, self.tls = m.group(3), m.group(4), m.group(5) or ""
+                self.relay = m.group(6) or ""
                 return
         raise TimeoutError(
             f"node {self.layers} not serving after {timeout} s:\n" + "\n".join(self.lines)
@@ -82,7 +86,7 @@ class NodeProcess:
         host, port = parse_host_port(self.addr)
         start = self.layers[0] if start is None else start
         end = self.layers[1] if end is None else end
-        return Hop(host, port, start, end, self.peer, self.tls)
+        return Hop(host, port, start, end, self.peer, self.tls, self.relay)
 
     @property
     def pid(self) -> int:
@@ -107,10 +111,12 @@ def start_node(
     env: dict[str, str] | None = None,
     stderr=subprocess.DEVNULL,
     program: Sequence[str] = ("-m", "swarm.node"),
+    prefix: Sequence[str] = (),
 ) -> NodeProcess:
     """Start `python -m swarm.node` (or `python <program>`, a script that runs a node) in a new
-    process; call wait_serving() before using it. `layers` None: the node picks its own."""
-    cmd = [sys.executable, *program]
+    process; call wait_serving() before using it. `layers` None: the node picks its own.
+    `prefix`: a command that runs it (`ip netns exec NAME`, say)."""
+    cmd = [*prefix, sys.executable, *program]
     if layers is not None:
         cmd += ["--layers", f"{layers[0]}:{layers[1]}"]
     if model:

@@ -135,7 +135,27 @@ class Error:
         return exc
 
 
-Message = Open | Opened | Attach | Attached | Step | Result | Close | Ping | Pong | Error
+@dataclass(frozen=True)
+class Relay:
+    """Plaintext, before TLS, to a node that relays for nodes nobody can dial (swarm.relay).
+    `op`: listen / listening (a node behind NAT registers `peer`), splice / spliced (a dialler
+    asks for `peer`), reverse (the relay asks `peer` to connect back, `token`, for a dialler at
+    `addr`), accept (that connection back), dialback / dialed (dial `addr` with key `tls` and
+    say whether it answered: `error` empty if so)."""
+
+    op: str
+    peer: str = ""
+    token: str = ""
+    addr: str = ""
+    tls: str = ""
+    error: str = ""
+    t: str = field(default="relay", init=False)
+
+
+RELAY_FIELDS = ("peer", "token", "addr", "tls", "error")
+RELAY_OPS = ("listen", "listening", "splice", "spliced", "reverse", "accept", "dialback", "dialed")
+
+Message = Open | Opened | Attach | Attached | Step | Result | Close | Ping | Pong | Error | Relay
 
 
 def to_wire(message: Message) -> dict[str, Any]:
@@ -218,6 +238,14 @@ def parse_message(d: dict[str, Any]) -> Message:
             nonce=_int(d, "nonce", 0, 2**63),
             rx_bytes=_int(d, "rx_bytes") if "rx_bytes" in d else 0,
             rx_us=_int(d, "rx_us") if "rx_us" in d else 0,
+        )
+    if kind == "relay":
+        op = d.get("op")
+        if op not in RELAY_OPS:
+            raise ProtocolError(f"field 'op' must be one of {RELAY_OPS}, got {op!r}"[:200])
+        return Relay(
+            op=op,
+            **{k: _str(d, k, 1024 if k == "error" else 256) for k in RELAY_FIELDS if k in d},
         )
     if kind == "error":
         return Error(

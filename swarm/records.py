@@ -60,6 +60,11 @@ class NodeRecord:
     def host_port(self) -> tuple[str, int]:
         return parse_host_port(self.addr)
 
+    @property
+    def dial_key(self) -> str:
+        """What names the connection to it (`Hop.link`): nodes behind one relay share its addr."""
+        return f"{self.addr}/p2p/{self.peer}" if self.relay else self.addr
+
     def hop(self, start: int | None = None, end: int | None = None) -> Hop:
         """How to reach this node for blocks start:end (default: its whole span)."""
         host, port = self.host_port

@@ -121,6 +121,28 @@ def test_page_shows_each_nodes_weight_format():
     assert [n["weights"] for n in nodes] == ["int4", "float32"]
 
 
+def test_page_marks_relayed_and_plaintext_nodes():
+    key = "ab" * 32
+    snap = Snapshot(
+        taken_at=1001.0,
+        dht=DhtStatus("ok", 1001.0, 0.01),
+        models=(
+            view(
+                rec("direct", 0, 4, tls=key),
+                rec("behind", 0, 4, tls=key, relay="12D3KooWRelayRelay"),
+                rec("clear", 4, 8),
+            ),
+        ),
+    )
+    page = render_page(snap, 10)
+    rows = {m[0]: m[1] for m in re.findall(r'data-peer="(\w+)".*?Address"><div>(.*?)</div>', page)}
+    assert "relay" not in rows["direct"] and "plaintext" not in rows["direct"]
+    assert "via relay …layRelay" in rows["behind"] and "plaintext" not in rows["behind"]
+    assert "plaintext" in rows["clear"]
+    nodes = {n["peer"]: n for n in snap.to_json()["models"][0]["nodes"]}
+    assert nodes["behind"]["relay"] == "12D3KooWRelayRelay" and nodes["clear"]["tls"] == ""
+
+
 def test_page_shows_each_nodes_sessions_and_mean_decode_batch():
     # a node from before records carried the fields: no sessions, batches of one
     old = {

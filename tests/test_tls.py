@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import trio
 
-from conftest import reference_greedy, swarm_greedy
 from swarm.client.client import Client
 from swarm.dht import announce, read_nodes, start_dht
 from swarm.errors import RouteUnavailable, WrongPeer
@@ -19,6 +18,7 @@ from swarm.protocol import Error, Ping, Pong
 from swarm.records import NodeRecord
 from swarm.tls import Identity
 from swarm.transport import connect, dial_hop, ping
+from tests.conftest import reference_greedy, swarm_greedy
 
 PROMPT = [5, 50, 150, 250, 350]
 NODE_FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]

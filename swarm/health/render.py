@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from html import escape
 
-from swarm.health.snapshot import EXPIRED, ModelView, NodeView, Snapshot
+from swarm.health.snapshot import EXPIRED, ModelView, NodeView, Snapshot, short_peer
 
 # numbers inside the bar's cells stop fitting beyond this many blocks; the tooltip keeps them
 MAX_LABELLED_BLOCKS = 48
@@ -248,9 +248,20 @@ def _row(n: NodeView, num_layers: int) -> str:
         refreshed = f"{_age(n.updated_ago_s)} ago <span class='muted'>(expired)</span>"
     else:
         refreshed = f"{_age(n.updated_ago_s)} ago"
+    addr = f"<code>{escape(r.addr)}</code>"
+    if r.relay:
+        addr += (
+            f' <span class="badge" title="nobody can dial it; relayed by {escape(r.relay)}">'
+            f"via relay {escape(short_peer(r.relay))}</span>"
+        )
+    if not r.tls:
+        addr += (
+            ' <span class="badge s-unreachable" title="run with --plaintext: its traffic is'
+            ' not encrypted">plaintext</span>'
+        )
     cells = [
         f'<code title="{escape(r.peer)}">{escape(n.short_peer)}</code>',
-        f"<code>{escape(r.addr)}</code>",
+        addr,
         f'<span class="spantext">{r.start}:{r.end}</span><div class="span">'
         f'<i style="left:{left:.2f}%;width:{width:.2f}%"></i></div>',
         state,

@@ -58,6 +58,8 @@ class NodeView:
             "decode_batch": r.decode_batch,
             "throttled": r.throttled,
             "link": dict(r.link),
+            "tls": r.tls,  # the key id it proves; "" when it runs --plaintext
+            "relay": r.relay,  # the peer relaying for it ("": others dial it directly)
             "reachable": None if self.reach is None else self.reach.reachable,
             "rtt_ms": None if self.reach is None else _ms(self.reach.rtt_s),
             "ping_error": None if self.reach is None else self.reach.error,
@@ -173,7 +175,7 @@ def build_model_view(
     for k in known:
         r = k.record
         expired = k.expires <= now
-        ping = None if expired else reach.get(r.hop().link)
+        ping = None if expired else reach.get(r.dial_key)
         fingerprint_ok = r.fingerprint == model.fingerprint and r.num_layers == model.num_layers
         usable = (
             not expired
