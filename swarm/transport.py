@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import socket
 import time
@@ -19,6 +20,7 @@ RECEIVE_CHUNK = 256 * 1024
 RX_MIN_BYTES = 4096  # a frame's arrival spread says something about the link from this size
 # a pong is ~30 bytes; anything bigger than this is not a node answering a ping
 MAX_PONG_FRAME = 4096
+SEND_GRACE_S = 60.0  # longest a cancelled frame send may still take (16 MiB at ~2 Mbps)
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,20 @@ class FramedStream:
         await self.send_raw(encode_frame(to_wire(message)))
 
     async def send_raw(self, frame: bytes) -> None:
+        """Send one encoded frame whole. A cancelled send would leave part of a frame on the
+        wire (and breaks a TLS stream even before its first byte), so a cancel waits for the
+        frame to go; only a deadline stops it (at most SEND_GRACE_S on), closing the stream."""
         async with self._send_lock:
-            await self.stream.send_all(frame)
+            # (a task already cancelled sees -inf here: it gets the grace too)
+            grace = trio.current_time() + SEND_GRACE_S
+            deadline = trio.current_effective_deadline()
+            deadline = grace if deadline == -math.inf else min(deadline, grace)
+            with trio.CancelScope(shield=True, deadline=deadline) as scope:
+                await self.stream.send_all(frame)
+            if scope.cancelled_caught:
+                self.closed = True
+                await trio.aclose_forcefully(self.stream)
+                raise trio.BrokenResourceError("a frame could not be sent in time; closed")
 
     async def receive(self) -> Message | None:
         """The next message, or None at end of stream. Raises ProtocolError on a bad frame."""

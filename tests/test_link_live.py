@@ -77,7 +77,7 @@ async def test_the_estimate_follows_a_live_link_through_rate_changes(nursery):
 
     uplink = Uplink(LinkOptions(), broken)
     nursery.start_soon(uplink.run)
-    conn = await connect("127.0.0.1", port)
+    conn = await connect("127.0.0.1", port, tls=None)
     dest = f"127.0.0.1:{port}"
     nursery.start_soon(read_pongs, uplink, dest, conn)
 
@@ -139,7 +139,7 @@ async def test_the_in_flight_cap_lets_its_floor_of_prompt_chunks_go_unacknowledg
 
     uplink = Uplink(LinkOptions(inflight_gain=2.0, inflight_floor_chunks=2), broken)
     nursery.start_soon(uplink.run)
-    conn = await connect("127.0.0.1", port)
+    conn = await connect("127.0.0.1", port, tls=None)
     dest = f"127.0.0.1:{port}"
     nursery.start_soon(read_pongs, uplink, dest, conn)
 

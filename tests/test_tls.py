@@ -7,6 +7,8 @@ address is refused with WrongPeer; a plaintext peer gets a readable error; a nod
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import trio
 
@@ -14,10 +16,10 @@ from swarm.client.client import Client
 from swarm.dht import announce, read_nodes, start_dht
 from swarm.errors import RouteUnavailable, WrongPeer
 from swarm.launch import start_swarm, stop_all
-from swarm.protocol import Error, Ping, Pong
+from swarm.protocol import Error, Ping, Pong, Step
 from swarm.records import NodeRecord
 from swarm.tls import Identity
-from swarm.transport import connect, dial_hop, ping
+from swarm.transport import FramedStream, connect, dial_hop, ping
 from tests.conftest import reference_greedy, swarm_greedy
 
 PROMPT = [5, 50, 150, 250, 350]
@@ -148,3 +150,37 @@ def test_a_plaintext_node_says_so_and_is_used_only_when_asked(
     finally:
         careful.close()
         willing.close()
+
+
+async def test_a_cancelled_send_still_sends_its_frame_whole_and_the_stream_lives():
+    """Cancelling a task mid-send (a step's result came, a session closed) must neither break
+    the TLS stream nor leave half a frame on it."""
+    identity = Identity.generate()
+    got = []
+
+    async def serve(stream):
+        conn = FramedStream(await identity.accept(stream))
+        while (msg := await conn.receive()) is not None:
+            got.append(msg)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        conn = await connect("127.0.0.1", port, tls=identity.key_id)
+        big = Step(sid="big", phase="prefill", pos=0, end=1, hidden=b"z" * (3 << 20))
+        for _ in range(4):  # each sender cancelled while its 3 MiB cross
+            async with trio.open_nursery() as senders:
+                senders.start_soon(conn.send, big)
+                await trio.sleep(0.001)
+                senders.cancel_scope.cancel()
+        with trio.CancelScope() as scope:
+            scope.cancel()  # cancelled before it starts: not sent at all, and no harm done
+            await conn.send(Error(code="x", message="y"))
+        await conn.send(Ping(nonce=5))
+        await conn.aclose()
+        with trio.fail_after(30):
+            while not got or got[-1] != Ping(nonce=5):
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert [getattr(m, "sid", None) for m in got[:-1]] == ["big"] * 4
+    assert all(len(m.hidden) == 3 << 20 for m in got[:4])

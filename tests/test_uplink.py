@@ -43,7 +43,7 @@ async def open_receiver(nursery) -> tuple[Receiver, FramedStream, str]:
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
     nursery.start_soon(trio.serve_listeners, receiver.serve, listeners)
-    return receiver, await connect("127.0.0.1", port), f"127.0.0.1:{port}"
+    return receiver, await connect("127.0.0.1", port, tls=None), f"127.0.0.1:{port}"
 
 
 def prompt(conn: FramedStream, dest: str, sid: str) -> Payload:
