@@ -251,15 +251,18 @@ class Serving:
             records = await read_records(self.dht, config)
             reachable, why = await check_reachable(self.addr, self.identity.key_id, me, records)
             if reachable is None:
+                announcer.reach = "unknown"
                 say(f"reachability: unknown ({why}); serving directly at {self.addr}")
                 return
             if reachable:
+                announcer.reach = "direct"
                 say(f"reachability: direct ({why})")
                 return
             say(f"reachability: others cannot dial {self.addr} ({why}); looking for a relay")
         else:
             say("reachability: not checked (--relay always); looking for a relay")
         node.relay_hub.capacity = 0  # nobody can reach a relay behind a relay
+        announcer.reach = "relayed"
         direct = self.addr
         first = trio.Event()
 

@@ -36,6 +36,7 @@ class Announcer:
         self.start, self.end, self.ttl = start, end, ttl
         self.tls = tls
         self.relay = ""  # the relay's peer id while nobody can dial this node directly
+        self.reach = ""  # what the dial-back check found (swarm.records.NodeRecord.reach)
 
     def record(self, state: str, node=None) -> NodeRecord:
         from hivemind.utils import get_dht_time
@@ -60,6 +61,7 @@ class Announcer:
             decode_passes=node.compute.decode_passes if node else 0,
             tls=self.tls,
             relay=self.relay,
+            reach=self.reach,
             updated=get_dht_time(),
         )
 

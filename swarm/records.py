@@ -52,6 +52,7 @@ class NodeRecord:
     tls: str = ""  # key id (swarm.tls) the node proves in its TLS handshake; "": plaintext
     relay: str = ""  # peer id of the node relaying this one, which nobody can dial; then
     # `addr` is the relay's and a dialler asks it for this peer first (swarm.relay)
+    reach: str = ""  # what its dial-back check found: "direct", "relayed", "unknown", "" (none)
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,6 +106,7 @@ class NodeRecord:
                 decode_passes=_typed(raw, "decode_passes", int) if "decode_passes" in raw else 0,
                 tls=_typed(raw, "tls", str) if "tls" in raw else "",
                 relay=_typed(raw, "relay", str) if "relay" in raw else "",
+                reach=_typed(raw, "reach", str)[:16] if "reach" in raw else "",
             )
         except KeyError as exc:
             raise ValueError(f"record lacks field {exc}") from None

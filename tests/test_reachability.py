@@ -80,6 +80,8 @@ def test_a_node_others_can_dial_says_so_and_serves_directly(loopback):
     log = "\n".join(checked.lines)
     assert f"reachability: direct (node {first.peer[-8:]}" in log
     assert record_of(client, checked.peer).relay == ""
+    assert record_of(client, checked.peer).reach == "direct"
+    assert record_of(client, first.peer).reach == "unknown"
     assert "reachability: unknown (no other node" in "\n".join(first.lines)
 
 
@@ -222,6 +224,7 @@ def test_a_node_behind_a_firewall_is_relayed_and_serves_the_same_text(behind, ti
     log = "\n".join(fw.lines)
     assert "reachability: others cannot dial" in log, log
     assert record_of(client, fw.peer).relay == root.peer
+    assert record_of(client, fw.peer).reach == "relayed"
     assert generate(client, exclude={home.peer}) == reference_greedy(
         tiny_reference, PROMPT, NEW_TOKENS
     )

@@ -60,6 +60,7 @@ class NodeView:
             "link": dict(r.link),
             "tls": r.tls,  # the key id it proves; "" when it runs --plaintext
             "relay": r.relay,  # the peer relaying for it ("": others dial it directly)
+            "reach": r.reach,  # its dial-back check: direct, relayed, unknown ("": none)
             "reachable": None if self.reach is None else self.reach.reachable,
             "rtt_ms": None if self.reach is None else _ms(self.reach.rtt_s),
             "ping_error": None if self.reach is None else self.reach.error,
