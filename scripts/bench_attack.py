@@ -30,6 +30,7 @@ from swarm.client.client import Client
 from swarm.launch import NodeProcess, start_swarm, stop_all
 from swarm.model.source import open_model
 from swarm.protocol import Attach, Error, Hop, Open, Step
+from swarm.tls import dial
 from swarm.transport import FramedStream
 from swarm.wire import pack_tensor
 
@@ -41,8 +42,8 @@ REPLY_TIMEOUT = 5.0
 
 
 class Flood:
-    def __init__(self, addr, peer, fingerprint, hidden, num_layers, steps: bool):
-        self.addr, self.peer, self.fingerprint = addr, peer, fingerprint
+    def __init__(self, addr, peer, tls, fingerprint, hidden, num_layers, steps: bool):
+        self.addr, self.peer, self.tls, self.fingerprint = addr, peer, tls, fingerprint
         self.hidden, self.num_layers, self.steps = hidden, num_layers, steps
         self.answers: Counter = Counter()
 
@@ -58,7 +59,7 @@ class Flood:
         )
 
     def me(self, end: int | None = None) -> Hop:
-        return Hop(self.addr[0], self.addr[1], 0, end or self.num_layers, self.peer)
+        return Hop(self.addr[0], self.addr[1], 0, end or self.num_layers, self.peer, self.tls)
 
     async def reply(self, conn: FramedStream) -> str:
         with trio.fail_after(REPLY_TIMEOUT):
@@ -74,11 +75,12 @@ class Flood:
         while not stop.is_set():
             try:
                 stream = await trio.open_tcp_stream(*self.addr, local_address=source)
-            except OSError:
+                # attackers speak TLS as everyone does: the handshake is the node's cost too
+                conn = FramedStream(await dial(stream, self.tls, "the node"))
+            except (OSError, trio.BrokenResourceError, trio.TooSlowError):
                 self.answers["connect failed"] += 1
                 await trio.sleep(0.5)
                 continue
-            conn = FramedStream(stream)
             try:
                 while not stop.is_set():
                     await self.act(conn, role, rng)
@@ -186,7 +188,8 @@ def main() -> None:
     extra = ["--weights", a.weights, "--announce-ttl", "10", *a.node_arg]
     node: NodeProcess = start_swarm([(0, cfg.num_layers)], extra=extra)[0]
     host, _, port = node.addr.rpartition(":")
-    flood_args = ((host, int(port)), node.peer, src.fingerprint(), cfg.hidden, cfg.num_layers)
+    flood_args = ((host, int(port)), node.peer, node.tls, src.fingerprint(), cfg.hidden)
+    flood_args += (cfg.num_layers,)
     flood_args += (a.steps,)
     prompt = [(i * 7919) % 40000 + 100 for i in range(a.prompt_tokens)]
     client = Client(node.maddrs[:1])

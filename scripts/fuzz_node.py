@@ -47,6 +47,7 @@ HIDDEN = TINY["hidden_size"]
 SPANS = [(0, 3), (3, 6)]
 IDLE = 2.0
 EXTRA = [
+    "--plaintext",  # the fuzzer writes raw frames; TLS's own hostile cases: tests/test_tls.py
     "--weights",
     "float32",
     "--wire-dtype",
@@ -564,7 +565,7 @@ def start_epoch(model_dir: str, reference, work: Path, n: int, seed: int) -> Epo
             with open(logs[i], "w") as f:
                 nodes.append(start_node(span, peers, model=model_dir, extra=EXTRA, stderr=f))
             nodes[-1].wait_serving()
-        client = Client(nodes[0].maddrs[:1], model=model_dir, wire_dtype="float32")
+        client = Client(nodes[0].maddrs[:1], model=model_dir, wire_dtype="float32", plaintext=True)
     except BaseException:
         stop_all(nodes)
         raise
