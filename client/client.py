@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -53,6 +54,7 @@ class Client:
         self.prefill_chunk = prefill_chunk
         self.plaintext = plaintext
         self._tokenizer = None
+        self._loading = threading.Lock()  # tokenizer and heads load once, whatever the threads
         self.dht = start_dht(initial_peers, client_mode=True)
         self.loop = TrioThread()
         self.logits = LogitsBatcher()  # sessions stepping together share the head's matmul
@@ -60,8 +62,9 @@ class Client:
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            self._tokenizer = self.source.tokenizer()
+        with self._loading:  # transformers' lazy imports fail when raced
+            if self._tokenizer is None:
+                self._tokenizer = self.source.tokenizer()
         return self._tokenizer
 
     def close(self) -> None:
@@ -104,8 +107,9 @@ class Client:
         token-identical to transformers), else the file's own formats, as the nodes keep theirs."""
         exact = route and all(self._weights.get(h.peer) == "float32" for h in route)
         weights = "float32" if exact else "auto"
-        if weights not in self._heads:
-            self._heads[weights] = Head.load(self.source, weights)
+        with self._loading:
+            if weights not in self._heads:
+                self._heads[weights] = Head.load(self.source, weights)
         return self._heads[weights]
 
     def session(self, max_length: int) -> InferenceSession:

@@ -2,11 +2,12 @@
 and through `swarm.client` directly, in the same run (issue 25).
 
 A 2-node local swarm of the default model (default weights) and `python -m swarm.api` in front
-of it. For N in 1, 4, 16 concurrent users, each user (a thread) asks --rounds chat questions in
-turn, streamed, greedy, --max-tokens each: once with one shared `Client` in this process (as
-the API server shares one), once over HTTP to the API (SSE, raw http.client). Same questions
-both ways, so both do the same tokens. Prints per N and way: requests/s, time to the first text
-piece p50/p90, and the API's TTFT overhead over direct. Goal: overhead under 5% of TTFT.
+of it. For N in 1, 4, 16 concurrent users (threads), --rounds rounds of one streamed, greedy chat
+question each (--max-tokens), rounds taking turns between two ways: one shared `Client` in this
+process (as the API server shares one), and HTTP to the API (SSE, raw http.client). CPU per
+request is the client's work: this process's for direct, the API server's for the API. Same
+questions both ways, so both do the same tokens. Prints per N and way: requests/s, time to the
+first text piece p50/p90, and the API's TTFT overhead over direct. Goal: overhead under 5%.
 
     .venv/bin/python scripts/bench_api.py [--users 1,4,16] [--rounds 3] [--max-tokens 32]
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -61,27 +63,39 @@ def api_one(host: str, port: int, model: str, messages, max_tokens: int) -> floa
     return first
 
 
-def run_level(ask, users: int, rounds: int) -> dict:
-    """`users` threads, each asking `rounds` questions in turn; the TTFTs and requests/s."""
-    ttfts: list[float] = []
-    lock = threading.Lock()
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def user(u: int) -> None:
-        for r in range(rounds):
-            t = ask(question(u, r))
-            with lock:
-                ttfts.append(t)
 
-    t0 = time.perf_counter()
+def run_round(ask, users: int, r: int, cpu) -> tuple[list[float], float, float]:
+    """`users` threads asking one question each at once: TTFTs, wall seconds, CPU seconds of
+    whoever does the client's work (`cpu()`)."""
+    c0, t0 = cpu(), time.perf_counter()
     with ThreadPoolExecutor(users) as pool:
-        list(pool.map(user, range(users)))
-    wall = time.perf_counter() - t0
-    ttfts.sort()
-    return {
-        "rps": users * rounds / wall,
-        "p50": statistics.median(ttfts),
-        "p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
-    }
+        ttfts = list(pool.map(lambda u: ask(question(u, r)), range(users)))
+    return ttfts, time.perf_counter() - t0, cpu() - c0
+
+
+def run_level(ways: dict, cpus: dict, users: int, rounds: int) -> dict[str, dict]:
+    """Rounds taking turns between the ways (each first in every other round)."""
+    acc = {w: ([], 0.0, 0.0) for w in ways}
+    for r in range(rounds):
+        for way in list(ways) if r % 2 == 0 else list(ways)[::-1]:
+            ttfts, wall, cpu = run_round(ways[way], users, r, cpus[way])
+            a = acc[way]
+            acc[way] = (a[0] + ttfts, a[1] + wall, a[2] + cpu)
+    out = {}
+    for way, (ttfts, wall, cpu) in acc.items():
+        ttfts.sort()
+        out[way] = {
+            "rps": users * rounds / wall,
+            "p50": statistics.median(ttfts),
+            "p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
+            "cpu_ms": 1000 * cpu / (users * rounds),
+        }
+    return out
 
 
 def main() -> None:
@@ -113,17 +127,19 @@ def main() -> None:
             "direct": lambda m: direct_one(client, m, a.max_tokens),
             "api": lambda m: api_one(host, port, model, m, a.max_tokens),
         }
-        for ask in ways.values():  # warm-up: heads loaded, routes pinged, in both processes
-            run_level(ask, 2, 1)
+        # the client's work: in this process for direct, in the API server's for the API
+        cpus = {"direct": time.process_time, "api": lambda: cpu_seconds(api.pid)}
+        run_level(ways, cpus, 2, 2)  # warm-up: heads loaded, routes pinged, in both processes
         rows = []
         for users in [int(x) for x in a.users.split(",")]:
-            got = {way: run_level(ask, users, a.rounds) for way, ask in ways.items()}
+            got = run_level(ways, cpus, users, a.rounds)
             rows.append((users, got))
             d, h = got["direct"], got["api"]
             print(
                 f"{users:>3} users | direct {d['rps']:.2f} req/s TTFT p50 {d['p50'] * 1e3:.0f} ms"
-                f" p90 {d['p90'] * 1e3:.0f} | api {h['rps']:.2f} req/s TTFT p50"
-                f" {h['p50'] * 1e3:.0f} ms p90 {h['p90'] * 1e3:.0f}"
+                f" p90 {d['p90'] * 1e3:.0f}, CPU {d['cpu_ms']:.0f} ms/request | api"
+                f" {h['rps']:.2f} req/s TTFT p50 {h['p50'] * 1e3:.0f} ms p90"
+                f" {h['p90'] * 1e3:.0f}, CPU {h['cpu_ms']:.0f} ms/request"
                 f" | overhead p50 {h['p50'] / d['p50'] - 1:+.1%}",
                 flush=True,
             )

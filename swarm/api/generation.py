@@ -7,6 +7,7 @@ client went away) closes its session on the nodes on the way out.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -46,6 +47,9 @@ class Backend:
         self.default_max_tokens = default_max_tokens
         # past this many open sessions requests queue here, not at the nodes' per-address share
         self.sessions = trio.CapacityLimiter(max_sessions)
+        self._routed_at = -math.inf  # when the DHT last showed a full route
+
+    ROUTE_FRESH_S = 2.0  # a full route seen this recently is not read again before a request
 
     def gaps(self) -> list[tuple[int, int]]:
         """Blocks no usable node serves right now (blocking: reads the DHT)."""
@@ -55,8 +59,15 @@ class Backend:
         return missing_blocks(records, self.client.config.num_layers)
 
     async def check_route(self) -> None:
+        """ApiError 503 naming the missing blocks if the swarm has no full route. A route seen
+        in the last ROUTE_FRESH_S passes unread: the session's own routing reads the DHT
+        again, and a read per request is what many requests at once would queue on."""
+        if trio.current_time() - self._routed_at < self.ROUTE_FRESH_S:
+            return
         gaps = await trio.to_thread.run_sync(self.gaps, abandon_on_cancel=True)
-        if gaps:
+        if not gaps:
+            self._routed_at = trio.current_time()
+        else:
             blocks = ", ".join(f"{a}:{b}" for a, b in gaps)
             raise ApiError(
                 503,
