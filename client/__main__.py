@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 
+from swarm.cli import setup_logging
 from swarm.client.client import Client
 from swarm.errors import SwarmError
 from swarm.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
@@ -31,11 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if a.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    setup_logging(logging.INFO if a.verbose else logging.WARNING)
     client = Client(a.initial_peers, model=a.model, wire_dtype=a.wire_dtype)
     prompt = a.prompt if a.raw else [{"role": "user", "content": a.prompt}]
     try:

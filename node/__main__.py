@@ -14,6 +14,7 @@ import torch
 import trio
 
 from swarm.address import join_host_port
+from swarm.cli import setup_logging
 from swarm.dht import read_nodes, start_dht, visible_maddrs
 from swarm.errors import SwarmError
 from swarm.model.blocks import KVCache, Span
@@ -342,12 +343,7 @@ async def _ticks(interval: float):
 def main(argv: list[str] | None = None, observer: StepObserver | None = None) -> int:
     """Run a node until SIGINT or SIGTERM; `observer`: a benchmark's hook (see observer.py)."""
     cfg = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    setup_logging()
     torch.set_num_threads(cfg.threads)
     try:
         trio.run(run, cfg, observer)

@@ -62,18 +62,21 @@ def settled_span(
     records: list[NodeRecord], me: str, chosen: tuple[int, int], num_layers: int
 ) -> tuple[tuple[int, int], NodeRecord | None]:
     """A span `chosen` a moment ago, looked at again once other nodes' choices had time to
-    arrive: where a node with a lower peer id is joining on overlapping blocks, it keeps them
-    and this node chooses again around it. Returns the span and that rival (or None)."""
+    arrive: where a node with a lower peer id serves or joins on overlapping blocks, it keeps
+    them and this node chooses again knowing it (the same span if that node was known at the
+    first choice; a node that loads fast may be online already). Returns the span and that
+    rival (or None)."""
     others = [r for r in records if r.peer != me]
     start, end = chosen
     rivals = [
         r
         for r in others
-        if r.state == "joining" and r.peer < me and r.start < end and start < r.end
+        if r.state in ("joining", "online") and r.peer < me and r.start < end and start < r.end
     ]
     if not rivals:
         return chosen, None
-    return choose_span(coverage(others, num_layers), end - start), rivals[0]
+    again = choose_span(coverage(others, num_layers), end - start)
+    return again, (rivals[0] if again != chosen else None)
 
 
 def gaps(blocks: list[Block]) -> list[int]:

@@ -82,6 +82,18 @@ def test_of_two_nodes_choosing_the_same_blocks_at_once_the_higher_peer_id_choose
     assert settled_span(records, "m", (4, 8), LAYERS) == ((4, 8), None)
 
 
+def test_a_simultaneous_chooser_already_online_still_makes_the_higher_peer_id_choose_again():
+    # a tiny span loads within the settling wait: the rival's record may say online already
+    records = [rec("a", 0, 4), rec("m", 4, 8), rec("z", 4, 8, state="joining")]
+    assert settled_span(records, "z", (4, 8), LAYERS)[0] == (8, 12)
+
+
+def test_overlapping_a_node_known_at_the_first_choice_is_kept():
+    # every block served once: 0:4 doubled was the best choice with "a" in view, and stays
+    records = [rec("a", 0, 4), rec("b", 4, 8), rec("c", 8, 12), rec("z", 0, 4, state="joining")]
+    assert settled_span(records, "z", (0, 4), LAYERS) == ((0, 4), None)
+
+
 def test_memory_decides_how_many_blocks_fit():
     assert blocks_for_memory(block_bytes=100, cache_bytes_per_block=50, budget=1000) == 6
     assert blocks_for_memory(block_bytes=100, cache_bytes_per_block=50, budget=10) == 1

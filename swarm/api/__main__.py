@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
 
 import trio
-from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from swarm.address import join_host_port
 from swarm.api.app import create_app
 from swarm.api.generation import Backend
+from swarm.cli import hypercorn_config, setup_logging
 from swarm.client.client import Client
 from swarm.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 
@@ -57,18 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def hypercorn_config(host: str, port: int, access_log: bool) -> Config:
-    config = Config()
-    config.bind = [join_host_port(host, port)]
-    config.backlog = 2048
-    config.graceful_timeout = 2.0
-    config.include_server_header = False
-    config.accesslog = "-" if access_log else None
-    # a reply may take minutes between request and last byte; only idle keep-alives time out
-    config.keep_alive_timeout = 75
-    return config
-
-
 async def run(args: argparse.Namespace) -> None:
     client = await trio.to_thread.run_sync(
         lambda: Client(args.initial_peers, model=args.model, wire_dtype=args.wire_dtype)
@@ -77,7 +63,8 @@ async def run(args: argparse.Namespace) -> None:
         backend = Backend(client, args.max_sessions, args.default_max_tokens)
         app = create_app(backend, api_key=args.api_key or None)
         async with trio.open_nursery() as nursery:
-            config = hypercorn_config(args.host, args.port, args.access_log)
+            # a reply may take minutes between request and last byte; only idle keep-alives time out
+            config = hypercorn_config(args.host, args.port, args.access_log, keep_alive_s=75)
             binds = await nursery.start(serve, app, config)
             for url in binds:
                 print(f"api on {url}/v1 serving {backend.name}; chat page on {url}/", flush=True)
@@ -91,12 +78,7 @@ async def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    setup_logging()
     trio.run(run, args)
     return 0
 

@@ -102,6 +102,9 @@ async function loadModels() {
     sel.textContent = "";
     sel.add(new Option("models unavailable: " + e.message, ""));
   }
+  // a swarm without a route now may have one in a moment (a node rejoining): look again
+  clearTimeout(loadModels.again);
+  if (!sel.value) loadModels.again = setTimeout(loadModels, 3000);
 }
 
 async function send(text) {

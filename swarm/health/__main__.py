@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 
 import trio
-from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from swarm.address import join_host_port
+from swarm.cli import hypercorn_config, setup_logging
 from swarm.health.app import create_app
 from swarm.health.state import Collector, CollectorConfig
 
@@ -56,17 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def hypercorn_config(host: str, port: int, access_log: bool) -> Config:
-    config = Config()
-    config.bind = [join_host_port(host, port)]
-    # a burst of page loads must queue in the kernel, not be refused at the default 100
-    config.backlog = 2048
-    config.graceful_timeout = 2.0
-    config.include_server_header = False
-    config.accesslog = "-" if access_log else None
-    return config
-
-
 async def run(args: argparse.Namespace) -> None:
     collector = Collector(
         CollectorConfig(
@@ -98,12 +85,7 @@ async def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    setup_logging()
     trio.run(run, args)
     return 0
 
