@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import pickle
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -71,6 +72,29 @@ def visible_maddrs(dht) -> list[str]:
 # read fails half-way, the next one parses garbage, and the DHT process dies (hivemind 1.1.12).
 # Every later request then waits forever, so a request must stay under this size.
 MAX_REQUEST_BYTES = 16 * 1024
+# hivemind's DHT.run_coroutine writes to that pipe without a lock: requests from several threads
+# at once (a client's sessions routing together) can interleave there, and the DHT process dies
+# the same way (seen: an API server's DHT went defunct under concurrent requests). One request
+# crosses at a time; the answers are awaited outside the lock.
+_PIPE_LOCK = threading.Lock()
+
+
+class DhtGone(RuntimeError):
+    """The DHT process is dead or does not answer: nothing more will come from it."""
+
+
+def run_in_dht(dht, request, timeout: float = 60.0):
+    """`dht.run_coroutine(request)`, its request sent under this process's pipe lock; DhtGone
+    if the DHT process has exited or does not answer within `timeout` seconds."""
+    if not dht.is_alive():
+        raise DhtGone(f"the DHT process exited (code {dht.exitcode})")
+    with _PIPE_LOCK:
+        future = dht.run_coroutine(request, return_future=True)
+    try:
+        return future.result(timeout)
+    except TimeoutError:
+        alive = "alive" if dht.is_alive() else f"exited with code {dht.exitcode}"
+        raise DhtGone(f"no answer from the DHT process in {timeout:g} s ({alive})") from None
 
 
 async def _store_records(_dht, node, groups, expiration, subkey):
@@ -107,7 +131,7 @@ def announce(dht, records: Sequence[NodeRecord], ttl: float) -> int:
     size = len(pickle.dumps(request))
     if size > MAX_REQUEST_BYTES - 1024:  # the rest of the message: the call and its future
         raise ValueError(f"an announcement of {size} bytes would break the DHT's request pipe")
-    return dht.run_coroutine(request)
+    return run_in_dht(dht, request)
 
 
 async def get_latest(_dht, node, keys):
@@ -142,7 +166,7 @@ def read_models(
     Anyone can write the index, and each layer of a listed model costs a DHT key to read, so
     models claiming more than `max_layers` layers, or beyond the first `max_models`, are skipped.
     """
-    raw = dht.run_coroutine(functools.partial(get_latest, keys=[MODELS_KEY]))
+    raw = run_in_dht(dht, functools.partial(get_latest, keys=[MODELS_KEY]))
     models: dict[str, ModelRecord] = {}
     malformed = 0
     for value, _exp in raw.get(MODELS_KEY, {}).values():
@@ -164,7 +188,7 @@ def read_nodes(dht, model: str, num_layers: int) -> tuple[list[NodeRecord], dict
     """Distinct node records of a model (a node is stored once per block, returned once), each
     peer's newest; their expirations by peer; how many entries failed validation."""
     keys = [block_key(model, b) for b in range(num_layers)]
-    raw = dht.run_coroutine(functools.partial(get_latest, keys=keys))
+    raw = run_in_dht(dht, functools.partial(get_latest, keys=keys))
     by_peer: dict[str, NodeRecord] = {}
     expirations: dict[str, float] = {}
     malformed = 0

@@ -33,7 +33,8 @@ from swarm.model.tiny import save_tiny_llama, save_tiny_tokenizer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 KEY = "test-key-1"
-NODE_FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "3"]
+# records refresh every 2 s; a 3 s TTL let a record lapse while Chromium took the cores
+NODE_FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "6"]
 QUESTION = [{"role": "user", "content": "Tell me about the bees, please."}]
 
 
@@ -362,7 +363,7 @@ def test_a_stream_closed_mid_reply_frees_its_session_on_the_nodes(oa, reference,
     for _ in range(21):
         next(chunks)
     rate = 20 / (time.monotonic() - t0)  # tokens a second while the reply streams
-    deadline = time.monotonic() + 20  # records refresh every announce-ttl / 3 = 1 s
+    deadline = time.monotonic() + 20  # records refresh every announce-ttl / 3 = 2 s
     while open_sessions(reference) == 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert open_sessions(reference) > 0, "the reply's session never showed in the records"
@@ -399,7 +400,12 @@ def test_the_page_in_chromium_streams_a_reply_to_a_typed_message(api, reference,
         assert page.wait_for("document.getElementById('model').textContent.includes('key')")
         page.eval(f"document.getElementById('key').value = {json.dumps(KEY)}")
         page.eval("document.getElementById('key').dispatchEvent(new Event('change'))")
-        page.wait_for("document.getElementById('model').value")
+        try:
+            page.wait_for("document.getElementById('model').value")
+        except TimeoutError:
+            shown = page.eval("document.getElementById('model').textContent")
+            raise AssertionError(f"no model ({shown}); server:\n" + "\n".join(api.lines)) from None
+
         page.eval("document.getElementById('temperature').value = '0'")
         page.eval("document.getElementById('max-tokens').value = '300'")
         page.eval(f"document.getElementById('prompt').value = {json.dumps(text)}")

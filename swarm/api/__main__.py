@@ -55,10 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def run(args: argparse.Namespace) -> None:
-    client = await trio.to_thread.run_sync(
-        lambda: Client(args.initial_peers, model=args.model, wire_dtype=args.wire_dtype)
-    )
+async def run(args: argparse.Namespace, client: Client) -> None:
     try:
         backend = Backend(client, args.max_sessions, args.default_max_tokens)
         app = create_app(backend, api_key=args.api_key or None)
@@ -79,7 +76,10 @@ async def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
-    trio.run(run, args)
+    # before trio starts its threads: the client forks its DHT process, and a fork from a
+    # process with threads running can leave the child holding another thread's locks
+    client = Client(args.initial_peers, model=args.model, wire_dtype=args.wire_dtype)
+    trio.run(run, args, client)
     return 0
 
 

@@ -161,7 +161,7 @@ def create_app(backend: Backend, api_key: str | None = None) -> Starlette:
         return {"id": backend.name, "object": "model", "created": 0, "owned_by": "swarm"}
 
     async def routed() -> bool:
-        return not await trio.to_thread.run_sync(backend.gaps, abandon_on_cancel=True)
+        return not await backend.gaps_now()
 
     async def models(request: Request) -> Response:
         authorize(request)

@@ -18,6 +18,7 @@ from swarm.api.schema import ApiError, GenerationRequest
 from swarm.client.aio import AsyncSession
 from swarm.client.client import Client, ReplyText, Sampler
 from swarm.client.routing import missing_blocks, usable
+from swarm.dht import DhtGone
 from swarm.errors import CacheFull, SwarmError
 
 
@@ -58,13 +59,25 @@ class Backend:
         )
         return missing_blocks(records, self.client.config.num_layers)
 
+    async def gaps_now(self) -> list[tuple[int, int]]:
+        """`gaps()` from a worker thread; ApiError 503 if the DHT cannot be read."""
+        try:
+            return await trio.to_thread.run_sync(self.gaps, abandon_on_cancel=True)
+        except DhtGone as exc:
+            raise ApiError(
+                503,
+                f"the swarm's directory cannot be read: {exc}",
+                code="dht_unavailable",
+                type="server_error",
+            ) from None
+
     async def check_route(self) -> None:
         """ApiError 503 naming the missing blocks if the swarm has no full route. A route seen
         in the last ROUTE_FRESH_S passes unread: the session's own routing reads the DHT
         again, and a read per request is what many requests at once would queue on."""
         if trio.current_time() - self._routed_at < self.ROUTE_FRESH_S:
             return
-        gaps = await trio.to_thread.run_sync(self.gaps, abandon_on_cancel=True)
+        gaps = await self.gaps_now()
         if not gaps:
             self._routed_at = trio.current_time()
         else:
