@@ -120,10 +120,11 @@ class Node:
             victim = self.connections.admit(inbound)
         except NodeBusy as exc:
             self.throttle.refuse(inbound.host, "a connection", str(exc), inbound.opened)
-            with trio.move_on_after(2):  # a short handshake, to say why in a way it can read
-                if await self._secure(conn, inbound.host):
-                    await self._reply_error(conn, exc)
-            await conn.aclose()
+            # said in plaintext, before any TLS: a flood of refused connections must not cost
+            # the node a handshake each (swarm.tls.dial reads this answer as a typed error)
+            with trio.move_on_after(1):
+                await self._reply_error(conn, exc)
+            await trio.aclose_forcefully(conn.stream)
             return
         if victim is not None:
             why = "connections full; it held no session, a newcomer needed the place"

@@ -27,6 +27,7 @@ import torch
 import trio
 
 from swarm.client.client import Client
+from swarm.errors import SwarmError
 from swarm.launch import NodeProcess, start_swarm, stop_all
 from swarm.model.source import open_model
 from swarm.protocol import Attach, Error, Hop, Open, Step
@@ -77,6 +78,10 @@ class Flood:
                 stream = await trio.open_tcp_stream(*self.addr, local_address=source)
                 # attackers speak TLS as everyone does: the handshake is the node's cost too
                 conn = FramedStream(await dial(stream, self.tls, "the node"))
+            except SwarmError as exc:  # refused before TLS (the address's share is full)
+                self.answers[f"error:{exc.code}"] += 1
+                await trio.sleep(0.2)
+                continue
             except (OSError, trio.BrokenResourceError, trio.TooSlowError):
                 self.answers["connect failed"] += 1
                 await trio.sleep(0.5)

@@ -104,12 +104,62 @@ def _client_context() -> ssl.SSLContext:
 CLIENT_CONTEXT = _client_context()
 
 
+class _Recorded(trio.abc.Stream):
+    """A stream that keeps the first bytes it receives: a node refusing a connection answers
+    with a plaintext error frame where a TLS handshake was expected."""
+
+    def __init__(self, stream: trio.abc.Stream):
+        self.stream, self.head = stream, bytearray()
+
+    @property
+    def socket(self):
+        return self.stream.socket
+
+    async def send_all(self, data) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None) -> bytes:
+        data = await self.stream.receive_some(max_bytes)
+        if len(self.head) < 4096:
+            self.head += data[: 4096 - len(self.head)]
+        return data
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def _plaintext_error(head: bytes):
+    """The error frame a node sent instead of a handshake, as its exception (or None)."""
+    from swarm.protocol import Error, parse_message
+    from swarm.wire import FrameDecoder
+
+    decoder = FrameDecoder(4096)
+    try:
+        decoder.feed(bytes(head))
+        raw = decoder.next_message()
+        msg = parse_message(raw) if raw is not None else None
+    except Exception:  # not a frame of ours: the handshake failed for its own reason
+        return None
+    return msg.exception() if isinstance(msg, Error) else None
+
+
 async def dial(stream: trio.abc.Stream, expected_key: str, where: str) -> trio.SSLStream:
     """The client side of a handshake on `stream`; raises WrongPeer unless the peer's
-    certificate carries `expected_key`."""
-    tls = trio.SSLStream(stream, CLIENT_CONTEXT, server_side=False)
-    with trio.fail_after(HANDSHAKE_TIMEOUT_S):
-        await tls.do_handshake()
+    certificate carries `expected_key`, and the node's own error (NodeBusy, say) if it
+    refused the connection before TLS."""
+    recorded = _Recorded(stream)
+    tls = trio.SSLStream(recorded, CLIENT_CONTEXT, server_side=False)
+    try:
+        with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+            await tls.do_handshake()
+    except trio.BrokenResourceError:
+        refused = _plaintext_error(recorded.head)
+        if refused is not None:
+            raise refused from None
+        raise
     der = tls.getpeercert(binary_form=True)
     got = key_id(der) if der else "(none)"
     if got != expected_key:
