@@ -72,10 +72,10 @@ def visible_maddrs(dht) -> list[str]:
 # read fails half-way, the next one parses garbage, and the DHT process dies (hivemind 1.1.12).
 # Every later request then waits forever, so a request must stay under this size.
 MAX_REQUEST_BYTES = 16 * 1024
-# hivemind's DHT.run_coroutine writes to that pipe without a lock: requests from several threads
-# at once (a client's sessions routing together) can interleave there, and the DHT process dies
-# the same way (seen: an API server's DHT went defunct under concurrent requests). One request
-# crosses at a time; the answers are awaited outside the lock.
+# hivemind's DHT.run_coroutine writes to that pipe without a lock, and a client's sessions route
+# from several threads at once: an API server's DHT process went defunct under concurrent
+# requests (cause not proven; interleaved writes are one candidate). One request crosses at a
+# time; the answers are awaited outside the lock, with a timeout, so a dead DHT is an error.
 _PIPE_LOCK = threading.Lock()
 
 

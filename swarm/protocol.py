@@ -13,6 +13,12 @@ DECODE = "decode"
 PHASES = (PREFILL, DECODE)
 
 
+def link_name(addr: str, peer: str, relay: str) -> str:
+    """What names the connection to a node: its address, or, behind a relay (whose address
+    several nodes share), the relay's address and the node's peer id."""
+    return f"{addr}/p2p/{peer}" if relay else addr
+
+
 @dataclass(frozen=True)
 class Hop:
     host: str
@@ -29,9 +35,7 @@ class Hop:
 
     @property
     def link(self) -> str:
-        """What names the connection to this hop: its address, or, behind a relay (whose
-        address several nodes share), the relay's address and the node's peer id."""
-        return f"{self.addr}/p2p/{self.peer}" if self.relay else self.addr
+        return link_name(self.addr, self.peer, self.relay)
 
     def to_wire(self) -> list:
         return [self.host, self.port, self.start, self.end, self.peer, self.tls, self.relay]

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from swarm.address import parse_host_port
-from swarm.protocol import Hop
+from swarm.protocol import Hop, link_name
 
 JOINING, ONLINE, OFFLINE = "joining", "online", "offline"
 STATES = (JOINING, ONLINE, OFFLINE)
@@ -64,7 +64,7 @@ class NodeRecord:
     @property
     def dial_key(self) -> str:
         """What names the connection to it (`Hop.link`): nodes behind one relay share its addr."""
-        return f"{self.addr}/p2p/{self.peer}" if self.relay else self.addr
+        return link_name(self.addr, self.peer, self.relay)
 
     def hop(self, start: int | None = None, end: int | None = None) -> Hop:
         """How to reach this node for blocks start:end (default: its whole span)."""

@@ -29,7 +29,7 @@ from swarm.protocol import Error, Hop, Ping, Pong, Relay, to_wire
 from swarm.records import ONLINE, NodeRecord
 from swarm.tls import dial
 from swarm.transport import FramedStream, connect, ping
-from swarm.wire import encode_frame
+from swarm.wire import DEFAULT_MAX_FRAME, encode_frame
 
 log = logging.getLogger("swarm.relay")
 
@@ -41,20 +41,40 @@ COPY_CHUNK = 16 * 1024
 HELPERS = 3  # nodes asked to dial back, one after the other
 
 
+async def _ask(
+    host: str, port: int, request: Relay, answer: str, timeout: float, max_frame: int
+) -> tuple[FramedStream, Relay | Error]:
+    """One plaintext request to a node that relays: the open connection and its `answer`, or
+    the Error it sent (the connection then closed); ProtocolError for anything else."""
+    with trio.fail_after(timeout):
+        conn = await connect(host, port, max_frame, tls=None)
+        try:
+            await conn.send(request)
+            reply = await conn.receive()
+            if isinstance(reply, Error):
+                await conn.aclose()
+                return conn, reply
+            if not isinstance(reply, Relay) or reply.op != answer or conn.decoder.buffered:
+                where = f"{host}:{port}"
+                raise ProtocolError(f"{where} answered {request.op} with {reply!r:.100}")
+        except BaseException:
+            await trio.aclose_forcefully(conn.stream)
+            raise
+    return conn, reply
+
+
 # ---- the dialler's side -----------------------------------------------------------------------
 
 
 async def splice(hop: Hop, max_frame: int) -> FramedStream:
     """A TLS connection to the node `hop` names, through the relay at hop.host:hop.port."""
-    conn = await connect(hop.host, hop.port, max_frame, tls=None)
+    request = Relay(op="splice", peer=hop.peer)
+    conn, reply = await _ask(
+        hop.host, hop.port, request, "spliced", ACCEPT_TIMEOUT_S + 5, max_frame
+    )
+    if isinstance(reply, Error):
+        raise PeerFailed(f"relay {hop.addr}: {reply.message}", peer=hop.peer)
     try:
-        await conn.send(Relay(op="splice", peer=hop.peer))
-        with trio.fail_after(ACCEPT_TIMEOUT_S + 5):
-            reply = await conn.receive()
-        if isinstance(reply, Error):
-            raise PeerFailed(f"relay {hop.addr}: {reply.message}", peer=hop.peer)
-        if not isinstance(reply, Relay) or reply.op != "spliced" or conn.decoder.buffered:
-            raise ProtocolError(f"relay {hop.addr} answered a splice with {reply!r:.100}")
         secure = await dial(conn.stream, hop.tls, hop.link)
     except BaseException:
         await trio.aclose_forcefully(conn.stream)
@@ -192,18 +212,16 @@ async def check_reachable(
     to dial it back. (True/False, what they said), or (None, why nobody could tell)."""
     helpers = [r for r in records if r.state == ONLINE and r.tls and not r.relay and r.peer != me]
     random.shuffle(helpers)
+    request = Relay(op="dialback", addr=addr, tls=tls)
     for r in helpers[:HELPERS]:
         try:
-            with trio.fail_after(DIALBACK_TIMEOUT_S + 5):
-                conn = await connect(*r.host_port, tls=None)
-                try:
-                    await conn.send(Relay(op="dialback", addr=addr, tls=tls))
-                    reply = await conn.receive()
-                finally:
-                    await conn.aclose()
+            conn, reply = await _ask(
+                *r.host_port, request, "dialed", DIALBACK_TIMEOUT_S + 5, DEFAULT_MAX_FRAME
+            )
+            await conn.aclose()
         except (OSError, trio.TooSlowError, trio.BrokenResourceError, SwarmError):
             continue
-        if isinstance(reply, Relay) and reply.op == "dialed":
+        if isinstance(reply, Relay):
             who = f"node {r.peer[-8:]} at {r.addr}"
             if reply.error:
                 return False, f"{who} could not dial {addr}: {reply.error}"
@@ -255,20 +273,12 @@ async def stay_relayed(
 
 
 async def _register(r: NodeRecord, me: str) -> FramedStream:
-    with trio.fail_after(DIALBACK_TIMEOUT_S):
-        control = await connect(*r.host_port, tls=None)
-        try:
-            await control.send(Relay(op="listen", peer=me))
-            reply = await control.receive()
-        except BaseException:
-            await control.aclose()
-            raise
+    request = Relay(op="listen", peer=me)
+    control, reply = await _ask(
+        *r.host_port, request, "listening", DIALBACK_TIMEOUT_S, DEFAULT_MAX_FRAME
+    )
     if isinstance(reply, Error):
-        await control.aclose()
         raise reply.exception()
-    if not isinstance(reply, Relay) or reply.op != "listening":
-        await control.aclose()
-        raise ProtocolError(f"answered listen with {reply!r:.100}")
     return control
 
 

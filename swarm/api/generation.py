@@ -41,6 +41,8 @@ class Reply:
 class Backend:
     """A model the server answers for: its Client, shared by every request."""
 
+    ROUTE_FRESH_S = 2.0  # a full route seen this recently is not read again before a request
+
     def __init__(self, client: Client, max_sessions: int, default_max_tokens: int):
         self.client = client
         self.name = client.config.name
@@ -49,8 +51,6 @@ class Backend:
         # past this many open sessions requests queue here, not at the nodes' per-address share
         self.sessions = trio.CapacityLimiter(max_sessions)
         self._routed_at = -math.inf  # when the DHT last showed a full route
-
-    ROUTE_FRESH_S = 2.0  # a full route seen this recently is not read again before a request
 
     def gaps(self) -> list[tuple[int, int]]:
         """Blocks no usable node serves right now (blocking: reads the DHT)."""

@@ -161,9 +161,9 @@ class Collector:
 
     async def _ping_all(self) -> dict[str, Reach]:
         now = self._clock()
-        hops = {
-            h.link: h for h in (k.record.hop() for k in self._known.values() if k.expires > now)
-        }  # keyed by link: nodes behind one relay share its address
+        hops = {  # keyed as snapshot.py looks them up: nodes behind one relay share its address
+            k.record.dial_key: k.record.hop() for k in self._known.values() if k.expires > now
+        }
         results: dict[str, Reach] = {}
         limiter = trio.CapacityLimiter(self.config.ping_concurrency)
 
