@@ -1,5 +1,5 @@
-"""Developer tools: a shaped TCP relay and a virtual-time link simulator.
+"""Developer tools: a shaped TCP link proxy, a virtual-time link simulator, node launchers.
 
 Not installed with the package (pyproject lists only swarm's packages); tests and scripts use
-them from a checkout, run from the repository's root: `python -m devtools.relay --help`.
+them from a checkout, run from the repository's root: `python -m devtools.link_proxy --help`.
 """

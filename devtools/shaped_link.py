@@ -1,7 +1,7 @@
 """The sans-IO model of one direction of a shaped link, and a frame finder for measuring.
 
 `ShapedLink` is bandwidth, one-way delay and a bounded FIFO bottleneck buffer, with the time
-passed in; devtools/relay.py is the trio shell that puts two of them between real sockets.
+passed in; devtools/link_proxy.py is the trio shell that puts two of them between real sockets.
 """
 
 from __future__ import annotations

@@ -26,8 +26,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import checkout  # noqa: F401 (devtools/ from this checkout)
+
+from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.launch import start_swarm, stop_all
 
 GOAL_OVERHEAD = 0.05
 

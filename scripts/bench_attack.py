@@ -23,12 +23,13 @@ import statistics
 import time
 from collections import Counter
 
+import checkout  # noqa: F401 (devtools/ from this checkout)
 import torch
 import trio
 
+from devtools.launch import NodeProcess, start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.errors import SwarmError
-from swarm.launch import NodeProcess, start_swarm, stop_all
 from swarm.model.source import open_model
 from swarm.protocol import Attach, Error, Hop, Open, Step
 from swarm.tls import dial

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+import checkout  # noqa: F401 (devtools/ from this checkout)
+
 GOAL_SPEEDUP_AT_8 = 4.0
 GOAL_P99_AT_8 = 2.5
 
@@ -158,8 +160,8 @@ def main() -> None:
     if a.client:
         return client_main(a)
 
+    from devtools.launch import even_spans, start_swarm, stop_all
     from swarm.client.client import Client
-    from swarm.launch import even_spans, start_swarm, stop_all
     from swarm.model.source import open_model
 
     layers = open_model(None).config.num_layers

@@ -3,7 +3,7 @@
 One process times decode steps through 10 layers of the default model (one token each, 30 ms
 apart) while --others processes compute 8-token prompt passes through 10 layers back to back at
 nice 10, as other nodes' prompt threads do at `--prefill-nice 10`. The others start either in the
-timing process's session, as `swarm.launch` starts nodes, or each in a session of its own
+timing process's session, as `devtools.launch` starts nodes, or each in a session of its own
 (`setsid`). Linux's autogroups share the CPU equally between sessions, whatever the nice values
 inside them, so only in the same session do the niced passes yield to the decode steps.
 

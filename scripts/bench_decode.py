@@ -24,6 +24,7 @@ import subprocess
 import time
 import warnings
 
+import checkout  # noqa: F401 (devtools/ from this checkout)
 import torch
 
 from swarm.model.blocks import Head, Span
@@ -144,8 +145,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from devtools.launch import even_spans, start_swarm, stop_all
     from swarm.client.client import Client
-    from swarm.launch import even_spans, start_swarm, stop_all
 
     hf_logging.set_verbosity_error()
     threads = [int(t) for t in a.threads.split(",")]

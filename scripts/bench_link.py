@@ -1,9 +1,9 @@
 """Link scheduler benchmark: molink vs fifo on shaped links, real nodes, real model compute.
 
 Three nodes split the default model (0:10, 10:20, 20:30). Nodes 2 and 3 sit behind shaped relays
-(`python -m devtools.relay`, announced with --public-address), so both node-to-node hops cross a
-link of --rates Mbps with --rtt-ms round trip and a bounded bottleneck buffer; the client reaches
-node 1 directly. Per round the nodes start fresh with one variant's options and carry:
+(`python -m devtools.link_proxy`, announced with --public-address), so both node-to-node hops
+cross a link of --rates Mbps with --rtt-ms round trip and a bounded bottleneck buffer; the client
+reaches node 1 directly. Per round the nodes start fresh with one variant's options and carry:
 
 - --steady decoding sessions, each a short prompt then tokens until the round ends, and
 - requests arriving as a Poisson process (--rate-per-s), lengths drawn like a chat trace
@@ -48,9 +48,11 @@ import torch
 
 warnings.filterwarnings("ignore")
 
+import checkout  # noqa: E402, F401 (devtools/ from this checkout)
+
+from devtools.launch import NodeProcess, start_node, stop_all  # noqa: E402
 from swarm.client.client import Client  # noqa: E402
 from swarm.dht import start_dht, visible_maddrs  # noqa: E402
-from swarm.launch import NodeProcess, start_node, stop_all  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPANS = [(0, 10), (10, 20), (20, 30)]
@@ -156,7 +158,7 @@ def start_relay(listen: int, target: int, a, rate: float, log: str) -> subproces
     cmd = [
         sys.executable,
         "-m",
-        "devtools.relay",
+        "devtools.link_proxy",
         "--listen",
         f"127.0.0.1:{listen}",
         "--target",

@@ -19,11 +19,12 @@ import statistics
 import time
 import warnings
 
+import checkout  # noqa: F401 (devtools/ from this checkout)
 import torch
 import trio
 
+from devtools.launch import start_node, start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.launch import start_node, start_swarm, stop_all
 from swarm.protocol import Error, Step
 from swarm.transport import dial_hop, ping
 from swarm.wire import pack_tensor

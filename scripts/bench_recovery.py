@@ -16,9 +16,11 @@ import statistics
 import tempfile
 import time
 
+import checkout  # noqa: F401 (devtools/ from this checkout)
+
+from devtools.launch import start_node, stop_all
 from swarm.client.client import Client
 from swarm.dht import start_dht, visible_maddrs
-from swarm.launch import start_node, stop_all
 from swarm.model.tiny import save_tiny_llama
 
 SPANS = [(0, 3), (0, 3), (3, 6), (3, 6)]

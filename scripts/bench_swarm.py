@@ -9,10 +9,11 @@ import argparse
 import statistics
 import time
 
+import checkout  # noqa: F401 (devtools/ from this checkout)
 import torch
 
+from devtools.launch import even_spans, start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.launch import even_spans, start_swarm, stop_all
 from swarm.model.blocks import Head, KVCache, Span
 from swarm.model.source import open_model
 

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import checkout  # noqa: F401 (devtools/ from this checkout)
 import torch
 
 from swarm.model.blocks import KVCache, Span
@@ -275,8 +276,8 @@ def run_model(a) -> None:
     import transformers
     from transformers import AutoModelForCausalLM
 
+    from devtools.launch import start_node, start_swarm, stop_all
     from swarm.client.client import Client
-    from swarm.launch import start_node, start_swarm, stop_all
     from swarm.model.source import default_model_path
 
     path = default_model_path()

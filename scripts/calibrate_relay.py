@@ -1,6 +1,6 @@
 """Measure the shaped relay: configured vs measured throughput and round-trip time.
 
-For each setting a relay runs as its own process (`python -m devtools.relay`, as benchmarks
+For each setting a relay runs as its own process (`python -m devtools.link_proxy`, as benchmarks
 run it) in front of a loopback server that sinks, sources or echoes. Throughput is the median of
 a few bulk transfers timed first byte to last at the receiver; RTT is the median of small
 ping-pongs on an idle link, and again behind a bulk upload on another connection (the
@@ -17,12 +17,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import checkout  # noqa: F401 (devtools/ from this checkout)
 import trio
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # devtools/ is not installed: take it from this checkout
+from devtools.link_proxy import LinkShape, Relay
 
-from devtools.relay import LinkShape, Relay  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CHUNK = 64 * 1024
 
@@ -138,7 +138,7 @@ async def start_relay(nursery, target: Target, shape: LinkShape, in_process: boo
     if in_process:
         relay = Relay("127.0.0.1", target.port, shape, shape)
         return await nursery.start(relay.serve, "127.0.0.1", 0), None
-    command = [sys.executable, "-m", "devtools.relay", "--listen", "127.0.0.1:0"]
+    command = [sys.executable, "-m", "devtools.link_proxy", "--listen", "127.0.0.1:0"]
     command += ["--target", f"127.0.0.1:{target.port}"]
     command += ["--rate-mbps", str((shape.rate_bps or 0) / 1e6)]
     command += ["--delay-ms", str(shape.delay_s * 1e3)]

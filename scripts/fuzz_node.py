@@ -33,11 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import checkout  # noqa: F401 (devtools/ from this checkout)
 import msgpack
 import torch
 
+from devtools.launch import NodeProcess, start_node, stop_all
 from swarm.client.client import Client
-from swarm.launch import NodeProcess, start_node, stop_all
 from swarm.model.source import open_model
 from swarm.model.tiny import TINY, reference_greedy, save_tiny_llama
 from swarm.protocol import Attach, Close, Hop, Open, Ping, Step, to_wire

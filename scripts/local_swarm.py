@@ -7,7 +7,9 @@ import logging
 import sys
 import time
 
-from swarm.launch import even_spans, start_swarm, stop_all
+import checkout  # noqa: F401 (devtools/ from this checkout)
+
+from devtools.launch import even_spans, start_swarm, stop_all
 from swarm.model.source import open_model
 from swarm.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 

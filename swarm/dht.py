@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from swarm.errors import DhtGone
 from swarm.records import (
     MAX_LAYERS,
     MAX_MODELS,
@@ -39,7 +40,7 @@ def start_dht(
 
     class DHT(hivemind.DHT):
         def run(self) -> None:  # in the forked DHT process
-            from swarm.launch import die_with_parent
+            from swarm.process import die_with_parent
 
             die_with_parent()  # a node killed with -9 must not leave its DHT process serving
             if nice:
@@ -77,10 +78,6 @@ MAX_REQUEST_BYTES = 16 * 1024
 # requests (cause not proven; interleaved writes are one candidate). One request crosses at a
 # time; the answers are awaited outside the lock, with a timeout, so a dead DHT is an error.
 _PIPE_LOCK = threading.Lock()
-
-
-class DhtGone(RuntimeError):
-    """The DHT process is dead or does not answer: nothing more will come from it."""
 
 
 def run_in_dht(dht, request, timeout: float = 60.0):

@@ -100,6 +100,21 @@ class PlaintextRefused(ProtocolError):
         )
 
 
+class DhtUnavailable(SwarmError):
+    """This process's DHT peer cannot be asked: the swarm's directory cannot be read or
+    written until it answers again (a route elsewhere would need it too)."""
+
+    code = "dht_unavailable"
+
+
+class DhtGone(DhtUnavailable):
+    """The DHT process has exited, or does not answer: nothing more will come from it."""
+
+
+class DhtBusy(DhtUnavailable):
+    """A DHT call abandoned after its timeout is still running; hivemind's pipe is not shared."""
+
+
 ERRORS_BY_CODE: dict[str, type[SwarmError]] = {
     cls.code: cls
     for cls in (
@@ -117,6 +132,7 @@ ERRORS_BY_CODE: dict[str, type[SwarmError]] = {
         UnannouncedPeer,
         WrongPeer,
         PlaintextRefused,
+        DhtUnavailable,
     )
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.launch import start_swarm, stop_all
+from devtools.launch import start_swarm, stop_all
 from swarm.model.tiny import reference_greedy, save_tiny_llama, save_tiny_tokenizer
 
 __all__ = ["reference_greedy", "swarm_greedy"]  # the tests import them from here

@@ -10,9 +10,9 @@ import time
 import pytest
 import trio
 
+from devtools.launch import NodeProcess, start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.errors import NodeBusy
-from swarm.launch import NodeProcess, start_swarm, stop_all
 from swarm.model.source import open_model
 from swarm.protocol import Attach, Attached, Close, Error, Hop, Open, Opened
 from swarm.tls import dial

@@ -11,11 +11,11 @@ import pytest
 import torch
 import trio
 
+from devtools.launch import start_swarm, stop_all
 from swarm.client.session import RemoteSession
 from swarm.dht import read_nodes, start_dht
 from swarm.errors import PeerFailed
 from swarm.heartbeat import Heartbeat
-from swarm.launch import start_swarm, stop_all
 from swarm.model.source import open_model
 from swarm.model.tiny import TINY
 from swarm.protocol import Hop

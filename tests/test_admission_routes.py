@@ -9,7 +9,7 @@ import socket
 import pytest
 import trio
 
-from swarm.launch import NodeProcess
+from devtools.launch import NodeProcess
 from swarm.model.source import open_model
 from swarm.protocol import Error, Hop, Open, Opened
 from swarm.tls import dial

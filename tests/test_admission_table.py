@@ -14,7 +14,7 @@ from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
 from swarm.node.admission import ConnectionTable, Inbound, Throttle, source_host
 from swarm.node.config import Limits
 from swarm.node.session_state import SessionState, StepIn
-from swarm.node.sessions import SessionTable
+from swarm.node.session_table import SessionTable
 from swarm.node.status import Status, status_line
 from swarm.protocol import Opened
 from swarm.records import ModelRecord, NodeRecord

@@ -27,8 +27,8 @@ import openai
 import pytest
 
 from devtools.cdp import Browser
+from devtools.launch import start_node, start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.launch import start_node, start_swarm, stop_all
 from swarm.model.tiny import save_tiny_llama, save_tiny_tokenizer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.launch import start_swarm, stop_all
 from tests.conftest import swarm_greedy
 
 pytestmark = pytest.mark.slow

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import trio
 
+from devtools.launch import start_swarm, stop_all
 from swarm.client.aio import astream
 from swarm.client.client import Client
-from swarm.launch import start_swarm, stop_all
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ import signal
 
 import pytest
 
+from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.errors import RouteUnavailable
-from swarm.launch import start_swarm, stop_all
 from tests.conftest import reference_greedy
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77]

@@ -20,10 +20,10 @@ import pytest
 import torch
 import trio
 
+from devtools.launch import NodeProcess, start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.dht import announce, start_dht
 from swarm.errors import SwarmError
-from swarm.launch import NodeProcess, start_swarm, stop_all
 from swarm.model.source import open_model
 from swarm.protocol import (
     Attach,

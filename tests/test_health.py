@@ -417,8 +417,8 @@ class Swarm:
 
 @pytest.fixture(scope="module")
 def swarm(tiny_model_dir):
+    from devtools.launch import start_swarm
     from swarm.dht import start_dht
-    from swarm.launch import start_swarm
 
     real = start_swarm(
         list(SPANS.values()),

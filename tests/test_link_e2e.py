@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from devtools.launch import start_node, stop_all
 from swarm.client.client import Client
-from swarm.launch import start_node, stop_all
 from tests.conftest import reference_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def shaped_swarm(request, tiny_model_dir, tmp_path):
         [
             sys.executable,
             "-m",
-            "devtools.relay",
+            "devtools.link_proxy",
             "--listen",
             f"127.0.0.1:{public}",
             "--target",

@@ -15,7 +15,7 @@ import pytest
 import torch
 import trio
 
-from devtools.relay import LinkShape, Relay
+from devtools.link_proxy import LinkShape, Relay
 from swarm.link.options import LinkOptions
 from swarm.node.uplink import Payload, Uplink
 from swarm.protocol import PREFILL, Ping, Pong, Step

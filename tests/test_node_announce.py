@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from devtools.launch import start_node, stop_all
 from swarm.dht import MAX_REQUEST_BYTES, owner_subkey, read_nodes, start_dht, store_request
-from swarm.launch import start_node, stop_all
 from swarm.link.options import LinkOptions
 from swarm.node.uplink import Uplink
 from swarm.records import NodeRecord

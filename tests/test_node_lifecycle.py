@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from devtools.launch import start_node, stop_all
 from swarm.dht import read_nodes, start_dht, visible_maddrs
-from swarm.launch import start_node, stop_all
 from swarm.model.source import open_model
 
 TTL = 6.0

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
+from devtools.launch import start_node, stop_all
 from swarm.client.client import Client
-from swarm.launch import start_node, stop_all
 from swarm.node.placement import (
     better_span,
     blocks_for_memory,

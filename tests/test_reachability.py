@@ -19,10 +19,10 @@ import time
 import pytest
 import trio
 
+from devtools.launch import start_node, stop_all
 from swarm.address import parse_host_port
 from swarm.client.client import Client
 from swarm.errors import PeerFailed
-from swarm.launch import start_node, stop_all
 from swarm.protocol import Hop, Ping, Pong
 from swarm.transport import dial_hop
 from tests.conftest import reference_greedy

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from devtools.relay import Relay
+from devtools.link_proxy import Relay
 from devtools.shaped_link import FrameScanner, LinkShape, ShapedLink
 from swarm.wire import encode_frame
 
@@ -347,7 +347,7 @@ async def test_an_unreachable_target_closes_the_client_and_keeps_serving(nursery
 
 async def test_the_command_line_relays_with_the_configured_shape(nursery):
     target = await start_target(nursery, echo=True)
-    command = [sys.executable, "-m", "devtools.relay", "--listen", "127.0.0.1:0"]
+    command = [sys.executable, "-m", "devtools.link_proxy", "--listen", "127.0.0.1:0"]
     command += ["--target", f"127.0.0.1:{target.port}", "--rate-mbps", "5", "--delay-ms", "15"]
     process = await nursery.start(
         lambda task_status: trio.run_process(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from devtools.launch import start_node, start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.launch import start_node, start_swarm, stop_all
 from tests.conftest import reference_greedy, swarm_greedy
 
 pytestmark = pytest.mark.slow

@@ -12,10 +12,10 @@ from functools import partial
 import pytest
 import trio
 
+from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.dht import announce, read_nodes, start_dht
 from swarm.errors import RouteUnavailable, WrongPeer
-from swarm.launch import start_swarm, stop_all
 from swarm.protocol import Error, Ping, Pong, Step
 from swarm.records import NodeRecord
 from swarm.tls import Identity

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.launch import start_swarm, stop_all
 from swarm.model.blocks import Head, Span
 from swarm.model.fidelity import SAMPLE_TEXT, agreement, perplexity, reference_logits, span_logits
 from swarm.model.source import open_model

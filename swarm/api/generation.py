@@ -18,8 +18,7 @@ from swarm.api.schema import ApiError, GenerationRequest
 from swarm.client.aio import AsyncSession
 from swarm.client.client import Client, ReplyText, Sampler
 from swarm.client.routing import missing_blocks, usable
-from swarm.dht import DhtGone
-from swarm.errors import CacheFull, SwarmError
+from swarm.errors import CacheFull, DhtUnavailable, SwarmError
 
 
 @dataclass
@@ -63,7 +62,7 @@ class Backend:
         """`gaps()` from a worker thread; ApiError 503 if the DHT cannot be read."""
         try:
             return await trio.to_thread.run_sync(self.gaps, abandon_on_cancel=True)
-        except DhtGone as exc:
+        except DhtUnavailable as exc:
             raise ApiError(
                 503,
                 f"the swarm's directory cannot be read: {exc}",

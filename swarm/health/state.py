@@ -17,15 +17,12 @@ import trio
 
 from swarm import __version__
 from swarm.dht import SwarmView, read_swarm, start_dht
+from swarm.errors import DhtBusy
 from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
 from swarm.records import MAX_LAYERS, MAX_MODELS, ModelRecord
 from swarm.transport import Reach, ping
 
 log = logging.getLogger(__name__)
-
-
-class DhtBusy(RuntimeError):
-    """A DHT call abandoned after its timeout is still running; hivemind's pipe is not shared."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ its last bit left the bottleneck.
 `ShapedLink` (devtools/shaped_link.py) is the sans-IO model of one direction; `Relay` is the trio
 shell around two of them.
 
-    python -m devtools.relay --listen 127.0.0.1:9000 --target 127.0.0.1:7000 \\
+    python -m devtools.link_proxy --listen 127.0.0.1:9000 --target 127.0.0.1:7000 \\
         --rate-mbps 5 --delay-ms 15 --buffer-kb 64
 """
 
@@ -365,7 +365,7 @@ def _host_port(text: str) -> tuple[str, int]:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m devtools.relay",
+        prog="python -m devtools.link_proxy",
         description="A shaped TCP relay: bandwidth, one-way delay and a bottleneck buffer, "
         "the same both ways unless --down-* (target -> peers) says otherwise.",
     )

@@ -17,7 +17,7 @@ import trio
 
 from swarm.errors import PeerFailed, SwarmError
 from swarm.heartbeat import INTERVAL_S, Heartbeat, send_queue_busy
-from swarm.node.sessions import SessionTable
+from swarm.node.session_table import SessionTable
 from swarm.node.uplink import ACK_NONCE_BASE, Uplink
 from swarm.protocol import Error, Hop, Opened, Ping, Pong
 from swarm.transport import FramedStream, dial_hop

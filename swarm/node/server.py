@@ -30,7 +30,7 @@ from swarm.node.directory import PeerDirectory
 from swarm.node.downstream import Downstream
 from swarm.node.observer import NoObserver, StepObserver
 from swarm.node.session import Session, send_quietly
-from swarm.node.sessions import SessionTable
+from swarm.node.session_table import SessionTable
 from swarm.node.uplink import Uplink
 from swarm.protocol import Attach, Attached, Close, Error, Open, Ping, Relay, Step
 from swarm.relay import RelayHub

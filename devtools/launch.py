@@ -1,4 +1,4 @@
-"""Start and stop node processes on this machine: the local swarm script and the tests use it."""
+"""Start and stop node processes on this machine: the local swarm script, benchmarks and tests."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from swarm.process import die_with_parent
 
 _MADDR = re.compile(r"--initial-peers (/\S+)")
 _SERVING = re.compile(
@@ -91,16 +93,6 @@ class NodeProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
-
-
-def die_with_parent() -> None:
-    """In a child: the kernel sends SIGTERM when the parent dies, so it never outlives it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def start_node(
