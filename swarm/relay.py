@@ -20,6 +20,7 @@ import random
 import secrets
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import trio
 
@@ -85,6 +86,15 @@ async def splice(hop: Hop, max_frame: int) -> FramedStream:
 # ---- the relay's side ---------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
+class _Handoff:
+    """A splice waiting for its node to connect back with the splice's token."""
+
+    back: FramedStream | None = None  # that connection, once it came
+    arrived: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event = field(default_factory=trio.Event)  # the splice is over with it
+
+
 class RelayHub:
     """What a reachable node does for others: holds their control connections, splices
     diallers to them, and dials back nodes that ask whether they can be reached."""
@@ -92,7 +102,7 @@ class RelayHub:
     def __init__(self, capacity: int):
         self.capacity = capacity  # nodes it relays for at once; 0: none
         self.controls: dict[str, FramedStream] = {}
-        self._waiting: dict[str, trio.MemorySendChannel] = {}
+        self._waiting: dict[str, _Handoff] = {}  # splice token -> the splice waiting for it
         self.spliced = 0  # connections spliced so far
 
     async def handle(self, conn: FramedStream, msg: Relay, source: str) -> None:
@@ -137,35 +147,36 @@ class RelayHub:
         if control is None:
             raise PeerFailed(f"this relay has no node {peer[:20]!r} behind it now", peer=peer)
         token = secrets.token_hex(16)
-        send, receive = trio.open_memory_channel(1)
-        self._waiting[token] = send
+        handoff = self._waiting[token] = _Handoff()
         try:
-            await control.send(Relay(op="reverse", token=token, addr=source))
-            with trio.fail_after(ACCEPT_TIMEOUT_S):
-                back, done = await receive.receive()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            raise PeerFailed(f"the relay lost node {peer[:20]!r}", peer=peer) from None
-        except trio.TooSlowError:
-            raise PeerFailed(
-                f"node {peer[:20]!r} did not connect back to its relay in {ACCEPT_TIMEOUT_S:g} s",
-                peer=peer,
-            ) from None
-        finally:
-            del self._waiting[token]
-        try:
+            try:
+                await control.send(Relay(op="reverse", token=token, addr=source))
+                with trio.fail_after(ACCEPT_TIMEOUT_S):
+                    await handoff.arrived.wait()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                raise PeerFailed(f"the relay lost node {peer[:20]!r}", peer=peer) from None
+            except trio.TooSlowError:
+                raise PeerFailed(
+                    f"node {peer[:20]!r} did not connect back to its relay in"
+                    f" {ACCEPT_TIMEOUT_S:g} s",
+                    peer=peer,
+                ) from None
+            finally:
+                self._waiting.pop(token, None)
             await conn.send(Relay(op="spliced"))
             self.spliced += 1
-            await copy_both_ways(conn.stream, back.stream)
+            await copy_both_ways(conn.stream, handoff.back.stream)
         finally:
-            done.set()
+            handoff.done.set()  # the connection back, if it came, is free to close
 
     async def _accept(self, conn: FramedStream, token: str) -> None:
-        send = self._waiting.get(token)
-        if send is None:
+        # a token is taken once: a second accept for it (a stranger's) is refused at once
+        handoff = self._waiting.pop(token, None)
+        if handoff is None:
             raise ProtocolError("no splice waits for this token")
-        done = trio.Event()
-        send.send_nowait((conn, done))
-        await done.wait()  # the splice owns the connection until it ends
+        handoff.back = conn
+        handoff.arrived.set()
+        await handoff.done.wait()  # the splice owns the connection until it ends
 
     async def _dial_back(self, conn: FramedStream, msg: Relay, source: str) -> None:
         try:

@@ -1,4 +1,4 @@
-"""The shaped relay: its sans-IO link model, and calibration through real loopback sockets."""
+"""The shaped link proxy: its sans-IO link model, and calibration through real loopback sockets."""
 
 from __future__ import annotations
 
