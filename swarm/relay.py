@@ -28,59 +28,17 @@ from swarm.address import parse_host_port, source_host
 from swarm.errors import NodeBusy, PeerFailed, ProtocolError, SwarmError
 from swarm.protocol import Error, Hop, Ping, Pong, Relay, to_wire
 from swarm.records import ONLINE, NodeRecord
-from swarm.tls import dial
-from swarm.transport import FramedStream, connect, ping
+from swarm.transport import FramedStream, ask_relay, ping
 from swarm.wire import DEFAULT_MAX_FRAME, encode_frame
 
 log = logging.getLogger("swarm.relay")
 
 DIALBACK_TIMEOUT_S = 5.0  # a reachable node answers a dial-back well within this
-ACCEPT_TIMEOUT_S = 10.0  # for the relayed node to connect back
+ACCEPT_TIMEOUT_S = 10.0  # for the relayed node to connect back (a dialler waits SPLICE_TIMEOUT_S)
 CONTROL_PING_S = 5.0
 CONTROL_SILENCE_S = 15.0  # a relay silent this long is gone
 COPY_CHUNK = 16 * 1024
 HELPERS = 3  # nodes asked to dial back, one after the other
-
-
-async def _ask(
-    host: str, port: int, request: Relay, answer: str, timeout: float, max_frame: int
-) -> tuple[FramedStream, Relay | Error]:
-    """One plaintext request to a node that relays: the open connection and its `answer`, or
-    the Error it sent (the connection then closed); ProtocolError for anything else."""
-    with trio.fail_after(timeout):
-        conn = await connect(host, port, max_frame, tls=None)
-        try:
-            await conn.send(request)
-            reply = await conn.receive()
-            if isinstance(reply, Error):
-                await conn.aclose()
-                return conn, reply
-            if not isinstance(reply, Relay) or reply.op != answer or conn.decoder.buffered:
-                where = f"{host}:{port}"
-                raise ProtocolError(f"{where} answered {request.op} with {reply!r:.100}")
-        except BaseException:
-            await trio.aclose_forcefully(conn.stream)
-            raise
-    return conn, reply
-
-
-# ---- the dialler's side -----------------------------------------------------------------------
-
-
-async def splice(hop: Hop, max_frame: int) -> FramedStream:
-    """A TLS connection to the node `hop` names, through the relay at hop.host:hop.port."""
-    request = Relay(op="splice", peer=hop.peer)
-    conn, reply = await _ask(
-        hop.host, hop.port, request, "spliced", ACCEPT_TIMEOUT_S + 5, max_frame
-    )
-    if isinstance(reply, Error):
-        raise PeerFailed(f"relay {hop.addr}: {reply.message}", peer=hop.peer)
-    try:
-        secure = await dial(conn.stream, hop.tls, hop.link)
-    except BaseException:
-        await trio.aclose_forcefully(conn.stream)
-        raise
-    return FramedStream(secure, max_frame)
 
 
 # ---- the relay's side ---------------------------------------------------------------------------
@@ -226,7 +184,7 @@ async def check_reachable(
     request = Relay(op="dialback", addr=addr, tls=tls)
     for r in helpers[:HELPERS]:
         try:
-            conn, reply = await _ask(
+            conn, reply = await ask_relay(
                 *r.host_port, request, "dialed", DIALBACK_TIMEOUT_S + 5, DEFAULT_MAX_FRAME
             )
             await conn.aclose()
@@ -285,7 +243,7 @@ async def stay_relayed(
 
 async def _register(r: NodeRecord, me: str) -> FramedStream:
     request = Relay(op="listen", peer=me)
-    control, reply = await _ask(
+    control, reply = await ask_relay(
         *r.host_port, request, "listening", DIALBACK_TIMEOUT_S, DEFAULT_MAX_FRAME
     )
     if isinstance(reply, Error):

@@ -1,4 +1,5 @@
-"""Frames over a trio stream: the IO shell around the sans-IO codec in swarm.wire."""
+"""Frames over a trio stream (the IO shell around the sans-IO codec in swarm.wire), and dialling
+a node as its record says: directly, or spliced through the node that relays for it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from dataclasses import dataclass
 import trio
 
 from swarm.address import join_host_port
-from swarm.errors import ProtocolError, SwarmError
-from swarm.protocol import Hop, Message, Ping, Pong, parse_message, to_wire
+from swarm.errors import PeerFailed, ProtocolError, SwarmError
+from swarm.protocol import Error, Hop, Message, Ping, Pong, Relay, parse_message, to_wire
 from swarm.tls import dial
 from swarm.wire import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame
 
@@ -22,6 +23,7 @@ RX_MIN_BYTES = 4096  # a frame's arrival spread says something about the link fr
 MAX_PONG_FRAME = 4096
 TLS_RECORD = 4096  # plaintext bytes per TLS record sent (TLS allows up to 16 KiB)
 SEND_GRACE_S = 60.0  # longest a cancelled frame send may still take (16 MiB at ~2 Mbps)
+SPLICE_TIMEOUT_S = 15.0  # a relay asks its node to connect back within 10 s (swarm.relay)
 
 
 @dataclass(frozen=True)
@@ -156,10 +158,46 @@ async def dial_hop(hop: Hop, max_frame: int = DEFAULT_MAX_FRAME) -> FramedStream
     """A framed connection to the node `hop` names: TLS checked against its key (plaintext
     only for a hop announced without one), through its relay if it has one."""
     if hop.relay:
-        from swarm.relay import splice  # relay builds on this module
-
         return await splice(hop, max_frame)
     return await connect(hop.host, hop.port, max_frame, tls=hop.tls or None)
+
+
+async def splice(hop: Hop, max_frame: int) -> FramedStream:
+    """A TLS connection to the node `hop` names, through the relay at hop.host:hop.port."""
+    request = Relay(op="splice", peer=hop.peer)
+    conn, reply = await ask_relay(
+        hop.host, hop.port, request, "spliced", SPLICE_TIMEOUT_S, max_frame
+    )
+    if isinstance(reply, Error):
+        raise PeerFailed(f"relay {hop.addr}: {reply.message}", peer=hop.peer)
+    try:
+        secure = await dial(conn.stream, hop.tls, hop.link)
+    except BaseException:
+        await trio.aclose_forcefully(conn.stream)
+        raise
+    return FramedStream(secure, max_frame)
+
+
+async def ask_relay(
+    host: str, port: int, request: Relay, answer: str, timeout: float, max_frame: int
+) -> tuple[FramedStream, Relay | Error]:
+    """One plaintext request to a node that relays: the open connection and its `answer`, or
+    the Error it sent (the connection then closed); ProtocolError for anything else."""
+    with trio.fail_after(timeout):
+        conn = await connect(host, port, max_frame, tls=None)
+        try:
+            await conn.send(request)
+            reply = await conn.receive()
+            if isinstance(reply, Error):
+                await conn.aclose()
+                return conn, reply
+            if not isinstance(reply, Relay) or reply.op != answer or conn.decoder.buffered:
+                where = f"{host}:{port}"
+                raise ProtocolError(f"{where} answered {request.op} with {reply!r:.100}")
+        except BaseException:
+            await trio.aclose_forcefully(conn.stream)
+            raise
+    return conn, reply
 
 
 @dataclass(frozen=True)
