@@ -117,19 +117,9 @@ class LinkScheduler:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         self._free.on_compute(phase, seconds)
 
-    def update_link(
-        self,
-        dest: str,
-        rtt: float | None = None,
-        bandwidth: float | None = None,
-        now: float | None = None,
-        forget_bandwidth: bool = False,
-        min_rtt: float | None = None,
-        in_flight: int | None = None,
-        prefill_in_flight: int | None = None,
-        prefill_frames: int | None = None,
-    ) -> None:
-        """Latest estimates for the connection to `dest` (bandwidth in bytes per second).
+    def update_link(self, dest: str, now: float | None = None, **figures) -> None:
+        """Latest estimates for the connection to `dest`, the keywords of `Links.update`: rtt,
+        min_rtt (seconds), bandwidth (bytes per second), in_flight, prefill_in_flight, ...
 
         `in_flight`: bytes sent and not yet acknowledged; `prefill_in_flight`: the prompt bytes
         among them, which the in-flight cap counts (a driver that does not tell: all of them);
@@ -137,16 +127,7 @@ class LinkScheduler:
         that does not tell: the floor is floor-sized chunks' bytes).
         None leaves a figure as it was; `forget_bandwidth` drops an estimate found to be wrong.
         """
-        self._links.update(
-            dest,
-            rtt=rtt,
-            bandwidth=bandwidth,
-            forget_bandwidth=forget_bandwidth,
-            min_rtt=min_rtt,
-            in_flight=in_flight,
-            prefill_in_flight=prefill_in_flight,
-            prefill_frames=prefill_frames,
-        )
+        self._links.update(dest, **figures)  # `now`: events carry their time; figures need none
 
     def end_session(self, session: str) -> int:
         """Forget a session: drop its queued volumes (returns how many) and its decode history."""
