@@ -1,14 +1,19 @@
 """The node's uplink keeps serving when one send fails from a bug: that connection goes, the node
-and every other connection stay (a TCP_INFO read on a just-closed socket once took a node down)."""
+and every other connection stay (a TCP_INFO read on a just-closed socket once took a node down).
+Every connection it writes to gets TCP_NOTSENT_LOWAT."""
 
 from __future__ import annotations
 
+import socket
+
+import pytest
 import torch
 import trio
 
 from swarm.link.options import LinkOptions
-from swarm.node.uplink import Payload, Uplink
-from swarm.protocol import PREFILL, Step
+from swarm.link.tcpinfo import TCP_NOTSENT_LOWAT, get_notsent_lowat
+from swarm.node.uplink import NOTSENT_LOWAT, Payload, Uplink
+from swarm.protocol import PREFILL, Ping, Step
 from swarm.transport import FramedStream, connect
 
 HIDDEN = 16
@@ -75,3 +80,32 @@ async def test_a_failing_send_drops_its_connection_and_the_uplink_serves_the_oth
     with trio.fail_after(10):
         await good.got.wait()
     assert good.sids == ["good", "good-again"]
+
+
+async def ignore_broken(stream: FramedStream, exc: Exception) -> None:
+    stream.closed = True
+
+
+async def written(uplink: Uplink, before: int) -> None:
+    with trio.fail_after(10):
+        while uplink.bytes_sent <= before:
+            await trio.sleep(0.005)
+
+
+@pytest.mark.skipif(TCP_NOTSENT_LOWAT is None, reason="the OS has no TCP_NOTSENT_LOWAT")
+async def test_a_new_connection_gets_notsent_lowat_though_its_socket_has_an_old_ones_id(nursery):
+    uplink = Uplink(LinkOptions(), ignore_broken)
+    nursery.start_soon(uplink.run)
+    _, first, _ = await open_receiver(nursery)
+    uplink.send_control(first, Ping(nonce=1))
+    await written(uplink, 0)
+    assert get_notsent_lowat(first.socket) == NOTSENT_LOWAT
+    # a later connection whose socket object takes the place (and so the id) of an earlier
+    # one: here the same socket under a new connection, its option unset again
+    first.socket.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, 0)
+    second = FramedStream(first.stream)
+    assert id(second.socket) == id(first.socket) and get_notsent_lowat(second.socket) == 0
+    sent = uplink.bytes_sent
+    uplink.send_control(second, Ping(nonce=2))
+    await written(uplink, sent)
+    assert get_notsent_lowat(second.socket) == NOTSENT_LOWAT

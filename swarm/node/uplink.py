@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class Uplink:
         self._control: deque[tuple[FramedStream, bytes]] = deque()
         self._payloads: dict[int, Payload] = {}
         self._estimators: dict[str, LinkEstimator] = {}
-        self._lowat_set: set[int] = set()
+        self._lowat: weakref.WeakSet[FramedStream] = weakref.WeakSet()  # connections set up
         self._wake = trio.Event()
         self._clock0 = time.monotonic()
         self.bytes_sent = 0
@@ -178,12 +179,12 @@ class Uplink:
 
     async def _write(self, stream: FramedStream, frame: bytes) -> bool:
         sock = stream.socket
-        if sock is not None and id(sock) not in self._lowat_set:
+        if sock is not None and stream not in self._lowat:
             try:
                 set_notsent_lowat(sock, NOTSENT_LOWAT)
             except OSError:
                 pass
-            self._lowat_set.add(id(sock))
+            self._lowat.add(stream)
         try:
             with trio.fail_after(self._send_timeout):
                 await stream.send_raw(frame)
