@@ -18,7 +18,7 @@ from swarm.node.config import Limits, NodeConfig
 from swarm.node.observer import NoObserver
 from swarm.node.session import Counters, Session, SessionContext
 from swarm.node.session_table import SessionTable
-from swarm.node.uplink import Payload
+from swarm.node.uplink import CLIENTS, Payload
 from swarm.protocol import DECODE, PREFILL, Close, Error, Hop, Open, Opened, Step
 from swarm.wire import pack_tensor
 
@@ -173,7 +173,7 @@ async def test_the_last_hop_sends_its_client_only_the_last_token_of_a_prompt(nur
     session.take_step(msg)
     await until(lambda: ctx.uplink.payloads)
     [sent] = ctx.uplink.payloads
-    assert (sent.stream, sent.dest, sent.result) == (client, "client", True)
+    assert (sent.stream, sent.dest, sent.result) == (client, CLIENTS, True)
     assert torch.equal(sent.hidden, hidden[:, -1:] * 2)
 
 

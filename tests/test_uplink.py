@@ -1,10 +1,11 @@
 """The node's uplink keeps serving when one send fails from a bug: that connection goes, the node
 and every other connection stay (a TCP_INFO read on a just-closed socket once took a node down).
-Every connection it writes to gets TCP_NOTSENT_LOWAT."""
+Every connection it writes to gets TCP_NOTSENT_LOWAT, and each client's link is its own."""
 
 from __future__ import annotations
 
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ import trio
 
 from swarm.link.options import LinkOptions
 from swarm.link.tcpinfo import TCP_NOTSENT_LOWAT, get_notsent_lowat
-from swarm.node.uplink import NOTSENT_LOWAT, Payload, Uplink
-from swarm.protocol import PREFILL, Ping, Step
+from swarm.node import uplink as uplink_module
+from swarm.node.uplink import CLIENTS, NOTSENT_LOWAT, Payload, Uplink
+from swarm.protocol import DECODE, PREFILL, Ping, Step
 from swarm.transport import FramedStream, connect
 
 HIDDEN = 16
@@ -109,3 +111,38 @@ async def test_a_new_connection_gets_notsent_lowat_though_its_socket_has_an_old_
     uplink.send_control(second, Ping(nonce=2))
     await written(uplink, sent)
     assert get_notsent_lowat(second.socket) == NOTSENT_LOWAT
+
+
+async def test_each_client_is_measured_apart_and_out_of_the_nodes_link_figures(
+    nursery, monkeypatch
+):
+    kernel_rtt: dict[object, float] = {}  # socket -> the RTT its TCP_INFO reads
+
+    def read_tcp_info(sock):
+        return SimpleNamespace(
+            rtt_s=kernel_rtt[sock],
+            delivery_rate_Bps=None,
+            delivery_rate_app_limited=False,
+            min_rtt_s=None,
+        )
+
+    monkeypatch.setattr(uplink_module, "read_tcp_info", read_tcp_info)
+    uplink = Uplink(LinkOptions(), ignore_broken)
+    nursery.start_soon(uplink.run)
+    (_, near, _), (_, far, _) = [await open_receiver(nursery) for _ in range(2)]
+    kernel_rtt[near.socket], kernel_rtt[far.socket] = 0.01, 0.2
+    for i, conn in enumerate((near, far)):
+        hidden = torch.randn(1, 1, HIDDEN)
+        uplink.send_activations(
+            Payload(conn, CLIENTS, f"s{i}", DECODE, 0, 1, hidden, "float16", True)
+        )
+    with trio.fail_after(10):
+        while uplink.stats()["client_links"] < 2:
+            await trio.sleep(0.005)
+    figures = uplink.stats()
+    assert figures["rtt_s"] == 0.0  # the node's own links: to next nodes, of which it has none
+    assert (uplink.client_link(near).rtt, uplink.client_link(far).rtt) == (0.01, 0.2)
+    assert figures["client_rtt_s"] == pytest.approx(0.105)  # the median of the two
+    uplink.forget_client(near)  # its connection ended
+    assert uplink.client_link(near) is None
+    assert (uplink.stats()["client_links"], uplink.stats()["client_rtt_s"]) == (1.0, 0.2)

@@ -159,6 +159,7 @@ class Node:
         finally:
             self.connections.remove(inbound)
             conn.closed = True
+            self.uplink.forget_client(conn)
             for s in self.sessions:
                 if s.sink is conn:
                     s.sink_gone()

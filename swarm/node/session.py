@@ -30,7 +30,7 @@ from swarm.node.admission import peer_host
 from swarm.node.passes import DecodeItem, decode_pass, forward_pass
 from swarm.node.prompt import PromptPieces
 from swarm.node.session_state import Fail, SessionState, SinkGone, StepIn
-from swarm.node.uplink import Payload
+from swarm.node.uplink import CLIENTS, Payload
 from swarm.protocol import DECODE, PREFILL, Attach, Close, Error, Hop, Open, Opened, Step
 from swarm.wire import unpack_tensor
 
@@ -376,7 +376,7 @@ class Session:
             await self.fail(Error.of(err, self.sid, self.hop))
             return False
         else:
-            to, dest, phase, result, out = self.sink, "client", DECODE, True, out[:, -1:]
+            to, dest, phase, result, out = self.sink, CLIENTS, DECODE, True, out[:, -1:]
         payload = Payload(
             to, dest, self.sid, phase, step.pos, step.end, out, self.wire_dtype, result=result
         )
