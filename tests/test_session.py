@@ -1,6 +1,6 @@
 """A session through its narrow context: the parts of its node it uses (the blocks, the uplink,
 the next hops) as small stand-ins, with the real compute lanes and session table, so each
-behaviour is seen without processes or sockets."""
+behaviour is seen without processes or sockets. The last test runs a node in-process."""
 
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ from swarm.errors import NodeBusy, PeerFailed, ProtocolError
 from swarm.model.blocks import KVCache
 from swarm.node.compute import ComputeQueue
 from swarm.node.config import Limits, NodeConfig
+from swarm.node.directory import PeerDirectory
 from swarm.node.observer import NoObserver
+from swarm.node.server import Node
 from swarm.node.session import Counters, Session, SessionContext
 from swarm.node.session_table import SessionTable
 from swarm.node.uplink import CLIENTS, Payload
 from swarm.protocol import DECODE, PREFILL, Close, Error, Hop, Open, Opened, Step
+from swarm.transport import FramedStream
 from swarm.wire import pack_tensor
 
 HIDDEN = 8
@@ -267,3 +270,32 @@ async def test_an_idle_session_expires_after_its_last_step_and_tells_its_client(
     await until(lambda: len(owner.sent) > 1)
     told = [owner.sent[1], *client.sent]
     assert [m.message for m in told] == ["session expired after idling"] * 2
+
+
+async def evict_while_the_holder_is_written_to(node: Node, port: int) -> FramedStream:
+    """Admit a session from one connection (the holder), then a newcomer's from another that
+    hangs up at once, while the node is still writing to the holder (say, a result)."""
+    holder = FramedStream(await trio.open_tcp_stream("127.0.0.1", port))
+    await holder.send(Open("a" * 32, route(1), 0, "weights", "float32", 16, TOKEN))
+    assert isinstance(await holder.receive(), Opened)
+    conn = node.sessions.lookup("a" * 32).owner  # the node's end of the holder's connection
+    async with conn._send_lock:
+        newcomer = FramedStream(await trio.open_tcp_stream("127.0.0.1", port))
+        await newcomer.send(Open("b" * 32, route(1), 0, "weights", "float32", 16, TOKEN))
+        await newcomer.aclose()
+        await until(lambda: node.throttle.evicted == 1 and len(node.connections) == 1)
+    return holder
+
+
+async def test_an_evicted_sessions_holder_is_told_though_the_newcomer_hung_up(nursery):
+    limits = Limits(max_sessions=1, evict_idle_s=0.0)
+    config = NodeConfig(start=0, end=2, host="127.0.0.1", plaintext=True, limits=limits)
+    directory = PeerDirectory(lambda: [], plaintext=True)
+    node = Node(config, Doubling(), "weights", directory=directory)
+    port = await nursery.start(node.serve)
+    holder = await evict_while_the_holder_is_written_to(node, port)
+    with trio.fail_after(5):
+        told = await holder.receive()
+    assert (told.code, told.sid) == ("busy", "a" * 32)
+    assert "session evicted" in told.message
+    await holder.aclose()

@@ -3,7 +3,8 @@
 Each inbound connection is a task reading frames; it admits the sessions it opens and starts
 each as a task in its own nursery (session.py), hands steps to them, and answers pings. Replies
 go out on the connection; activations leave through the uplink. A session sees only the
-`SessionContext` the node builds once.
+`SessionContext` the node builds once. What must outlive the connection that caused it (telling
+the holders of evicted sessions) runs in the node's own nursery.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class Node:
             self.counters,
         )
         self.port: int | None = None
+        self._nursery: trio.Nursery | None = None  # the node's own, while it serves
 
     # ---- lifetime -------------------------------------------------------------------------
 
@@ -97,6 +99,7 @@ class Node:
             listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self.uplink.run)
             nursery.start_soon(self.compute.worker)
             await nursery.start(self.downstream.run)
@@ -291,9 +294,10 @@ class Node:
             await send_quietly(conn, Error.of(exc, sid=msg.sid, hop=msg.hop))
             return
         sessions.start_soon(session.run)
-        for victim, err in evicted:
+        assert self._nursery is not None, "Node.serve is not running"
+        for victim, err in evicted:  # told even if the newcomer's connection ends at once
             for holder in {id(c): c for c in (victim.owner, victim.sink) if c}.values():
-                sessions.start_soon(send_quietly, holder, err)
+                self._nursery.start_soon(send_quietly, holder, err)
 
     def _check_open(self, msg: Open) -> None:
         if msg.fingerprint != self.fingerprint:
