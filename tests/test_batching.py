@@ -13,7 +13,7 @@ import trio
 from swarm.errors import ProtocolError
 from swarm.model.source import open_model
 from swarm.node.compute import ComputeQueue
-from swarm.node.session import DecodeItem, decode_pass
+from swarm.node.passes import DecodeItem, decode_pass
 from swarm.protocol import DECODE
 
 

@@ -179,7 +179,7 @@ def test_a_pass_that_would_run_before_its_sessions_earlier_positions_is_refused(
     from swarm.errors import ProtocolError
     from swarm.model.blocks import Span
     from swarm.model.source import open_model
-    from swarm.node.session import forward_pass
+    from swarm.node.passes import forward_pass
 
     source = open_model(str(tiny_model_dir))
     span = Span.load(source, 0, 2, weights="float32")

@@ -109,3 +109,11 @@ def test_an_open_session_expires_after_idling_from_its_last_step():
     state.handle(StepIn(PREFILL, 0, 1, 1, now=390.0))
     assert not state.expired(now=400.0, idle=300.0)
     assert state.expired(now=690.0, idle=300.0)
+
+
+def test_a_refused_open_closes_the_session_and_keeps_the_refusal():
+    state = SessionState(SID, 16, last=False)
+    refusal = Error(code="busy", message="node serves its maximum of 64 sessions", sid=SID, hop=1)
+    assert state.opening
+    assert state.handle(Fail(refusal)) is CLOSED
+    assert not state.opening and state.error == refusal

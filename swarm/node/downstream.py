@@ -4,7 +4,7 @@ Each connection has a reader task for what comes back (open acknowledgements, er
 Two kinds of ping travel on it, told apart by their nonce: round-trip pings this pool sends every
 PING_INTERVAL seconds, and the acknowledgement pings the uplink sends behind activation frames.
 Their pongs feed the uplink's link estimate. A lost connection is reported to every session that
-goes through it.
+goes through it. Only next hops the DHT announces are dialled (directory.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import trio
 
 from swarm.errors import PeerFailed, SwarmError
 from swarm.heartbeat import INTERVAL_S, Heartbeat, send_queue_busy
+from swarm.node.directory import PeerDirectory
 from swarm.node.session_table import SessionTable
 from swarm.node.uplink import ACK_NONCE_BASE, Uplink
 from swarm.protocol import Error, Hop, Opened, Ping, Pong
@@ -28,6 +29,8 @@ PING_INTERVAL = 2.0
 CONNECT_TIMEOUT = 10.0
 MAX_PINGS = 1000
 HEARTBEAT_NONCE_BASE = 1 << 32  # heartbeat pings: above the round-trip ones, below acks
+# how dialling fails: unreachable, unresolvable, not a valid host name, a failed TLS handshake
+UNREACHABLE = (OSError, UnicodeError, ValueError, trio.TooSlowError, trio.BrokenResourceError)
 
 
 @dataclass(frozen=True)
@@ -54,10 +57,13 @@ def classify(pong: Pong) -> RoundTrip | Acknowledged:
 
 
 class Downstream:
-    def __init__(self, uplink: Uplink, sessions: SessionTable, max_frame: int):
+    def __init__(
+        self, uplink: Uplink, sessions: SessionTable, max_frame: int, directory: PeerDirectory
+    ):
         self._uplink = uplink
         self._sessions = sessions
         self._max_frame = max_frame
+        self._directory = directory
         self._streams: dict[str, FramedStream] = {}
         self._keys: dict[str, str] = {}  # the TLS key each connection was checked against
         self._connecting: dict[str, trio.Lock] = {}
@@ -103,15 +109,22 @@ class Downstream:
         return self._streams.get(dest) if dest is not None else None
 
     async def connect(self, hop: Hop) -> FramedStream:
-        """The connection to `hop` (keyed by `hop.link`), opened if there is none."""
+        """The connection to `hop` (keyed by `hop.link`), opened if there is none. Raises the
+        SwarmError the session's upstream gets: UnannouncedPeer for a hop no record announces,
+        PeerFailed for one that cannot be reached, or what the hop's relay or TLS key said."""
+        await self._directory.check(hop)
         dest = hop.link
         lock = self._connecting.setdefault(dest, trio.Lock())
         async with lock:
             ds = self._streams.get(dest)
             if ds is not None and not ds.closed and self._keys.get(dest) == hop.tls:
                 return ds
-            with trio.fail_after(CONNECT_TIMEOUT):
-                ds = await dial_hop(hop, self._max_frame)
+            try:
+                with trio.fail_after(CONNECT_TIMEOUT):
+                    ds = await dial_hop(hop, self._max_frame)
+            except UNREACHABLE as exc:
+                why = str(exc) or type(exc).__name__
+                raise PeerFailed(f"cannot reach the next hop at {dest}: {why}") from None
             self._streams[dest] = ds
             self._keys[dest] = hop.tls
             self._beats[dest] = Heartbeat()

@@ -2,7 +2,9 @@
 
 Each inbound connection is a task reading frames; it admits the sessions it opens and starts
 each as a task in its own nursery (session.py), hands steps to them, and answers pings. Replies
-go out on the connection; activations leave through the uplink.
+go out on the connection; activations leave through the uplink. A session sees only the
+`SessionContext` the node builds once. What must outlive the connection that caused it (telling
+the holders of evicted sessions) runs in the node's own nursery.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from swarm.node.config import NodeConfig, scheduler_options
 from swarm.node.directory import PeerDirectory
 from swarm.node.downstream import Downstream
 from swarm.node.observer import NoObserver, StepObserver
-from swarm.node.session import Session, send_quietly
+from swarm.node.session import Counters, Session, SessionContext, send_quietly
 from swarm.node.session_table import SessionTable
 from swarm.node.uplink import Uplink
 from swarm.protocol import Attach, Attached, Close, Error, Open, Ping, Relay, Step
@@ -73,11 +75,22 @@ class Node:
             observe=self.uplink.observe_compute,
             max_batch=config.compute.max_batch,
         )
-        self.downstream = Downstream(self.uplink, self.sessions, config.limits.max_frame)
+        self.downstream = Downstream(
+            self.uplink, self.sessions, config.limits.max_frame, self.directory
+        )
+        self.counters = Counters()
+        self.context = SessionContext(
+            config,
+            span,
+            self.compute,
+            self.uplink,
+            self.downstream,
+            self.sessions,
+            self.observer,
+            self.counters,
+        )
         self.port: int | None = None
-        self.errors_sent = 0
-        self.steps_done = 0  # forward passes
-        self.tokens_done = 0  # tokens through them
+        self._nursery: trio.Nursery | None = None  # the node's own, while it serves
 
     # ---- lifetime -------------------------------------------------------------------------
 
@@ -86,6 +99,7 @@ class Node:
             listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self.uplink.run)
             nursery.start_soon(self.compute.worker)
             await nursery.start(self.downstream.run)
@@ -94,6 +108,10 @@ class Node:
 
     def stop_accepting(self) -> None:
         self.sessions.accepting = False
+
+    @property
+    def tokens_done(self) -> int:
+        return self.counters.tokens_done
 
     @property
     def throughput(self) -> float:
@@ -144,6 +162,7 @@ class Node:
         finally:
             self.connections.remove(inbound)
             conn.closed = True
+            self.uplink.forget_client(conn)
             for s in self.sessions:
                 if s.sink is conn:
                     s.sink_gone()
@@ -241,7 +260,7 @@ class Node:
             raise ProtocolError(f"a node does not accept {msg.t!r} messages from upstream")
 
     async def _reply_error(self, conn: FramedStream, exc: SwarmError, sid: str = "") -> None:
-        self.errors_sent += 1
+        self.counters.errors_sent += 1
         log.info("error to %s: %s: %s", conn.peer(), exc.code, exc)
         await send_quietly(conn, Error.of(exc, sid=sid, hop=self._hop_of(sid, conn)))
 
@@ -257,7 +276,7 @@ class Node:
         evicted: list[tuple[Session, Error]] = []
         try:
             self._check_open(msg)
-            session = Session(self, conn, msg, now)
+            session = Session(self.context, conn, msg, now)
             try:
                 victims = self.sessions.make_room(session, now)
             except NodeBusy as exc:
@@ -271,13 +290,14 @@ class Node:
                 evicted.append((victim, err))
             self.sessions.add(session)
         except SwarmError as exc:
-            self.errors_sent += 1
+            self.counters.errors_sent += 1
             await send_quietly(conn, Error.of(exc, sid=msg.sid, hop=msg.hop))
             return
         sessions.start_soon(session.run)
-        for victim, err in evicted:
+        assert self._nursery is not None, "Node.serve is not running"
+        for victim, err in evicted:  # told even if the newcomer's connection ends at once
             for holder in {id(c): c for c in (victim.owner, victim.sink) if c}.values():
-                sessions.start_soon(send_quietly, holder, err)
+                self._nursery.start_soon(send_quietly, holder, err)
 
     def _check_open(self, msg: Open) -> None:
         if msg.fingerprint != self.fingerprint:

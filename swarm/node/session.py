@@ -6,6 +6,9 @@ session never outlives the connection that asked for it. Steps arrive through `t
 decode steps first, prompt pieces gathered into passes (see prompt.py), awaiting each pass in
 the compute lanes, and hands the output to the uplink. The session ends when its state says
 closed: by the client's close, a failure here or downstream, idling, or its connection's end.
+
+A session sees of its node only its `SessionContext`: the blocks, the compute lanes, the uplink,
+the next hops, the session table and the configuration, given once by the node.
 """
 
 from __future__ import annotations
@@ -19,79 +22,52 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import outcome
 import torch
 import trio
 
-from swarm.errors import PeerFailed, ProtocolError, SessionNotFound, SwarmError, UnannouncedPeer
-from swarm.model.blocks import KVCache, Span
+from swarm.errors import PeerFailed, ProtocolError, SessionNotFound, SwarmError
 from swarm.node.admission import peer_host
-from swarm.node.compute import Done, Ticket
+from swarm.node.passes import DecodeItem, decode_pass, forward_pass
 from swarm.node.prompt import PromptPieces
-from swarm.node.session_state import OPEN, OPENING, Fail, SessionState, SinkGone, StepIn
-from swarm.node.uplink import Payload
-from swarm.protocol import DECODE, PREFILL, Attach, Close, Error, Open, Opened, Step
-from swarm.transport import FramedStream
+from swarm.node.session_state import Fail, SessionState, SinkGone, StepIn
+from swarm.node.uplink import CLIENTS, Payload
+from swarm.protocol import DECODE, PREFILL, Attach, Close, Error, Hop, Open, Opened, Step
 from swarm.wire import unpack_tensor
 
 if TYPE_CHECKING:
-    from swarm.node.server import Node
+    from swarm.model.blocks import KVCache, Span
+    from swarm.node.compute import ComputeQueue, Done, Ticket
+    from swarm.node.config import NodeConfig
+    from swarm.node.downstream import Downstream
+    from swarm.node.observer import StepObserver
+    from swarm.node.session_table import SessionTable
+    from swarm.node.uplink import Uplink
+    from swarm.transport import FramedStream
 
 log = logging.getLogger("swarm.node")
 
 
-def forward_pass(
-    span: Span, cache: KVCache, start: int, end: int, pos: int, hidden: torch.Tensor
-) -> torch.Tensor:
-    """One forward pass through blocks start:end from position `pos`, in a compute thread."""
-    _check_position(cache, pos)
-    return span.forward(hidden, cache, pos, start, end)
+@dataclass
+class Counters:
+    """What a node's sessions and connections did, for its status line."""
+
+    errors_sent: int = 0
+    steps_done: int = 0  # forward passes
+    tokens_done: int = 0  # tokens through them
 
 
 @dataclass(frozen=True)
-class DecodeItem:
-    """One session's decode step, as a decode pass takes it."""
+class SessionContext:
+    """What a session may use of its node, given once by the node; it reaches nothing else."""
 
-    cache: KVCache
-    pos: int
-    hidden: torch.Tensor  # [1, 1, hidden]
-
-
-def decode_pass(span: Span, start: int, end: int, items: list[DecodeItem]) -> list[outcome.Outcome]:
-    """One token of each session through blocks start:end as one pass, in a compute thread.
-    Each item gets its own outcome: a step that cannot run, or a pass that fails, fails only
-    the sessions it belongs to (a failed pass is rerun a session at a time)."""
-    outs: list[outcome.Outcome | None] = [None] * len(items)
-    ready = []
-    for i, item in enumerate(items):
-        try:
-            _check_position(item.cache, item.pos)
-            ready.append(i)
-        except SwarmError as exc:
-            outs[i] = outcome.Error(exc)
-    if len(ready) > 1:
-        try:
-            hidden = torch.cat([items[i].hidden.reshape(1, -1) for i in ready])
-            caches = [items[i].cache for i in ready]
-            out = span.decode(hidden, caches, [items[i].pos for i in ready], start, end)
-            for row, i in enumerate(ready):
-                outs[i] = outcome.Value(out[row].view(1, 1, -1))
-            return outs
-        except Exception:
-            log.exception("a decode pass of %d sessions failed; each runs alone", len(ready))
-    for i in ready:
-        item = items[i]
-        outs[i] = outcome.capture(forward_pass, span, item.cache, start, end, item.pos, item.hidden)
-    return outs
-
-
-def _check_position(cache: KVCache, pos: int) -> None:
-    if cache.length != pos:
-        # only a client that sends a step before its previous one returned
-        raise ProtocolError(
-            f"step at position {pos} ran before the session's earlier positions"
-            f" (cache holds {cache.length}); wait for each result"
-        )
+    config: NodeConfig  # its limits, the prompt passes' sizes, the default wire dtype
+    span: Span  # the blocks: their width, a session's cache, the passes through them
+    compute: ComputeQueue  # the lanes its passes wait for
+    uplink: Uplink  # where its activations, results and closes leave
+    downstream: Downstream  # the connections to next hops, dialled only if announced
+    sessions: SessionTable  # its place, given up when it ends, and its turn for prompt passes
+    observer: StepObserver
+    counters: Counters
 
 
 async def send_quietly(conn: FramedStream, msg) -> None:
@@ -105,13 +81,13 @@ async def send_quietly(conn: FramedStream, msg) -> None:
 class Session:
     """One session on this node: blocks start:end of route hop `hop`."""
 
-    def __init__(self, node: Node, owner: FramedStream, msg: Open, now: float):
+    def __init__(self, ctx: SessionContext, owner: FramedStream, msg: Open, now: float):
         hop = msg.route[msg.hop]
-        self.node = node
+        self.ctx = ctx
         self.open_msg = msg
         self.sid, self.hop, self.route = msg.sid, msg.hop, msg.route
         self.start, self.end = hop.start, hop.end
-        self.wire_dtype = msg.wire_dtype or node.config.wire_dtype
+        self.wire_dtype = msg.wire_dtype or ctx.config.wire_dtype
         self.max_length = msg.max_length
         self.owner = owner  # only it may send steps
         self.host = peer_host(owner)  # whose share it counts in
@@ -121,11 +97,9 @@ class Session:
         self.pieces = PromptPieces()
         self.decodes: deque[tuple[Step, torch.Tensor, float]] = deque()  # with arrival time
         self._sink_token = msg.sink_token
-        self._open_error: Error | None = None
         self._tickets: list[Ticket] = []  # places held in the prompt lane
-        self._wake = trio.Event()  # something to do came
-        self._settled = trio.Event()  # the next hop answered the open, or the session ended
-        self._ended = trio.Event()
+        self._wake = trio.Event()  # something to do came, or the state moved
+        self._scope = trio.CancelScope()  # the task's work: cancelled when the session closes
 
     @property
     def is_last(self) -> bool:
@@ -136,16 +110,16 @@ class Session:
     def take_step(self, msg: Step) -> None:
         """Check and queue a step from the owner; raises the SwarmError the owner gets."""
         hidden = unpack_tensor(
-            msg.hidden, hidden=self.node.span.config.hidden, max_tokens=self.max_length
+            msg.hidden, hidden=self.ctx.span.config.hidden, max_tokens=self.max_length
         )
         n, now = hidden.shape[1], time.monotonic()
         self.state.handle(StepIn(msg.phase, msg.pos, n, msg.end, now))
         if msg.phase == DECODE:
-            self.node.uplink.observe_decode_arrival(self.sid)
+            self.ctx.uplink.observe_decode_arrival(self.sid)
             self.decodes.append((msg, hidden, now))
         else:
             self.pieces.add(msg, hidden, now)
-            self.node.observer.prompt_piece(self.sid, now, msg.pos, n, msg.end)
+            self.ctx.observer.prompt_piece(self.sid, now, msg.pos, n, msg.end)
         self._wake.set()
 
     def attach(self, conn: FramedStream, token: str) -> None:
@@ -162,15 +136,12 @@ class Session:
             self.state.handle(SinkGone())
 
     async def from_downstream(self, msg: Opened | Error) -> None:
-        """The next hop's answer to the open, or its error later."""
-        if self.state.state is OPENING:
-            if isinstance(msg, Opened):
-                self.state.handle(msg)
-            else:
-                self._open_error = msg
-            self._settled.set()
-        elif isinstance(msg, Error):
+        """The next hop's answer to the open, or its error (refusing the open, or later)."""
+        if isinstance(msg, Error):
             await self.fail(msg)
+        elif self.state.accepts(msg):
+            self.state.handle(msg)
+            self._wake.set()
 
     # ---- its end -----------------------------------------------------------------------------
 
@@ -179,8 +150,7 @@ class Session:
         if not self.state.closed:
             self.state.handle(Close(sid=self.sid))
         self._let_go()
-        self._settled.set()
-        self._ended.set()
+        self._scope.cancel()
 
     async def fail(self, error: Error) -> None:
         """Tell the session's upstream (and so, hop by hop, the client) and end the session."""
@@ -188,7 +158,7 @@ class Session:
             return
         self.state.handle(Fail(error))
         self._let_go()
-        self.node.errors_sent += 1
+        self.ctx.counters.errors_sent += 1
         sink = self.sink
         await send_quietly(self.owner, error)
         if sink is not None and sink is not self.owner:
@@ -205,25 +175,24 @@ class Session:
 
     def _let_go(self) -> None:
         """Free the session's place, drop what it still had to send, tell the next hop."""
-        if not self.node.sessions.remove(self):
+        if not self.ctx.sessions.remove(self):
             return
-        log.info("session %s... closed", self.sid[:8])
-        self.node.uplink.end_session(self.sid)
-        ds = self.node.downstream.stream(self.downstream) if self.downstream else None
+        error = self.state.error
+        log.info("session %s... closed%s", self.sid[:8], f" ({error.code})" if error else "")
+        self.ctx.uplink.end_session(self.sid)
+        ds = self.ctx.downstream.stream(self.downstream) if self.downstream else None
         if ds is not None:
-            self.node.uplink.send_control(ds, Close(sid=self.sid))
+            self.ctx.uplink.send_control(ds, Close(sid=self.sid))
 
     # ---- its task ----------------------------------------------------------------------------
 
     async def run(self) -> None:
         """The session's life: open the next hop, then compute steps until the session ends."""
         try:
-            async with self._cache() as cache:
-                if await self._open_next_hop():
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(self._work, cache)
-                        await self._ended.wait()
-                        nursery.cancel_scope.cancel()
+            with self._scope:
+                async with self._cache() as cache:
+                    if await self._open_next_hop():
+                        await self._work(cache)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
         except Exception:
@@ -235,8 +204,7 @@ class Session:
 
     @asynccontextmanager
     async def _cache(self):
-        span = self.node.span
-        cache = span.allocate_cache(self.end - self.start, self.max_length)
+        cache = self.ctx.span.allocate_cache(self.end - self.start, self.max_length)
         try:
             yield cache
         finally:
@@ -245,53 +213,14 @@ class Session:
             cache.values.clear()
 
     async def _open_next_hop(self) -> bool:
-        msg = self.open_msg
+        """Open the session down the route (the last hop opens at once) and tell the owner;
+        False if that failed (the owner has been told why)."""
+        if self.state.closed:
+            return False  # evicted before its task began
         if self.is_last:
             self.state.handle(Opened(sid=self.sid))
-        else:
-            nxt = msg.route[msg.hop + 1]
-            dest = nxt.link
-            try:
-                await self.node.directory.check(nxt)
-            except UnannouncedPeer as exc:
-                self.close()
-                await send_quietly(self.owner, Error.of(exc, sid=self.sid, hop=msg.hop + 1))
-                return False
-            try:
-                ds = await self.node.downstream.connect(nxt)
-            except (
-                OSError,
-                UnicodeError,
-                ValueError,
-                trio.TooSlowError,
-                trio.BrokenResourceError,
-                SwarmError,
-            ) as exc:
-                # unreachable, unresolvable, not a valid host name, a failed TLS handshake,
-                # the wrong peer there or a relay that does not know it
-                self.close()
-                err = (
-                    exc
-                    if isinstance(exc, SwarmError)
-                    else PeerFailed(
-                        f"cannot reach hop {msg.hop + 1} at {dest}: {exc or type(exc).__name__}"
-                    )
-                )
-                await send_quietly(self.owner, Error.of(err, sid=self.sid, hop=msg.hop + 1))
-                return False
-            self.downstream = dest
-            self.node.uplink.send_control(ds, _forwarded(msg))
-            with trio.move_on_after(self.node.config.limits.open_timeout_s):
-                await self._settled.wait()
-            if self.state.state is not OPEN:
-                err = self._open_error or Error.of(
-                    PeerFailed(f"hop {msg.hop + 1} at {dest} did not answer the open"),
-                    sid=self.sid,
-                    hop=msg.hop + 1,
-                )
-                self.close()
-                await send_quietly(self.owner, err)
-                return False
+        elif not await self._ask_next_hop(self.route[self.hop + 1]):
+            return False
         log.info(
             "session %s... opened, hop %d, blocks %d:%d",
             self.sid[:8],
@@ -301,6 +230,24 @@ class Session:
         )
         await send_quietly(self.owner, Opened(sid=self.sid))
         return True
+
+    async def _ask_next_hop(self, nxt: Hop) -> bool:
+        """Send the open on to `nxt` and wait for its answer (from_downstream); True once it
+        has opened."""
+        try:
+            ds = await self.ctx.downstream.connect(nxt)
+        except SwarmError as exc:
+            await self.fail(Error.of(exc, sid=self.sid, hop=self.hop + 1))
+            return False
+        self.downstream = nxt.link
+        self.ctx.uplink.send_control(ds, _forwarded(self.open_msg))
+        with trio.move_on_after(self.ctx.config.limits.open_timeout_s):
+            while self.state.opening:
+                await self._woken()
+        if self.state.opening:
+            err = PeerFailed(f"hop {self.hop + 1} at {nxt.link} did not answer the open")
+            await self.fail(Error.of(err, sid=self.sid, hop=self.hop + 1))
+        return not self.state.closed
 
     async def _work(self, cache: KVCache) -> None:
         try:
@@ -320,7 +267,7 @@ class Session:
         await self._wake.wait()
 
     async def _idle(self) -> None:
-        limits = self.node.config.limits
+        limits = self.ctx.config.limits
         idle, unused = limits.session_idle_s, limits.open_deadline_s
         with trio.move_on_after(self.state.deadline(idle, unused) - time.monotonic()):
             await self._woken()
@@ -334,7 +281,7 @@ class Session:
             await self.fail(Error.of(err, self.sid, self.hop))
 
     async def _decode(self, cache: KVCache, step: Step, hidden: torch.Tensor, arrived: float):
-        compute, span = self.node.compute, self.node.span
+        compute, span = self.ctx.compute, self.ctx.span
         try:
             if hidden.shape[1] == 1:  # joins other sessions' steps through the same blocks
                 run = functools.partial(decode_pass, span, self.start, self.end)
@@ -349,12 +296,12 @@ class Session:
             await self._compute_failed(exc)
             return
         if await self._forward(step, done):
-            self.node.observer.decode_step(arrived, time.monotonic(), done.elapsed, done.usage)
+            self.ctx.observer.decode_step(arrived, time.monotonic(), done.elapsed, done.usage)
 
     async def _prompt_pass(self, cache: KVCache) -> None:
         """Wait for the prompt lane, then compute what has arrived by then (up to a pass's
         worth), holding the next place in the lane already if more waits."""
-        config, compute = self.node.config.compute, self.node.compute
+        config, compute = self.ctx.config.compute, self.ctx.compute
         if not self._tickets:
             self._tickets.append(compute.reserve(PREFILL, self._rank()))
         ticket = self._tickets[0]
@@ -372,7 +319,7 @@ class Session:
         if self.pieces:  # more than one pass waits: queue the next, behind any decode step
             self._tickets.append(compute.reserve(PREFILL, self._rank()))
         fn = functools.partial(
-            forward_pass, self.node.span, cache, self.start, self.end, step.pos, hidden
+            forward_pass, self.ctx.span, cache, self.start, self.end, step.pos, hidden
         )
         try:
             done = await ticket.run(fn, hidden.shape[1])
@@ -384,7 +331,7 @@ class Session:
             ticket.release()
         if await self._forward(step, done):
             out = done.result
-            self.node.observer.prompt_pass(
+            self.ctx.observer.prompt_pass(
                 self.sid,
                 time.monotonic(),
                 step.pos,
@@ -395,12 +342,12 @@ class Session:
             )
 
     def _rank(self) -> float:
-        compute = self.node.compute
+        compute = self.ctx.compute
         left = self.pieces.tokens_left()
         rank = compute.prefill_rank(self.pieces.prompt_since, left)
         per_token = compute.prefill_token_seconds or 0.0
-        cost = min(left, self.node.config.compute.pass_tokens) * per_token
-        return self.node.sessions.prompt_rank(self, rank, cost)
+        cost = min(left, self.ctx.config.compute.pass_tokens) * per_token
+        return self.ctx.sessions.prompt_rank(self, rank, cost)
 
     async def _compute_failed(self, error: Exception) -> None:
         if self.state.closed:
@@ -415,42 +362,25 @@ class Session:
             return False
         out = done.result
         n = out.shape[1]
-        self.node.steps_done += 1
-        self.node.tokens_done += n
-        if self.is_last:
-            if step.pos + n != step.end:
-                return True  # a middle chunk of a prefill: the client needs only the last token
-            if self.sink is None:
-                err = SessionNotFound("no client attached to receive results")
-                await self.fail(Error.of(err, self.sid, self.hop))
-                return False
-            payload = Payload(
-                self.sink,
-                "client",
-                self.sid,
-                DECODE,
-                step.pos,
-                step.end,
-                out[:, -1:],
-                self.wire_dtype,
-                result=True,
-            )
-        else:
-            ds = self.node.downstream.stream(self.downstream)
+        self.ctx.counters.steps_done += 1
+        self.ctx.counters.tokens_done += n
+        if not self.is_last:
+            ds = self.ctx.downstream.stream(self.downstream)
             if ds is None:
-                return True
-            payload = Payload(
-                ds,
-                self.downstream,
-                self.sid,
-                step.phase,
-                step.pos,
-                step.end,
-                out,
-                self.wire_dtype,
-                result=False,
-            )
-        self.node.uplink.send_activations(payload)
+                return True  # lost: the sessions through it are failing
+            to, dest, phase, result = ds, self.downstream, step.phase, False
+        elif step.pos + n != step.end:
+            return True  # a middle chunk of a prefill: the client needs only the last token
+        elif self.sink is None:
+            err = SessionNotFound("no client attached to receive results")
+            await self.fail(Error.of(err, self.sid, self.hop))
+            return False
+        else:
+            to, dest, phase, result, out = self.sink, CLIENTS, DECODE, True, out[:, -1:]
+        payload = Payload(
+            to, dest, self.sid, phase, step.pos, step.end, out, self.wire_dtype, result=result
+        )
+        self.ctx.uplink.send_activations(payload)
         return True
 
 

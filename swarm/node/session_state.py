@@ -5,7 +5,8 @@ open (the last hop, having none, opens at once), `open` while steps flow, `attac
 client has claimed the last hop's results, and `closed` for good. `SessionState.handle` takes
 one event, checks it against the table, moves to the next state or raises the error the sender
 gets; it never touches a socket or a clock (times come in as arguments), so the tests drive it
-directly.
+directly. A failure is a transition too: the next hop refusing the open, or any error later,
+closes the session through `Fail`, which keeps the error that ended it.
 """
 
 from __future__ import annotations
@@ -73,6 +74,12 @@ class SessionState:
         self.opened_at = now
         self.last_active = now
         self.used = False  # stepped, or (last hop) attached: someone is behind the session
+        self.error: Error | None = None  # what ended the session, if a failure did
+
+    @property
+    def opening(self) -> bool:
+        """Waiting for the next hop to answer the open."""
+        return self.state is OPENING
 
     @property
     def closed(self) -> bool:
@@ -92,6 +99,8 @@ class SessionState:
             self.used = True
         elif isinstance(event, Attach):
             self.used = True
+        elif isinstance(event, Fail):
+            self.error = event.error
         self.state = TRANSITIONS[self.state][type(event)]
         return self.state
 

@@ -6,13 +6,22 @@ this driver slices the activation on those token boundaries, writes one send at 
 feeds the scheduler the link measurements it takes along the way (TCP_INFO, timed writes,
 pings). TCP_NOTSENT_LOWAT keeps waiting bytes here, where a decode step can still pass them,
 rather than in a multi-megabyte kernel send buffer.
+
+The figures a node announces (`stats`: bandwidth, RTT, ...) are those of its links to next
+nodes. A last hop's results go to clients, each over its own connection: the scheduler queues
+them under one destination, CLIENTS, and each client connection is measured apart (until it
+ends), so one client's slow link neither blends into another's nor into the node's figures;
+`stats` gives only their count and medians (`client_links`, `client_rtt_s`,
+`client_bandwidth_Bps`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -35,6 +44,7 @@ ACK_NONCE_BASE = 1 << 40  # pings that acknowledge delivery; the node's own RTT 
 MAX_UNACKED = 4096
 HOLD_RECHECK_S = 0.02
 MIN_HOLD_S = 0.0005
+CLIENTS = "clients"  # where the scheduler queues a last hop's results, whichever the client
 
 
 @dataclass
@@ -47,7 +57,7 @@ class Payload:
     end: int
     hidden: torch.Tensor  # [1, tokens, hidden] float32
     wire_dtype: str
-    result: bool  # last hop: a Result for the client rather than a Step
+    result: bool  # last hop: a Result for the client (`stream`; `dest` CLIENTS), not a Step
 
 
 class Uplink:
@@ -62,8 +72,9 @@ class Uplink:
         self._send_timeout = send_timeout
         self._control: deque[tuple[FramedStream, bytes]] = deque()
         self._payloads: dict[int, Payload] = {}
-        self._estimators: dict[str, LinkEstimator] = {}
-        self._lowat_set: set[int] = set()
+        self._estimators: dict[str, LinkEstimator] = {}  # the links to next nodes
+        self._clients: dict[FramedStream, LinkEstimator] = {}  # results' links, per connection
+        self._lowat: weakref.WeakSet[FramedStream] = weakref.WeakSet()  # connections set up
         self._wake = trio.Event()
         self._clock0 = time.monotonic()
         self.bytes_sent = 0
@@ -134,6 +145,14 @@ class Uplink:
         self._wake.set()  # a prefill held back for acknowledgements may go now
         return True
 
+    def forget_client(self, stream: FramedStream) -> None:
+        """The client connection `stream` has ended: its link is measured no more."""
+        self._clients.pop(stream, None)
+
+    def client_link(self, stream: FramedStream) -> LinkEstimator | None:
+        """What results sent on the client connection `stream` have measured of its link."""
+        return self._clients.get(stream)
+
     def forget_dest(self, dest: str) -> None:
         """The connection to `dest` is gone: its outstanding acknowledgements will not come."""
         est = self._estimators.get(dest)
@@ -174,16 +193,20 @@ class Uplink:
         out["tcp_info_blind"] = float(any(e.tcp_blind for e in ests))
         out["ack_rate_samples"] = float(sum(e.ack_samples for e in ests))
         out["arrival_rate_samples"] = float(sum(e.arrival_samples for e in ests))
+        clients = list(self._clients.values())
+        out["client_links"] = float(len(clients))
+        out["client_rtt_s"] = _median(e.rtt for e in clients)
+        out["client_bandwidth_Bps"] = _median(e.bandwidth for e in clients)
         return out
 
     async def _write(self, stream: FramedStream, frame: bytes) -> bool:
         sock = stream.socket
-        if sock is not None and id(sock) not in self._lowat_set:
+        if sock is not None and stream not in self._lowat:
             try:
                 set_notsent_lowat(sock, NOTSENT_LOWAT)
             except OSError:
                 pass
-            self._lowat_set.add(id(sock))
+            self._lowat.add(stream)
         try:
             with trio.fail_after(self._send_timeout):
                 await stream.send_raw(frame)
@@ -290,7 +313,12 @@ class Uplink:
         return encode_frame(to_wire(msg))
 
     def _measure(self, p: Payload, nbytes: int, started: float, finished: float) -> None:
-        est = self.estimator(p.dest)
+        if p.result:
+            if p.stream.closed:
+                return  # ended while the frame went: forgotten already
+            est = self._clients.setdefault(p.stream, LinkEstimator())
+        else:
+            est = self.estimator(p.dest)
         est.on_delivery(nbytes, started, finished, finished)
         sock = p.stream.socket
         if sock is not None:
@@ -303,4 +331,11 @@ class Uplink:
                     info.delivery_rate_app_limited,
                     info.min_rtt_s,
                 )
-        self._push_estimate(p.dest, est)
+        if not p.result:
+            self._push_estimate(p.dest, est)
+
+
+def _median(figures) -> float:
+    """The median of the figures known (None: not yet measured), 0.0 if none is."""
+    known = [f for f in figures if f is not None]
+    return float(statistics.median(known)) if known else 0.0
