@@ -13,9 +13,14 @@ import trio.testing
 from devtools.launch import start_node
 from swarm.address import parse_host_port
 from swarm.errors import ProtocolError
-from swarm.protocol import Relay
+from swarm.node.config import NodeConfig
+from swarm.node.directory import PeerDirectory
+from swarm.node.server import Node
+from swarm.protocol import Hop, Relay
 from swarm.relay import RelayHub
+from swarm.tls import Identity
 from swarm.transport import FramedStream, connect, ping
+from tests.test_session import Doubling
 
 FLAGS = ["--weights", "float32", "--wire-dtype", "float32"]
 FAKE_PEER = "12D3KooWmadeUpPeerWhoRegistersWithTheRelay"
@@ -96,3 +101,22 @@ async def test_a_splice_token_is_taken_by_the_first_accept_only():
         assert refused.count(None) == 1  # the one spliced: it carries the dialler's bytes
         assert any(isinstance(r, ProtocolError) for r in refused)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_failing_relay_request_costs_its_connection_only(nursery):
+    identity = Identity.generate()
+    config = NodeConfig(start=0, end=2, host="127.0.0.1")
+    node = Node(
+        config, Doubling(), "weights", directory=PeerDirectory(lambda: []), identity=identity
+    )
+
+    async def broken(conn, msg, source):  # a bug anywhere in the hub's handling
+        raise RuntimeError("a handler bug")
+
+    node.relay_hub.handle = broken
+    port = await nursery.start(node.serve)
+    conn = await ask("127.0.0.1", port, Relay(op="listen", peer=FAKE_PEER))
+    with trio.fail_after(5):
+        assert await conn.receive() is None  # closed, nothing else
+    reach = await ping(Hop("127.0.0.1", port, 0, 2, "", identity.key_id), timeout=5)
+    assert reach.reachable, reach.error

@@ -159,6 +159,10 @@ class Node:
             if scope.cancelled_caught:
                 busy = NodeBusy("connection closed: the node was full and it held no session")
                 await self._reply_error(conn, busy)
+        except Exception:
+            # whatever a stranger's bytes make a handler raise costs this connection only:
+            # out of serve_listeners it would end the node and everyone's sessions
+            log.exception("closing connection from %s after an internal error", conn.peer())
         finally:
             self.connections.remove(inbound)
             conn.closed = True
