@@ -34,6 +34,7 @@ from swarm.node.placement import (
 )
 from swarm.node.server import Node
 from swarm.node.status import Status, log_status
+from swarm.records import format_blocks
 from swarm.relay import check_reachable, stay_relayed
 from swarm.tls import Identity
 
@@ -99,7 +100,7 @@ async def choose_first_span(cfg: NodeConfig, source, dht, usable) -> tuple[int, 
     span = choose_span(coverage(records, num_layers), min(blocks, num_layers))
     said = f"{len(records)} other node{'s' if len(records) != 1 else ''} announced"
     thin = gaps(coverage(records, num_layers))
-    said += f"; blocks nobody serves: {_ranges(thin)}" if thin else "; every block is served"
+    said += f"; blocks nobody serves: {format_blocks(thin)}" if thin else "; every block is served"
     say(f"choosing blocks: {said}; taking {span[0]}:{span[1]} ({span[1] - span[0]} blocks)")
     return span
 
@@ -138,17 +139,6 @@ async def read_records(dht, config) -> list:
         read_nodes, dht, config.name, config.num_layers, abandon_on_cancel=True
     )
     return records
-
-
-def _ranges(blocks: list[int]) -> str:
-    out, start = [], None
-    for i, b in enumerate(blocks):
-        if start is None:
-            start = b
-        if i + 1 == len(blocks) or blocks[i + 1] != b + 1:
-            out.append(f"{start}:{b + 1}")
-            start = None
-    return ", ".join(out)
 
 
 class Serving:
@@ -290,7 +280,7 @@ class Serving:
             target = better_span(records, me, current, config.num_layers)
             if target is None:
                 continue
-            thin = _ranges(gaps(coverage(records, config.num_layers, frozenset({me}))))
+            thin = format_blocks(gaps(coverage(records, config.num_layers, frozenset({me}))))
             say(
                 f"moving from blocks {current[0]}:{current[1]} to {target[0]}:{target[1]}:"
                 f" nobody serves {thin} and others still serve ours; draining"
