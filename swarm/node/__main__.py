@@ -33,7 +33,7 @@ from swarm.node.placement import (
     settled_span,
 )
 from swarm.node.server import Node
-from swarm.node.status import Status, log_status
+from swarm.node.status import log_status, status_of
 from swarm.records import format_blocks
 from swarm.relay import check_reachable, stay_relayed
 from swarm.tls import Identity
@@ -222,8 +222,8 @@ class Serving:
                 f"serving blocks {start}:{end} on {announcer.addr} (peer {self.dht.peer_id}),"
                 f" {secured}{via}"
             )
-            nursery.start_soon(announcer.keep_fresh, node)
-            nursery.start_soon(log_status, functools.partial(status, node))
+            nursery.start_soon(announcer.keep_fresh, functools.partial(status_of, node))
+            nursery.start_soon(log_status, functools.partial(status_of, node))
             if cfg.automatic_span and cfg.rebalance_s > 0:
                 nursery.start_soon(self._watch, node, announcer, span_range, moved, nursery)
             await shutdown_on_signal(node, announcer, cfg.limits.grace_s)
@@ -262,7 +262,7 @@ class Serving:
             announcer.relay = record.peer if record else ""
             first.set()
             if record is not None:
-                await announcer.publish("online", node)
+                await announcer.publish("online", status_of(node))
 
         async def candidates():
             return await read_records(self.dht, config)
@@ -287,7 +287,7 @@ class Serving:
                 f" {len(node.sessions)} sessions first"
             )
             node.stop_accepting()
-            await announcer.publish("offline", node, ttl=max(announcer.ttl, 10))
+            await announcer.publish("offline", status_of(node), ttl=max(announcer.ttl, 10))
             with trio.move_on_after(self.cfg.limits.grace_s):
                 while len(node.sessions):
                     await trio.sleep(0.2)
@@ -296,25 +296,12 @@ class Serving:
             return
 
 
-def status(node: Node) -> Status:
-    t = node.throttle
-    return Status(
-        len(node.sessions),
-        node.sessions.free_cache_tokens,
-        node.tokens_done,
-        node.uplink.stats(),
-        t.refused,
-        t.evicted,
-        len(t.hosts),
-    )
-
-
 async def shutdown_on_signal(node: Node, announcer: Announcer, grace: float) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             say(f"received {signal.Signals(signum).name}: going offline, refusing new sessions")
             node.stop_accepting()
-            await announcer.publish("offline", node, ttl=max(announcer.ttl, 10))
+            await announcer.publish("offline", status_of(node), ttl=max(announcer.ttl, 10))
             with trio.move_on_after(grace):
                 async for _ in _ticks(0.2):
                     if len(node.sessions) == 0:
