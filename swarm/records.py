@@ -157,17 +157,31 @@ class ModelRecord:
         return rec
 
 
-def block_coverage(records: Iterable[NodeRecord], num_layers: int) -> tuple[int, ...]:
-    """How many of `records` serve each block 0..num_layers-1 (a span past the end is cut)."""
-    counts = [0] * num_layers
+@dataclass(frozen=True)
+class Block:
+    """One block as a set of records covers it: how many serve it, and their summed tokens/s."""
+
+    nodes: int = 0
+    throughput: float = 0.0
+
+
+def coverage(records: Iterable[NodeRecord], num_layers: int) -> tuple[Block, ...]:
+    """Each block 0..num_layers-1 as `records` cover it (a span past the end is cut)."""
+    nodes, speed = [0] * num_layers, [0.0] * num_layers
     for r in records:
         for b in range(r.start, min(r.end, num_layers)):
-            counts[b] += 1
-    return tuple(counts)
+            nodes[b] += 1
+            speed[b] += r.throughput
+    return tuple(Block(n, t) for n, t in zip(nodes, speed))
+
+
+def block_coverage(records: Iterable[NodeRecord], num_layers: int) -> tuple[int, ...]:
+    """How many of `records` serve each block 0..num_layers-1."""
+    return tuple(b.nodes for b in coverage(records, num_layers))
 
 
 def coverage_gaps(coverage: Iterable[int]) -> list[tuple[int, int]]:
-    """Half-open block ranges that no record serves, in order."""
+    """Half-open block ranges that no record serves, in order, from per-block node counts."""
     gaps: list[tuple[int, int]] = []
     for b, count in enumerate(coverage):
         if count:
@@ -177,3 +191,8 @@ def coverage_gaps(coverage: Iterable[int]) -> list[tuple[int, int]]:
         else:
             gaps.append((b, b + 1))
     return gaps
+
+
+def format_blocks(ranges: Iterable[tuple[int, int]]) -> str:
+    """Half-open block ranges as a reader sees them: `0:3, 5:6`."""
+    return ", ".join(f"{start}:{end}" for start, end in ranges)

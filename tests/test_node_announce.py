@@ -12,6 +12,8 @@ import pytest
 from devtools.launch import start_node, stop_all
 from swarm.dht import MAX_REQUEST_BYTES, owner_subkey, read_nodes, start_dht, store_request
 from swarm.link.options import LinkOptions
+from swarm.node.announce import Announcer
+from swarm.node.status import Status
 from swarm.node.uplink import Uplink
 from swarm.records import NodeRecord
 
@@ -36,6 +38,32 @@ def full_record(start: int, end: int) -> NodeRecord:
         link=Uplink(LinkOptions(), _ignore).stats(),  # every figure a record carries
         updated=1.7e9,
     )
+
+
+def announcer() -> Announcer:
+    return Announcer(None, "peer", "127.0.0.1:1", "m", 12, "f" * 16, 0, 6, ttl=30.0, tls="")
+
+
+def test_a_joining_node_announces_no_sessions_no_throughput_and_the_default_weights():
+    r = announcer().record("joining")
+    assert (r.sessions, r.free_cache_tokens, r.throughput, r.link) == (0, 0, 0.0, {})
+    assert (r.weights, r.decode_batch, r.decode_passes, r.throttled) == ("float32", 1.0, 0, 0)
+
+
+def test_a_serving_node_announces_its_figures_rounded_for_the_wire():
+    status = Status(
+        sessions=2,
+        free_cache_tokens=900,
+        link={"rtt_s": 0.01},
+        throttled=3,
+        throughput=41.4567,
+        weights="int8",
+        decode_batch=1.23456,
+        decode_passes=80,
+    )
+    r = announcer().record("online", status)
+    assert (r.sessions, r.free_cache_tokens, r.link, r.throttled) == (2, 900, {"rtt_s": 0.01}, 3)
+    assert (r.throughput, r.weights, r.decode_batch, r.decode_passes) == (41.46, "int8", 1.235, 80)
 
 
 @pytest.fixture(scope="module")

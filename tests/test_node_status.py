@@ -1,8 +1,10 @@
-"""The node's periodic status line is short and human."""
+"""A node's figures are read in one place, and its periodic status line is short and human."""
 
 from __future__ import annotations
 
-from swarm.node.status import Status, status_line
+from types import SimpleNamespace
+
+from swarm.node.status import Status, status_line, status_of
 
 
 def test_the_status_line_names_sessions_token_rate_bandwidth_and_rtt():
@@ -15,3 +17,41 @@ def test_the_status_line_names_sessions_token_rate_bandwidth_and_rtt():
 def test_a_link_not_yet_measured_says_so():
     idle = Status(sessions=1, free_cache_tokens=100, tokens=0, link={})
     assert status_line(idle, idle, 30.0) == "1 session, 0.0 tokens/s, link not measured yet"
+
+
+def serving_node() -> SimpleNamespace:
+    """The parts of a Node its figures are read from, as a node serving two sessions holds them."""
+    table = type("Sessions", (), {"__len__": lambda self: 2, "free_cache_tokens": 900})()
+    return SimpleNamespace(
+        sessions=table,
+        tokens_done=1234,
+        uplink=SimpleNamespace(stats=lambda: {"bandwidth_Bps": 1e6}),
+        throttle=SimpleNamespace(refused=5, evicted=1, hosts={"a", "b"}, recent=lambda now: 3),
+        throughput=41.5,
+        span=SimpleNamespace(format="int8"),
+        compute=SimpleNamespace(mean_decode_batch=1.75, decode_passes=80),
+    )
+
+
+def test_a_node_not_serving_yet_reports_nothing_going_on_and_the_default_weights():
+    idle = Status()
+    assert (idle.sessions, idle.free_cache_tokens, idle.tokens, idle.link) == (0, 0, 0, {})
+    assert (idle.throughput, idle.decode_batch, idle.decode_passes, idle.throttled) == (0, 1, 0, 0)
+    assert idle.weights == "float32"
+
+
+def test_a_serving_node_reports_every_figure_it_holds():
+    assert status_of(serving_node()) == Status(
+        sessions=2,
+        free_cache_tokens=900,
+        tokens=1234,
+        link={"bandwidth_Bps": 1e6},
+        refused=5,
+        evicted=1,
+        throttled_hosts=2,
+        throttled=3,
+        throughput=41.5,
+        weights="int8",
+        decode_batch=1.75,
+        decode_passes=80,
+    )

@@ -9,6 +9,7 @@ import time
 from html import escape
 
 from swarm.health.snapshot import EXPIRED, ModelView, NodeView, Snapshot, short_peer
+from swarm.records import format_blocks
 
 # numbers inside the bar's cells stop fitting beyond this many blocks; the tooltip keeps them
 MAX_LABELLED_BLOCKS = 48
@@ -190,11 +191,7 @@ def _bar(m: ModelView) -> str:
         tip = f"block {b}: {count} node{'s' if count != 1 else ''}"
         text = str(count) if label else ""
         cells.append(f'<i class="c{min(count, 3)}" title="{tip}" data-count="{count}">{text}</i>')
-    summary = (
-        "every block served"
-        if not m.gaps
-        else "gaps at blocks " + ", ".join(f"{a}:{b}" for a, b in m.gaps)
-    )
+    summary = "every block served" if not m.gaps else f"gaps at blocks {format_blocks(m.gaps)}"
     mid = f"<span>{n // 2}</span>" if n >= 4 else ""
     return (
         f'<div class="bar" role="img" aria-label="nodes per block; {summary}">{"".join(cells)}'

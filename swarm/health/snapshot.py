@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.records import ONLINE, ModelRecord, NodeRecord, block_coverage, coverage_gaps
+from swarm.records import ONLINE, Block, ModelRecord, NodeRecord, coverage, coverage_gaps
 from swarm.transport import Reach
 
 EXPIRED = "expired"  # shown for a node whose records left the DHT; never announced by a node
@@ -73,8 +73,13 @@ class NodeView:
 @dataclass(frozen=True)
 class ModelView:
     model: ModelRecord
-    coverage: tuple[int, ...]  # usable nodes serving each block
+    blocks: tuple[Block, ...]  # each block as the usable nodes cover it
     nodes: tuple[NodeView, ...]
+
+    @property
+    def coverage(self) -> tuple[int, ...]:
+        """Usable nodes serving each block."""
+        return tuple(b.nodes for b in self.blocks)
 
     @property
     def gaps(self) -> list[tuple[int, int]]:
@@ -84,7 +89,7 @@ class ModelView:
     @property
     def full_route(self) -> bool:
         # a hop may use part of a node's span (client.routing), so covering every block suffices
-        return bool(self.coverage) and all(self.coverage)
+        return bool(self.blocks) and all(b.nodes for b in self.blocks)
 
     @property
     def throughput(self) -> float:
@@ -93,14 +98,7 @@ class ModelView:
         Each block's capacity is the summed throughput of the usable nodes serving it; a token
         crosses every block once, so the least of those bounds the swarm. Zero with a gap.
         """
-        if not self.full_route:
-            return 0.0
-        per_block = [0.0] * len(self.coverage)
-        for n in self.nodes:
-            if n.usable:
-                for b in range(n.record.start, n.record.end):
-                    per_block[b] += n.record.throughput
-        return min(per_block)
+        return min(b.throughput for b in self.blocks) if self.full_route else 0.0
 
     def count(self, state: str) -> int:
         return sum(1 for n in self.nodes if n.state == state)
@@ -197,8 +195,8 @@ def build_model_view(
             )
         )
     views.sort(key=lambda v: (v.state == EXPIRED, v.record.start, v.record.end, v.record.peer))
-    coverage = block_coverage((v.record for v in views if v.usable), model.num_layers)
-    return ModelView(model=model, coverage=coverage, nodes=tuple(views))
+    blocks = coverage((v.record for v in views if v.usable), model.num_layers)
+    return ModelView(model=model, blocks=blocks, nodes=tuple(views))
 
 
 def _round(x: float | None, digits: int) -> float | None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 
 import trio
 
 from swarm import __version__
 from swarm.dht import announce
-from swarm.records import DEFAULT_WEIGHTS, NodeRecord
+from swarm.node.status import Status
+from swarm.records import ONLINE, NodeRecord
 
 log = logging.getLogger("swarm.node")
 
@@ -38,8 +39,12 @@ class Announcer:
         self.relay = ""  # the relay's peer id while nobody can dial this node directly
         self.reach = ""  # what the dial-back check found (swarm.records.NodeRecord.reach)
 
-    def record(self, state: str, node=None) -> NodeRecord:
+    def record(self, state: str, status: Status | None = None) -> NodeRecord:
+        """The record of this node's span in `state`, carrying `status` (default: not serving
+        yet)."""
         from hivemind.utils import get_dht_time
+
+        status = status or Status()
 
         return NodeRecord(
             peer=self.peer,
@@ -51,22 +56,24 @@ class Announcer:
             fingerprint=self.fingerprint,
             version=__version__,
             num_layers=self.num_layers,
-            free_cache_tokens=node.sessions.free_cache_tokens if node else 0,
-            throughput=round(node.throughput, 2) if node else 0.0,
-            link=node.uplink.stats() if node else {},
-            weights=node.span.format if node else DEFAULT_WEIGHTS,
-            sessions=len(node.sessions) if node else 0,
-            decode_batch=round(node.compute.mean_decode_batch, 3) if node else 1.0,
-            throttled=node.throttle.recent(time.monotonic()) if node else 0,
-            decode_passes=node.compute.decode_passes if node else 0,
+            free_cache_tokens=status.free_cache_tokens,
+            throughput=round(status.throughput, 2),
+            link=status.link,
+            weights=status.weights,
+            sessions=status.sessions,
+            decode_batch=round(status.decode_batch, 3),
+            throttled=status.throttled,
+            decode_passes=status.decode_passes,
             tls=self.tls,
             relay=self.relay,
             reach=self.reach,
             updated=get_dht_time(),
         )
 
-    async def publish(self, state: str, node=None, ttl: float | None = None) -> None:
-        rec = self.record(state, node)
+    async def publish(
+        self, state: str, status: Status | None = None, ttl: float | None = None
+    ) -> None:
+        rec = self.record(state, status)
         if not self.dht.is_alive():
             # every request would wait forever: say so rather than time out each time
             log.error(
@@ -88,7 +95,8 @@ class Announcer:
             return
         log.debug("announced %s to %d keys", state, stored)
 
-    async def keep_fresh(self, node) -> None:
+    async def keep_fresh(self, read: Callable[[], Status]) -> None:
+        """Announce the node online with `read()`'s figures every third of the TTL."""
         while True:
-            await self.publish("online", node)
+            await self.publish(ONLINE, read())
             await trio.sleep(self.ttl / 3)

@@ -8,40 +8,33 @@ then the fewest nodes, then the least throughput, then the lowest start.
 A running node moves only when that fills a gap without opening one: its own blocks stay
 covered by others, some other window has blocks nobody serves, and among the nodes that could
 leave their blocks without opening a gap it has the lowest peer id (so two redundant nodes do
-not both jump). A node that moves drains its sessions first (see __main__.py).
+not both jump). A node that moves drains its sessions first (see lifecycle.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from swarm.records import NodeRecord
+from swarm.records import JOINING, ONLINE, Block, NodeRecord, coverage_gaps
+from swarm.records import coverage as covered_by
 
-COUNTED_STATES = ("online", "joining")
-
-
-@dataclass(frozen=True)
-class Block:
-    nodes: int = 0
-    throughput: float = 0.0
+COUNTED_STATES = (ONLINE, JOINING)
 
 
 def coverage(
     records: Iterable[NodeRecord], num_layers: int, exclude: frozenset[str] = frozenset()
-) -> list[Block]:
+) -> tuple[Block, ...]:
     """Per block, the nodes (other than `exclude`) that serve or are about to serve it."""
-    nodes, speed = [0] * num_layers, [0.0] * num_layers
-    for r in records:
-        if r.state not in COUNTED_STATES or r.peer in exclude:
-            continue
-        for b in range(r.start, min(r.end, num_layers)):
-            nodes[b] += 1
-            speed[b] += r.throughput
-    return [Block(n, t) for n, t in zip(nodes, speed)]
+    counted = (r for r in records if r.state in COUNTED_STATES and r.peer not in exclude)
+    return covered_by(counted, num_layers)
 
 
-def _window_key(blocks: list[Block], start: int, size: int):
+def gaps(blocks: Iterable[Block]) -> list[tuple[int, int]]:
+    """Half-open ranges of the blocks nobody serves."""
+    return coverage_gaps(b.nodes for b in blocks)
+
+
+def _window_key(blocks: tuple[Block, ...], start: int, size: int):
     window = blocks[start : start + size]
     return (
         -sum(1 for b in window if b.nodes == 0),
@@ -51,7 +44,7 @@ def _window_key(blocks: list[Block], start: int, size: int):
     )
 
 
-def choose_span(blocks: list[Block], size: int) -> tuple[int, int]:
+def choose_span(blocks: tuple[Block, ...], size: int) -> tuple[int, int]:
     """The window of `size` blocks where the swarm is thinnest."""
     size = max(1, min(size, len(blocks)))
     start = min(range(len(blocks) - size + 1), key=lambda s: _window_key(blocks, s, size))
@@ -71,16 +64,12 @@ def settled_span(
     rivals = [
         r
         for r in others
-        if r.state in ("joining", "online") and r.peer < me and r.start < end and start < r.end
+        if r.state in COUNTED_STATES and r.peer < me and r.start < end and start < r.end
     ]
     if not rivals:
         return chosen, None
     again = choose_span(coverage(others, num_layers), end - start)
     return again, (rivals[0] if again != chosen else None)
-
-
-def gaps(blocks: list[Block]) -> list[int]:
-    return [i for i, b in enumerate(blocks) if b.nodes == 0]
 
 
 def better_span(
@@ -90,9 +79,7 @@ def better_span(
     others = coverage(records, num_layers, frozenset({me}))
     if not gaps(others) or any(others[b].nodes == 0 for b in range(*current)):
         return None  # nothing to fill, or leaving would open a gap of our own
-    movable = [
-        r.peer for r in records if r.state == "online" and _redundant(r, records, num_layers)
-    ]
+    movable = [r.peer for r in records if r.state == ONLINE and _redundant(r, records, num_layers)]
     if me not in movable or min(movable) != me:
         return None  # another redundant node goes first
     target = choose_span(others, current[1] - current[0])

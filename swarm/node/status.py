@@ -1,11 +1,20 @@
-"""The node's periodic status line: short and human at INFO, every figure at DEBUG."""
+"""A node's figures at one moment (`Status`), read in one place, and its periodic status line:
+short and human at INFO, every figure at DEBUG. The DHT record announces the same figures."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
+
+from swarm.records import DEFAULT_WEIGHTS
+
+if TYPE_CHECKING:
+    from swarm.node.server import Node
 
 log = logging.getLogger("swarm.node")
 
@@ -14,13 +23,40 @@ STATUS_INTERVAL = 30.0
 
 @dataclass(frozen=True)
 class Status:
-    sessions: int
-    free_cache_tokens: int
-    tokens: int  # computed since the node started (prompt and decode, through the whole span)
-    link: dict[str, float]  # the uplink's figures (bandwidth_Bps, rtt_s, ...)
+    """What a node can tell about itself now; `Status()` is a node not serving yet (it announces
+    that while it joins)."""
+
+    sessions: int = 0
+    free_cache_tokens: int = 0  # what a newcomer could reserve now
+    tokens: int = 0  # computed since the node started (prompt and decode, through the whole span)
+    link: dict[str, float] = field(default_factory=dict)  # the uplink's (bandwidth_Bps, ...)
     refused: int = 0  # opens and connections turned away for want of room or share, so far
     evicted: int = 0  # sessions that gave their place to a newcomer, so far
     throttled_hosts: int = 0  # addresses either happened to
+    throttled: int = 0  # refusals and evictions in the last minute
+    throughput: float = 0.0  # tokens/s through the whole span
+    weights: str = DEFAULT_WEIGHTS  # the format the span computes with
+    decode_batch: float = 1.0  # decode steps per decode pass, on average
+    decode_passes: int = 0  # since the node started
+
+
+def status_of(node: Node) -> Status:
+    """`node`'s figures now."""
+    throttle = node.throttle
+    return Status(
+        sessions=len(node.sessions),
+        free_cache_tokens=node.sessions.free_cache_tokens,
+        tokens=node.tokens_done,
+        link=node.uplink.stats(),
+        refused=throttle.refused,
+        evicted=throttle.evicted,
+        throttled_hosts=len(throttle.hosts),
+        throttled=throttle.recent(time.monotonic()),
+        throughput=node.throughput,
+        weights=node.span.format,
+        decode_batch=node.compute.mean_decode_batch,
+        decode_passes=node.compute.decode_passes,
+    )
 
 
 def status_line(now: Status, before: Status, seconds: float) -> str:
@@ -45,7 +81,7 @@ def status_line(now: Status, before: Status, seconds: float) -> str:
     return line
 
 
-async def log_status(read, interval: float = STATUS_INTERVAL) -> None:
+async def log_status(read: Callable[[], Status], interval: float = STATUS_INTERVAL) -> None:
     """Every `interval` seconds, log `read()`'s Status as one line (and all of it at DEBUG)."""
     before = read()
     while True:
