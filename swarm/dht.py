@@ -7,6 +7,7 @@ so the coroutines here are module-level functions bound with functools.partial.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import pickle
@@ -26,6 +27,9 @@ from swarm.records import (
 
 log = logging.getLogger(__name__)
 
+CLOCK_SKEW_S = 60.0  # a record dated further ahead of this clock would outdate honest ones
+MAX_ENTRIES_PER_KEY = 256  # records read under one key (a block's nodes); the rest are counted
+
 
 def start_dht(
     initial_peers: Sequence[str] = (),
@@ -37,6 +41,8 @@ def start_dht(
     `nice`: steps the DHT process (and the p2p daemon it starts) runs below this one's."""
     import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
+
+    from swarm.dht_validator import SwarmValidator
 
     class DHT(hivemind.DHT):
         def run(self) -> None:  # in the forked DHT process
@@ -51,7 +57,7 @@ def start_dht(
         initial_peers=list(initial_peers),
         host_maddrs=[f"/ip4/{host}/tcp/0"],
         client_mode=client_mode,
-        record_validators=[RSASignatureValidator()],
+        record_validators=[RSASignatureValidator(), SwarmValidator()],
         start=True,
     )
 
@@ -62,6 +68,17 @@ def owner_subkey(dht) -> bytes:
 
     # RSAPrivateKey.process_wide() is shared by every validator in this process, the DHT's too
     return RSASignatureValidator().local_public_key
+
+
+def id_of(subkey: bytes) -> str:
+    """The node id a signed subkey proves. A record names its node, but only the holder of the
+    key a subkey names can sign under it, so readers trust the id the key gives, not the name."""
+    return hashlib.sha256(subkey).hexdigest()[:40]
+
+
+def node_id(dht) -> str:
+    """This process's node id in the swarm: the one its records' signing key proves."""
+    return id_of(owner_subkey(dht))
 
 
 def visible_maddrs(dht) -> list[str]:
@@ -183,28 +200,39 @@ def read_models(
 
 def read_nodes(dht, model: str, num_layers: int) -> tuple[list[NodeRecord], dict[str, float], int]:
     """Distinct node records of a model (a node is stored once per block, returned once), each
-    peer's newest; their expirations by peer; how many entries failed validation."""
+    node's newest; their expirations by node; how many entries failed validation. A record
+    counts only for the node its signing key proves (`id_of`), and only if its time is not
+    ahead of this clock: a stranger can neither speak for a node nor outdate its records."""
+    from hivemind.utils import get_dht_time
+
     keys = [block_key(model, b) for b in range(num_layers)]
     raw = run_in_dht(dht, functools.partial(get_latest, keys=keys))
+    latest = get_dht_time() + CLOCK_SKEW_S
     by_peer: dict[str, NodeRecord] = {}
     expirations: dict[str, float] = {}
     malformed = 0
     for key, entries in raw.items():
         block = int(key.rsplit(".", 1)[1])
-        for value, exp in entries.values():
+        for subkey, (value, exp) in list(entries.items())[:MAX_ENTRIES_PER_KEY]:
             try:
                 rec = NodeRecord.from_wire(value)
             except ValueError as exc:
                 log.debug("skipping malformed record under %s: %s", key, exc)
                 malformed += 1
                 continue
-            if rec.model != model or not rec.start <= block < rec.end:
+            if (
+                rec.model != model
+                or not rec.start <= block < rec.end
+                or rec.peer != id_of(subkey)
+                or rec.updated > latest
+            ):
                 malformed += 1
                 continue
             old = by_peer.get(rec.peer)
             if old is None or rec.updated > old.updated:
                 by_peer[rec.peer] = rec
                 expirations[rec.peer] = exp
+        malformed += max(0, len(entries) - MAX_ENTRIES_PER_KEY)
     return list(by_peer.values()), expirations, malformed
 
 

@@ -22,7 +22,7 @@ import trio
 
 from devtools.launch import NodeProcess, start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.dht import announce, start_dht
+from swarm.dht import announce, node_id, start_dht
 from swarm.errors import SwarmError
 from swarm.model.source import open_model
 from swarm.protocol import (
@@ -739,7 +739,7 @@ async def test_open_whose_announced_next_hop_never_accepts_gets_peer_failed(
                 pass
         config = open_model(str(tiny_model_dir)).config
         record = NodeRecord(
-            peer="QmFullAcceptQueue",
+            peer=node_id(announcer),
             addr=f"127.0.0.1:{full.getsockname()[1]}",
             model=config.name,
             start=3,

@@ -625,7 +625,7 @@ async def test_pages_stay_fast_while_the_dht_and_every_node_are_frozen(swarm):
 def fake_node_main(argv: list[str]) -> None:
     import argparse
 
-    from swarm.dht import announce, start_dht, visible_maddrs
+    from swarm.dht import announce, node_id, start_dht, visible_maddrs
     from swarm.protocol import Pong, to_wire
     from swarm.wire import FrameDecoder, encode_frame
 
@@ -663,7 +663,7 @@ def fake_node_main(argv: list[str]) -> None:
 
         def publish(state: str) -> None:
             record = NodeRecord(
-                peer=str(dht.peer_id),
+                peer=node_id(dht),
                 addr=addr,
                 model=a.model,
                 start=start,
@@ -684,7 +684,7 @@ def fake_node_main(argv: list[str]) -> None:
                 print(f"announce {state} failed: {exc!r}", flush=True)
 
         await trio.to_thread.run_sync(publish, "online")
-        print(f"serving blocks {start}:{end} on {addr} (peer {dht.peer_id})", flush=True)
+        print(f"serving blocks {start}:{end} on {addr} (peer {node_id(dht)})", flush=True)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.serve_listeners, handle, listeners)
 

@@ -25,7 +25,7 @@ from typing import TypeVar
 import trio
 
 from swarm.address import join_host_port
-from swarm.dht import read_nodes, start_dht, visible_maddrs
+from swarm.dht import node_id, read_nodes, start_dht, visible_maddrs
 from swarm.model.blocks import Span
 from swarm.model.linear import usable_formats
 from swarm.model.source import GGUFSource, SafetensorsSource, open_model
@@ -129,7 +129,7 @@ class Lifecycle:
     ):
         self.cfg, self.source, self.fingerprint, self.dht = cfg, source, fingerprint, dht
         self.addr, self.usable, self.observer = addr, usable, observer
-        self.me = str(dht.peer_id)
+        self.me = node_id(dht)
         # one key for the node's life: a moved node keeps its identity
         self.identity = None if cfg.plaintext else Identity.generate()
 

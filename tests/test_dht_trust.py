@@ -1,0 +1,142 @@
+"""Only a node writes its own record, and records are bounded: forged records from a stranger's
+DHT peer (hivemind's own, without our validator) change nothing an honest reader sees."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import hivemind
+import msgpack
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm.dht import announce, id_of, node_id, read_models, read_nodes, start_dht
+from swarm.records import MODELS_KEY, ModelRecord, NodeRecord, block_key
+
+MODEL, LAYERS = "honest-model", 4
+YEAR_S = 365 * 24 * 3600.0
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    """An honest DHT peer announcing a node on all blocks, and a reader joined to it."""
+    honest = start_dht()
+    peers = [str(m) for m in honest.get_visible_maddrs()]
+    record = NodeRecord(
+        peer=node_id(honest),
+        addr="127.0.0.1:7000",
+        model=MODEL,
+        start=0,
+        end=LAYERS,
+        state="online",
+        fingerprint="f" * 16,
+        version="0.1.0",
+        num_layers=LAYERS,
+        updated=get_dht_time(),
+    )
+    assert announce(honest, [record], ttl=240) > 0
+    reader = start_dht(peers, client_mode=True)
+    yield peers, record, reader
+    reader.shutdown()
+    honest.shutdown()
+
+
+def stranger(peers: list[str], key: RSAPrivateKey | None = None) -> hivemind.DHT:
+    """A DHT peer of the stranger's: stock hivemind, signing with `key` if given."""
+    validators = [RSASignatureValidator(key)] if key is not None else []
+    return hivemind.DHT(initial_peers=peers, record_validators=validators, start=True)
+
+
+def forge(record: NodeRecord, **changes) -> bytes:
+    return msgpack.packb({**record.to_wire(), **changes})
+
+
+def honest_view(reader) -> dict[str, str]:
+    records, _, _ = read_nodes(reader, MODEL, LAYERS)
+    return {r.peer: r.state for r in records}
+
+
+def store(dht: hivemind.DHT, keys: list[str], value, subkey, expiration: float) -> None:
+    for key in keys:
+        dht.store(key, value, expiration, subkey=subkey, return_future=True).result(timeout=30)
+
+
+async def store_padded(_dht, node, keys, record, pad, subkey, expiration):
+    """Runs in the stranger's DHT process: a value this large cannot cross hivemind's pipe."""
+    value = {**record, "padding": "x" * pad}
+    n = len(keys)
+    await node.store_many(keys, [value] * n, expiration_time=expiration, subkeys=[subkey] * n)
+
+
+def test_an_unsigned_record_cannot_hide_a_node(swarm):
+    peers, record, reader = swarm
+    attacker = stranger(peers)
+    try:
+        lie = msgpack.unpackb(forge(record, state="offline", updated=get_dht_time() + YEAR_S))
+        keys = [block_key(MODEL, b) for b in range(LAYERS)]
+        store(attacker, keys, lie, b"anyone", get_dht_time() + YEAR_S)
+        assert honest_view(reader) == {record.peer: "online"}
+    finally:
+        attacker.shutdown()
+
+
+def test_a_record_signed_by_another_key_cannot_speak_for_a_node(swarm):
+    peers, record, reader = swarm
+    key = RSAPrivateKey()
+    attacker = stranger(peers, key)
+    try:
+        lie = msgpack.unpackb(forge(record, state="offline", updated=get_dht_time() + 5))
+        subkey = RSASignatureValidator(key).local_public_key
+        keys = [block_key(MODEL, b) for b in range(LAYERS)]
+        store(attacker, keys, lie, subkey, get_dht_time() + 60)
+        assert honest_view(reader) == {record.peer: "online"}
+    finally:
+        attacker.shutdown()
+
+
+def test_a_record_dated_ahead_does_not_outdate_the_nodes_own(swarm):
+    peers, record, reader = swarm
+    key = RSAPrivateKey()
+    attacker = stranger(peers, key)
+    subkey = RSASignatureValidator(key).local_public_key
+    try:
+        # its own record, for its own id, but dated an hour ahead: a reader skips it
+        ahead = msgpack.unpackb(forge(record, peer=id_of(subkey), updated=get_dht_time() + 3600))
+        store(attacker, [block_key(MODEL, 0)], ahead, subkey, get_dht_time() + 60)
+        assert honest_view(reader) == {record.peer: "online"}
+    finally:
+        attacker.shutdown()
+
+
+def test_an_oversized_record_leaves_the_block_keys_readable(swarm):
+    peers, record, reader = swarm
+    key = RSAPrivateKey()
+    attacker = stranger(peers, key)
+    try:
+        subkey = RSASignatureValidator(key).local_public_key
+        keys = [block_key(MODEL, b) for b in range(LAYERS)]
+        pad, expiration = int(3.6 * 2**20), get_dht_time() + 60
+        request = partial(store_padded, keys=keys, record=record.to_wire(), pad=pad)
+        attacker.run_coroutine(partial(request, subkey=subkey, expiration=expiration))
+        started = time.monotonic()
+        assert honest_view(reader) == {record.peer: "online"}
+        assert time.monotonic() - started < 10
+    finally:
+        attacker.shutdown()
+
+
+def test_unsigned_models_do_not_push_the_real_one_out_of_the_index(swarm):
+    peers, _record, reader = swarm
+    attacker = stranger(peers)
+    try:
+        for i in range(33):
+            fake = ModelRecord(f"aaa-fake-{i:02d}", 1, "0" * 16).to_wire()
+            attacker.store(MODELS_KEY, fake, get_dht_time() + 60, subkey=f"fake{i}".encode())
+        models, _skipped = read_models(reader)
+        assert MODEL in models
+        assert not [name for name in models if name.startswith("aaa-fake")]
+    finally:
+        attacker.shutdown()
