@@ -10,17 +10,17 @@ import time
 import checkout  # noqa: F401 (devtools/ from this checkout)
 
 from devtools.launch import even_spans, start_swarm, stop_all
+from swarm.cli import model_option, wire_dtype_option
 from swarm.model.source import open_model
-from swarm.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
+from swarm.options import add_options
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("prompt", nargs="?", default="Why is the sky blue? Answer in two sentences.")
     p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--model", default=None)
+    add_options(p, model=model_option(), wire_dtype=wire_dtype_option())
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--wire-dtype", default=DEFAULT_WIRE_DTYPE, choices=sorted(WIRE_DTYPES))
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     num_layers = open_model(a.model).config.num_layers

