@@ -38,12 +38,13 @@ def main() -> int:
         print(f"\n> {a.prompt}\n", flush=True)
         t = time.perf_counter()
         first = None
-        for piece in client.stream(
+        reply = client.stream(
             [{"role": "user", "content": a.prompt}], max_new_tokens=a.max_new_tokens
-        ):
+        )
+        for piece in reply:
             first = first or time.perf_counter()
             print(piece, end="", flush=True)
-        n = len(client.last_tokens)
+        n = len(reply.tokens)
         done = time.perf_counter()
         rate = (n - 1) / (done - first) if first and n > 1 else 0.0
         print(f"\n\n[{n} tokens, first after {(first or done) - t:.2f} s, {rate:.1f} tokens/s]")

@@ -5,9 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from swarm.client.cache import ClientCache
-from swarm.client.client import Client, InferenceSession, Sampler
+from swarm.client.client import Client, InferenceSession, ReplyStream, Sampler
 
-__all__ = ["Client", "InferenceSession", "Sampler", "generate", "stream", "get_client"]
+__all__ = [
+    "Client",
+    "InferenceSession",
+    "ReplyStream",
+    "Sampler",
+    "generate",
+    "stream",
+    "get_client",
+]
 
 # the process's clients for generate() and stream(): the DHT and head load once per swarm
 _clients = ClientCache(4)

@@ -34,19 +34,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t0 = time.perf_counter()
         first = None
-        for piece in client.stream(
+        reply = client.stream(
             prompt,
             max_new_tokens=a.max_new_tokens,
             temperature=a.temperature,
             top_p=a.top_p,
             top_k=a.top_k,
             seed=a.seed,
-        ):
+        )
+        for piece in reply:
             first = first or time.perf_counter()
             print(piece, end="", flush=True)
         print()
         total = time.perf_counter() - t0
-        tokens = len(getattr(client, "last_tokens", []))
+        tokens = len(reply.tokens)
         if first and tokens > 1:
             print(
                 f"[{tokens} tokens; first after {first - t0:.2f} s;"

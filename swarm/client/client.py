@@ -6,7 +6,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 
 import torch
 import trio
@@ -124,11 +124,21 @@ class Client:
         top_k: int = 0,
         seed: int | None = None,
         stop: Sequence[str] = (),
-    ) -> Iterator[str]:
-        """Yield the reply's text piece by piece as tokens arrive."""
-        ids = self.encode(prompt)
-        sampler = Sampler(temperature, top_p, top_k, seed)
+    ) -> ReplyStream:
+        """The reply's text piece by piece as tokens arrive: iterate the ReplyStream, whose
+        `tokens` are this reply's own, however many threads share the client."""
         text = ReplyText(self, stop)
+        sampler = Sampler(temperature, top_p, top_k, seed)
+        return ReplyStream(self._pieces(prompt, max_new_tokens, sampler, text), text)
+
+    def _pieces(
+        self,
+        prompt: str | list[dict[str, str]],
+        max_new_tokens: int,
+        sampler: Sampler,
+        text: ReplyText,
+    ) -> Generator[str, None, None]:
+        ids = self.encode(prompt)
         with self.session(len(ids) + max_new_tokens) as session:
             logits = session.feed(ids)
             for i in range(max_new_tokens):
@@ -142,7 +152,6 @@ class Client:
             else:
                 if tail := text.flush():
                     yield tail
-        self.last_tokens = text.tokens
 
     def generate(self, prompt: str | list[dict[str, str]], **kwargs) -> str:
         return "".join(self.stream(prompt, **kwargs))
@@ -290,6 +299,25 @@ class ReplyText:
              if text.endswith(s[:n])),
             default=0,
         )  # fmt: skip
+
+
+class ReplyStream(Iterator[str]):
+    """A reply being generated: iterate it for its text pieces as tokens arrive; `tokens` are
+    its token ids so far (an end-of-text token is not among them)."""
+
+    def __init__(self, pieces: Generator[str, None, None], text: ReplyText):
+        self._pieces, self._text = pieces, text
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop early: the reply's session on the nodes closes now."""
+        self._pieces.close()
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._text.tokens)
 
 
 class Sampler:
