@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import threading
@@ -16,7 +17,7 @@ from swarm.client.routing import find_route, missing_blocks, usable
 from swarm.client.runtime import TrioThread
 from swarm.client.session import PREFILL_CHUNK, RemoteSession
 from swarm.dht import read_nodes, start_dht
-from swarm.errors import RouteUnavailable, SwarmError
+from swarm.errors import SwarmError
 from swarm.model.blocks import Head
 from swarm.model.source import open_model
 from swarm.protocol import Hop
@@ -213,34 +214,40 @@ class InferenceSession:
     def feed(self, ids: list[int]) -> torch.Tensor:
         """Append tokens; return logits [vocab] for the next one."""
         failed_at = None
-        for attempt in range(self.client.max_retries + 1):
+        for attempt in itertools.count():
             try:
-                if self.remote is None:
-                    self._open()
-                    if self.history:  # a new route: rebuild its caches from the tokens so far
-                        ids_now = self.history + ids
-                    else:
-                        ids_now = ids
-                else:
-                    ids_now = ids
-                head = self.client.head(self.remote.route)
-                hidden = head.embed_tokens(ids_now)
-                out = self.client.loop.run(self.remote.step, hidden)
-                self.history += ids
-                if failed_at is not None:
-                    self.recoveries.append(time.monotonic() - failed_at)
-                return self.client.logits.logits(head, out)
+                logits = self._step(ids)
             except SwarmError as exc:
                 if not exc.retry_elsewhere or attempt == self.client.max_retries:
                     raise
                 failed_at = failed_at or time.monotonic()
-                self._blame(exc)
-                log.warning("route failed (%s); rerouting, attempt %d", exc, attempt + 1)
-                if self.remote is not None:
-                    self.client.loop.run(self.remote.aclose)
-                    self.remote = None
-                time.sleep(min(0.25 * 2**attempt, 4.0))
-        raise RouteUnavailable("unreachable")
+                self._reroute(exc, attempt)
+                continue
+            if failed_at is not None:
+                self.recoveries.append(time.monotonic() - failed_at)
+            return logits
+
+    def _step(self, ids: list[int]) -> torch.Tensor:
+        """One try at feeding `ids`; on a new route, the tokens so far go first."""
+        replay = []
+        if self.remote is None:
+            self._open()
+            replay = self.history  # a new route: rebuild its caches from the tokens so far
+        head = self.client.head(self.remote.route)
+        hidden = head.embed_tokens(replay + ids)
+        out = self.client.loop.run(self.remote.step, hidden)
+        self.history += ids
+        return self.client.logits.logits(head, out)
+
+    def _reroute(self, exc: SwarmError, attempt: int) -> None:
+        """Leave the route that failed, blaming whom `exc` names (or the hops that went quiet),
+        and back off before the next try."""
+        self._blame(exc)
+        log.warning("route failed (%s); rerouting, attempt %d", exc, attempt + 1)
+        if self.remote is not None:
+            self.client.loop.run(self.remote.aclose)
+            self.remote = None
+        time.sleep(min(0.25 * 2**attempt, 4.0))
 
     def _blame(self, exc: SwarmError) -> None:
         peer = getattr(exc, "peer", None)
