@@ -8,6 +8,7 @@ import pytest
 from swarm.api.__main__ import build_parser as api_parser
 from swarm.client.__main__ import build_parser as client_parser
 from swarm.health.__main__ import build_parser as health_parser
+from swarm.health.state import CollectorConfig
 from swarm.node.config import build_parser as node_parser
 from swarm.node.config import parse_args
 
@@ -53,3 +54,14 @@ def test_the_http_servers_keep_their_own_listen_defaults(parser, host, port):
     assert (args.host, args.port, args.access_log) == (host, port, False)
     args = parser().parse_args(["--initial-peers", PEER, "--port", "0", "--access-log"])
     assert (args.port, args.access_log) == (0, True)
+
+
+def test_the_health_page_flags_default_to_its_collectors_own():
+    args = health_parser().parse_args(["--initial-peers", PEER])
+    c = CollectorConfig(initial_peers=(PEER,))
+    assert (args.dht_host, args.interval, args.dht_timeout) == (
+        c.dht_host,
+        c.interval,
+        c.dht_timeout,
+    )
+    assert (args.ping_timeout, args.forget_after) == (c.ping_timeout, c.forget_after)
