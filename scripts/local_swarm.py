@@ -10,17 +10,17 @@ import time
 import checkout  # noqa: F401 (devtools/ from this checkout)
 
 from devtools.launch import even_spans, start_swarm, stop_all
+from swarm.cli import model_option, wire_dtype_option
 from swarm.model.source import open_model
-from swarm.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
+from swarm.options import add_options
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("prompt", nargs="?", default="Why is the sky blue? Answer in two sentences.")
     p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--model", default=None)
+    add_options(p, model=model_option(), wire_dtype=wire_dtype_option())
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--wire-dtype", default=DEFAULT_WIRE_DTYPE, choices=sorted(WIRE_DTYPES))
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     num_layers = open_model(a.model).config.num_layers
@@ -38,12 +38,13 @@ def main() -> int:
         print(f"\n> {a.prompt}\n", flush=True)
         t = time.perf_counter()
         first = None
-        for piece in client.stream(
+        reply = client.stream(
             [{"role": "user", "content": a.prompt}], max_new_tokens=a.max_new_tokens
-        ):
+        )
+        for piece in reply:
             first = first or time.perf_counter()
             print(piece, end="", flush=True)
-        n = len(client.last_tokens)
+        n = len(reply.tokens)
         done = time.perf_counter()
         rate = (n - 1) / (done - first) if first and n > 1 else 0.0
         print(f"\n\n[{n} tokens, first after {(first or done) - t:.2f} s, {rate:.1f} tokens/s]")

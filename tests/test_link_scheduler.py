@@ -26,9 +26,16 @@ def decode(session: str = "d", bytes_per_token: int = 1000) -> Volume:
     return Volume(session, DEST, "decode", 1, bytes_per_token)
 
 
+def bare(*args, **kwargs) -> LinkOptions:
+    """The algorithm alone, unless a test asks for more: no in-flight cap and no pacing (the
+    defaults, a node's, add both)."""
+    alone = {"inflight_gain": 0.0, "pace_lead_s": None, "pace_slow_s": 0.0}
+    return LinkOptions(*args, **{**alone, **kwargs})
+
+
 def scheduler(**kwargs) -> LinkScheduler:
     """A molink scheduler that knows its link (1 MB/s, 30 ms RTT) and T_d = 50 ms."""
-    sched = LinkScheduler(LinkOptions("molink", **kwargs))
+    sched = LinkScheduler(bare("molink", **kwargs))
     sched.update_link(DEST, rtt=0.03, bandwidth=BW, now=0.0)
     sched.observe_compute("decode", 1, TD)
     return sched
@@ -281,7 +288,7 @@ def test_the_floor_never_exceeds_what_is_left():
 
 
 def test_without_a_bandwidth_estimate_chunks_are_the_floor():
-    sched = LinkScheduler(LinkOptions(min_chunk_tokens=8))
+    sched = LinkScheduler(bare(min_chunk_tokens=8))
     sched.observe_compute("decode", 1, TD)
     sched.observe_decode_arrival("d", 10.0)
     sched.enqueue(prefill(), 10.0)
@@ -339,7 +346,7 @@ def thin_link_with_a_prompt(
     """A capped scheduler (floor chunks of 8 tokens) on a 1 MB/s link with a 1 ms RTT, where a
     decode session computes and a prompt waits; `link`: update_link's figures (bytes in flight)."""
     sched = LinkScheduler(
-        LinkOptions(
+        bare(
             min_chunk_tokens=8,
             inflight_gain=2.0,
             inflight_floor_chunks=floor_chunks,
@@ -411,7 +418,7 @@ def test_nothing_is_held_without_a_decode_session_to_protect():
     assert send_now(sched, 0.0).tokens == 700
 
 
-def test_the_cap_is_off_by_default():
+def test_without_a_gain_there_is_no_cap():
     sched = scheduler()
     sched.update_link(DEST, min_rtt=0.03, in_flight=500_000)
     sched.observe_decode_arrival("d", 10.0)
@@ -566,7 +573,7 @@ def test_the_time_the_link_idled_while_a_prefill_waited_is_counted():
     assert sched.stats()["prefill_idle_s"] == pytest.approx(0.02)
 
 
-def test_pacing_needs_a_decode_session_to_protect_and_is_off_by_default():
+def test_pacing_needs_a_decode_session_to_protect_and_a_pace_lead():
     sched = scheduler(pace_lead_s=0.005)
     sched.enqueue(prefill(tokens=700), 0.0)
     sched.enqueue(prefill("q", tokens=700), 0.0)
@@ -580,7 +587,7 @@ def test_pacing_needs_a_decode_session_to_protect_and_is_off_by_default():
 
 
 def test_the_chunk_floor_follows_the_link_when_given_in_seconds():
-    sched = LinkScheduler(LinkOptions(min_chunk_tokens=8, min_chunk_s=0.02))
+    sched = LinkScheduler(bare(min_chunk_tokens=8, min_chunk_s=0.02))
     sched.observe_compute("decode", 1, TD)
     sched.observe_decode_arrival("d", 10.0)
     volume = prefill(bytes_per_token=1152)
@@ -761,7 +768,7 @@ waits = st.integers(1, 5)
 @settings(max_examples=150, deadline=None)
 @given(ops_lists, waits, st.sampled_from(("arrival", "shortest")))
 def test_decode_goes_first_while_the_waiting_weight_is_below_max_wait(ops, n, order):
-    run = drive(LinkScheduler(LinkOptions("molink", max_wait=n, prefill_order=order)), ops)
+    run = drive(LinkScheduler(bare("molink", max_wait=n, prefill_order=order)), ops)
     w = 0
     for d in run.decisions:
         if d.eligible_decode and d.eligible_prefill:
@@ -785,7 +792,7 @@ def test_decode_goes_first_while_the_waiting_weight_is_below_max_wait(ops, n, or
 @settings(max_examples=150, deadline=None)
 @given(ops_lists, waits)
 def test_no_prefill_waits_behind_more_than_max_wait_decode_sends(ops, n):
-    run = drive(LinkScheduler(LinkOptions("molink", max_wait=n)), ops)
+    run = drive(LinkScheduler(bare("molink", max_wait=n)), ops)
     passed = 0  # decode sends made while a prefill was waiting, since the last prefill send
     for d in run.decisions:
         if d.send is None:
@@ -803,9 +810,9 @@ def test_no_prefill_waits_behind_more_than_max_wait_decode_sends(ops, n):
 @given(ops_lists, waits, st.sampled_from(("molink", "fifo", "shortest")))
 def test_every_token_of_every_volume_is_sent_exactly_once_in_order_per_session(ops, n, policy):
     if policy == "shortest":
-        sched = LinkScheduler(LinkOptions("molink", max_wait=n, prefill_order="shortest"))
+        sched = LinkScheduler(bare("molink", max_wait=n, prefill_order="shortest"))
     else:
-        sched = LinkScheduler(LinkOptions(policy, max_wait=n))
+        sched = LinkScheduler(bare(policy, max_wait=n))
     run = drive(sched, ops)
     next_token = {vid: 0 for vid in run.volumes}
     last_vid: dict[str, int] = {}
@@ -821,7 +828,7 @@ def test_every_token_of_every_volume_is_sent_exactly_once_in_order_per_session(o
 @settings(max_examples=150, deadline=None)
 @given(ops_lists, waits)
 def test_chunks_are_whole_tokens_of_their_volume(ops, n):
-    run = drive(LinkScheduler(LinkOptions("molink", max_wait=n, min_chunk_tokens=4)), ops)
+    run = drive(LinkScheduler(bare("molink", max_wait=n, min_chunk_tokens=4)), ops)
     for s in run.sends:
         volume = run.volumes[s.vid]
         assert s.tokens >= 1
@@ -833,7 +840,7 @@ def test_chunks_are_whole_tokens_of_their_volume(ops, n):
 @settings(max_examples=150, deadline=None)
 @given(ops_lists)
 def test_fifo_sends_whole_volumes_in_arrival_order(ops):
-    run = drive(LinkScheduler(LinkOptions("fifo")), ops)
+    run = drive(LinkScheduler(bare("fifo")), ops)
     assert [s.vid for s in run.sends] == sorted(run.volumes)
     assert all(s.offset == 0 and s.last for s in run.sends)
 
@@ -853,8 +860,8 @@ def p99(values: list[float]) -> float:
 
 
 def test_sim_molink_cuts_decode_send_delay_far_below_fifo():
-    fifo = simulate(LinkScheduler(LinkOptions("fifo")), SLOW, [STEADY], LONG_PROMPTS)
-    molink = simulate(LinkScheduler(LinkOptions("molink")), SLOW, [STEADY], LONG_PROMPTS)
+    fifo = simulate(LinkScheduler(bare("fifo")), SLOW, [STEADY], LONG_PROMPTS)
+    molink = simulate(LinkScheduler(bare("molink")), SLOW, [STEADY], LONG_PROMPTS)
     # fifo: a decode step queued behind a 2.3 MB prompt waits its ~3.7 s on the wire
     assert p99(fifo.decode_delays()) > 1.0
     assert p99(molink.decode_delays()) < 0.5 * p99(fifo.decode_delays())
@@ -862,13 +869,13 @@ def test_sim_molink_cuts_decode_send_delay_far_below_fifo():
 
 
 def test_sim_molink_finishes_prefill_nearly_as_soon_as_fifo():
-    fifo = simulate(LinkScheduler(LinkOptions("fifo")), SLOW, [STEADY], LONG_PROMPTS)
-    molink = simulate(LinkScheduler(LinkOptions("molink")), SLOW, [STEADY], LONG_PROMPTS)
+    fifo = simulate(LinkScheduler(bare("fifo")), SLOW, [STEADY], LONG_PROMPTS)
+    molink = simulate(LinkScheduler(bare("molink")), SLOW, [STEADY], LONG_PROMPTS)
     assert molink.prefill_completion() <= 1.1 * fifo.prefill_completion()
 
 
 def test_sim_molink_sends_prompts_in_chunks_between_decode_steps():
-    sched = LinkScheduler(LinkOptions("molink"))
+    sched = LinkScheduler(bare("molink"))
     result = simulate(sched, SLOW, [STEADY], LONG_PROMPTS)
     prompt = result.of_phase("prefill")[0]
     assert prompt.sends > 10
@@ -883,7 +890,7 @@ def test_sim_shortest_order_lowers_mean_prompt_completion_at_the_same_decode_del
 
     def run(order: str):
         result = simulate(
-            LinkScheduler(LinkOptions("molink", prefill_order=order)), SLOW, [STEADY], prompts
+            LinkScheduler(bare("molink", prefill_order=order)), SLOW, [STEADY], prompts
         )
         prefills = result.of_phase("prefill")
         done = {v.session: v.finished + SLOW.latency - v.enqueued for v in prefills}
@@ -900,16 +907,13 @@ def test_sim_shortest_order_lowers_mean_prompt_completion_at_the_same_decode_del
 
 
 def test_sim_is_deterministic():
-    runs = [
-        simulate(LinkScheduler(LinkOptions("molink")), SLOW, [STEADY], LONG_PROMPTS)
-        for _ in range(2)
-    ]
+    runs = [simulate(LinkScheduler(bare("molink")), SLOW, [STEADY], LONG_PROMPTS) for _ in range(2)]
     assert runs[0].sends == runs[1].sends
 
 
 def test_sim_decode_session_is_a_closed_loop_slowed_by_fifo():
-    fifo = simulate(LinkScheduler(LinkOptions("fifo")), SLOW, [STEADY], LONG_PROMPTS)
-    molink = simulate(LinkScheduler(LinkOptions("molink")), SLOW, [STEADY], LONG_PROMPTS)
+    fifo = simulate(LinkScheduler(bare("fifo")), SLOW, [STEADY], LONG_PROMPTS)
+    molink = simulate(LinkScheduler(bare("molink")), SLOW, [STEADY], LONG_PROMPTS)
     fifo_done, molink_done = (
         max(v.finished or 0 for v in r.of_phase("decode")) for r in (fifo, molink)
     )
@@ -918,7 +922,7 @@ def test_sim_decode_session_is_a_closed_loop_slowed_by_fifo():
 
 def test_sim_a_bandwidth_overestimate_costs_decode_delay_an_underestimate_only_chunks():
     def run(believed: float) -> tuple[float, float, float]:
-        sched = LinkScheduler(LinkOptions("molink"))
+        sched = LinkScheduler(bare("molink"))
         link = SimLink(SLOW.bandwidth, SLOW.latency, believed_bandwidth=believed)
         result = simulate(sched, link, [STEADY], LONG_PROMPTS)
         return (
@@ -939,7 +943,7 @@ def test_sim_pacing_costs_nothing_on_a_true_estimate_but_idles_the_link_on_a_low
     def run(pace: float | None, believed: float) -> tuple[float, float]:
         link = SimLink(SLOW.bandwidth, SLOW.latency, believed_bandwidth=believed)
         result = simulate(
-            LinkScheduler(LinkOptions("molink", pace_lead_s=pace)), link, [STEADY], LONG_PROMPTS
+            LinkScheduler(bare("molink", pace_lead_s=pace)), link, [STEADY], LONG_PROMPTS
         )
         return p99(result.decode_delays()), result.prefill_completion()
 

@@ -37,6 +37,10 @@ def test_the_link_defaults_are_the_capped_molink_pacing_slow_links_only():
     assert (config.compute.prefill_nice, config.dht_nice) == (3, 10)
 
 
+def test_the_link_flags_default_to_the_link_options_own_defaults():
+    assert parse_args(["--layers", "0:10"]).link == LinkOptions()
+
+
 def test_nice_steps_are_0_to_19(capsys):
     assert parse_args(["--layers", "0:10", "--dht-nice", "0"]).dht_nice == 0
     for flag in ("--dht-nice", "--prefill-nice"):

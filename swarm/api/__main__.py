@@ -12,9 +12,8 @@ from hypercorn.trio import serve
 
 from swarm.api.app import create_app
 from swarm.api.generation import Backend
-from swarm.cli import hypercorn_config, setup_logging
+from swarm.cli import add_http_flags, add_swarm_flags, hypercorn_config, setup_logging
 from swarm.client.client import Client
-from swarm.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 
 KEY_ENV = "SWARM_API_KEY"
 
@@ -24,10 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m swarm.api",
         description="Serve an OpenAI-compatible API and a chat page: joins the DHT as a client.",
     )
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR")
-    p.add_argument("--model", default=None, help="local model file or folder (default: SmolLM2)")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    add_swarm_flags(p)
+    add_http_flags(p, host="127.0.0.1", port=8000)
     p.add_argument(
         "--api-key",
         default=os.environ.get(KEY_ENV),
@@ -45,13 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="reply length when a chat request names none (clipped to the context left)",
     )
-    p.add_argument(
-        "--wire-dtype",
-        default=None,
-        choices=sorted(WIRE_DTYPES),
-        help=f"dtype of the activations sent (default: {DEFAULT_WIRE_DTYPE})",
-    )
-    p.add_argument("--access-log", action="store_true", help="log every request to stderr")
     return p
 
 

@@ -2,24 +2,40 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Sequence
 
-from swarm.client.client import Client, InferenceSession, Sampler
+from swarm.client.cache import ClientCache
+from swarm.client.client import Client, InferenceSession, ReplyStream, Sampler
 
-__all__ = ["Client", "InferenceSession", "Sampler", "generate", "stream", "get_client"]
+__all__ = [
+    "Client",
+    "InferenceSession",
+    "ReplyStream",
+    "Sampler",
+    "generate",
+    "stream",
+    "get_client",
+]
+
+# the process's clients for generate() and stream(): the DHT and head load once per swarm
+_clients = ClientCache(4)
 
 
-@functools.lru_cache(maxsize=4)
-def _cached_client(peers: tuple[str, ...], model: str | None, wire_dtype: str | None) -> Client:
-    return Client(list(peers), model=model, wire_dtype=wire_dtype)
+def _key(initial_peers: Sequence[str], model: str | None, wire_dtype: str | None):
+    """The cache key of the client for these arguments, and how to make that client."""
+
+    def make() -> Client:
+        return Client(list(initial_peers), model=model, wire_dtype=wire_dtype)
+
+    return (tuple(initial_peers), model, wire_dtype), make
 
 
 def get_client(
     initial_peers: Sequence[str], model: str | None = None, wire_dtype: str | None = None
 ) -> Client:
-    """One Client per (peers, model, wire dtype) per process: the DHT and head load once."""
-    return _cached_client(tuple(initial_peers), model, wire_dtype)
+    """One Client per (peers, model, wire dtype) per process: the DHT and head load once. The
+    process keeps four; the one least recently asked for is closed when a fifth is needed."""
+    return _clients.get(*_key(initial_peers, model, wire_dtype))
 
 
 def stream(
@@ -36,16 +52,16 @@ def stream(
     stop: Sequence[str] = (),
 ) -> Iterator[str]:
     """Yield the reply as text pieces while tokens arrive. Greedy unless temperature > 0."""
-    client = get_client(initial_peers, model, wire_dtype)
-    return client.stream(
-        prompt,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=stop,
-    )
+    with _clients.use(*_key(initial_peers, model, wire_dtype)) as client:
+        yield from client.stream(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+        )
 
 
 def generate(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 
 import torch
 import trio
@@ -16,7 +17,7 @@ from swarm.client.routing import find_route, missing_blocks, usable
 from swarm.client.runtime import TrioThread
 from swarm.client.session import PREFILL_CHUNK, RemoteSession
 from swarm.dht import read_nodes, start_dht
-from swarm.errors import RouteUnavailable, SwarmError
+from swarm.errors import SwarmError
 from swarm.model.blocks import Head
 from swarm.model.source import open_model
 from swarm.protocol import Hop
@@ -124,11 +125,21 @@ class Client:
         top_k: int = 0,
         seed: int | None = None,
         stop: Sequence[str] = (),
-    ) -> Iterator[str]:
-        """Yield the reply's text piece by piece as tokens arrive."""
-        ids = self.encode(prompt)
-        sampler = Sampler(temperature, top_p, top_k, seed)
+    ) -> ReplyStream:
+        """The reply's text piece by piece as tokens arrive: iterate the ReplyStream, whose
+        `tokens` are this reply's own, however many threads share the client."""
         text = ReplyText(self, stop)
+        sampler = Sampler(temperature, top_p, top_k, seed)
+        return ReplyStream(self._pieces(prompt, max_new_tokens, sampler, text), text)
+
+    def _pieces(
+        self,
+        prompt: str | list[dict[str, str]],
+        max_new_tokens: int,
+        sampler: Sampler,
+        text: ReplyText,
+    ) -> Generator[str, None, None]:
+        ids = self.encode(prompt)
         with self.session(len(ids) + max_new_tokens) as session:
             logits = session.feed(ids)
             for i in range(max_new_tokens):
@@ -142,7 +153,6 @@ class Client:
             else:
                 if tail := text.flush():
                     yield tail
-        self.last_tokens = text.tokens
 
     def generate(self, prompt: str | list[dict[str, str]], **kwargs) -> str:
         return "".join(self.stream(prompt, **kwargs))
@@ -204,34 +214,40 @@ class InferenceSession:
     def feed(self, ids: list[int]) -> torch.Tensor:
         """Append tokens; return logits [vocab] for the next one."""
         failed_at = None
-        for attempt in range(self.client.max_retries + 1):
+        for attempt in itertools.count():
             try:
-                if self.remote is None:
-                    self._open()
-                    if self.history:  # a new route: rebuild its caches from the tokens so far
-                        ids_now = self.history + ids
-                    else:
-                        ids_now = ids
-                else:
-                    ids_now = ids
-                head = self.client.head(self.remote.route)
-                hidden = head.embed_tokens(ids_now)
-                out = self.client.loop.run(self.remote.step, hidden)
-                self.history += ids
-                if failed_at is not None:
-                    self.recoveries.append(time.monotonic() - failed_at)
-                return self.client.logits.logits(head, out)
+                logits = self._step(ids)
             except SwarmError as exc:
                 if not exc.retry_elsewhere or attempt == self.client.max_retries:
                     raise
                 failed_at = failed_at or time.monotonic()
-                self._blame(exc)
-                log.warning("route failed (%s); rerouting, attempt %d", exc, attempt + 1)
-                if self.remote is not None:
-                    self.client.loop.run(self.remote.aclose)
-                    self.remote = None
-                time.sleep(min(0.25 * 2**attempt, 4.0))
-        raise RouteUnavailable("unreachable")
+                self._reroute(exc, attempt)
+                continue
+            if failed_at is not None:
+                self.recoveries.append(time.monotonic() - failed_at)
+            return logits
+
+    def _step(self, ids: list[int]) -> torch.Tensor:
+        """One try at feeding `ids`; on a new route, the tokens so far go first."""
+        replay = []
+        if self.remote is None:
+            self._open()
+            replay = self.history  # a new route: rebuild its caches from the tokens so far
+        head = self.client.head(self.remote.route)
+        hidden = head.embed_tokens(replay + ids)
+        out = self.client.loop.run(self.remote.step, hidden)
+        self.history += ids
+        return self.client.logits.logits(head, out)
+
+    def _reroute(self, exc: SwarmError, attempt: int) -> None:
+        """Leave the route that failed, blaming whom `exc` names (or the hops that went quiet),
+        and back off before the next try."""
+        self._blame(exc)
+        log.warning("route failed (%s); rerouting, attempt %d", exc, attempt + 1)
+        if self.remote is not None:
+            self.client.loop.run(self.remote.aclose)
+            self.remote = None
+        time.sleep(min(0.25 * 2**attempt, 4.0))
 
     def _blame(self, exc: SwarmError) -> None:
         peer = getattr(exc, "peer", None)
@@ -290,6 +306,25 @@ class ReplyText:
              if text.endswith(s[:n])),
             default=0,
         )  # fmt: skip
+
+
+class ReplyStream(Iterator[str]):
+    """A reply being generated: iterate it for its text pieces as tokens arrive; `tokens` are
+    its token ids so far (an end-of-text token is not among them)."""
+
+    def __init__(self, pieces: Generator[str, None, None], text: ReplyText):
+        self._pieces, self._text = pieces, text
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop early: the reply's session on the nodes closes now."""
+        self._pieces.close()
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._text.tokens)
 
 
 class Sampler:

@@ -9,9 +9,10 @@ import sys
 import trio
 from hypercorn.trio import serve
 
-from swarm.cli import hypercorn_config, setup_logging
+from swarm.cli import add_http_flags, hypercorn_config, initial_peers_option, setup_logging
 from swarm.health.app import create_app
 from swarm.health.state import Collector, CollectorConfig
+from swarm.options import add_options, option
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,38 +20,26 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m swarm.health",
         description="Serve the public swarm health page: joins the DHT as a client, pings nodes.",
     )
-    p.add_argument(
-        "--initial-peers",
-        nargs="+",
-        required=True,
-        metavar="MULTIADDR",
-        help="DHT peers of the swarm to watch",
+    add_options(p, initial_peers=initial_peers_option())
+    add_http_flags(p, host="0.0.0.0", port=8080)
+    c = CollectorConfig  # the class holds each field's default: the flags' defaults
+    add_options(
+        p,
+        dht_host=option(c.dht_host, "address the DHT peer listens on"),
+        interval=option(c.interval, "seconds between DHT reads and pings", metavar="SECONDS"),
+        refresh=option(10, "seconds after which the page reloads itself", metavar="SECONDS"),
+        dht_timeout=option(
+            c.dht_timeout, "give up on one DHT read after this many seconds", metavar="SECONDS"
+        ),
+        ping_timeout=option(
+            c.ping_timeout,
+            "mark a node unreachable if it does not answer within this many seconds",
+            metavar="SECONDS",
+        ),
+        forget_after=option(
+            c.forget_after, "seconds an expired node stays listed", metavar="SECONDS"
+        ),
     )
-    p.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
-    p.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free port)")
-    p.add_argument("--dht-host", default="127.0.0.1", help="address the DHT peer listens on")
-    p.add_argument(
-        "--interval", type=float, default=5.0, help="seconds between DHT reads and pings"
-    )
-    p.add_argument(
-        "--refresh", type=int, default=10, help="seconds after which the page reloads itself"
-    )
-    p.add_argument(
-        "--dht-timeout",
-        type=float,
-        default=15.0,
-        help="give up on one DHT read after this many seconds",
-    )
-    p.add_argument(
-        "--ping-timeout",
-        type=float,
-        default=3.0,
-        help="mark a node unreachable if it does not answer within this many seconds",
-    )
-    p.add_argument(
-        "--forget-after", type=float, default=600.0, help="seconds an expired node stays listed"
-    )
-    p.add_argument("--access-log", action="store_true", help="log every request to stderr")
     return p
 
 

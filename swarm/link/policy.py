@@ -1,12 +1,14 @@
 """Link policies: which queued volume goes next, and how many tokens of it.
 
-`MolinkPolicy` is MoLink's Algorithm 1 (seeds/DIGEST.md, section 000). A waiting weight W counts
-decisions at which both FIFOs held work. While W < max_wait a decode volume goes whole;
-otherwise a prefill volume goes, whole if W >= max_wait (so prefill cannot starve), else as a
-chunk sized just in time, and W resets. A chunk is as many tokens as the link carries (at
-`margin` of its estimated bandwidth) in T_a (freetime.py), less the backlog already on the link
-(flight.py), and no fewer than the floor. With no decode session active a prefill goes whole:
-there is nothing to protect. The in-flight cap and pacing (flight.py) may hold a chunk back.
+`MolinkPolicy` is Algorithm 1 of MoLink ("Distributed LLM Serving on Consumer-Grade GPUs by
+Reconciling Computation and Communication", 2025; docs/design.md, "The link scheduler"). A
+waiting weight W counts decisions at which both FIFOs held work. While W < max_wait a decode
+volume goes whole; otherwise a prefill volume goes, whole if W >= max_wait (so prefill cannot
+starve), else as a chunk sized just in time, and W resets. A chunk is as many tokens as the link
+carries (at `margin` of its estimated bandwidth) in T_a (freetime.py), less the backlog already
+on the link (flight.py), and no fewer than the floor. With no decode session active a prefill
+goes whole: there is nothing to protect. The in-flight cap and pacing (flight.py) may hold a
+chunk back.
 
 Which waiting prefill goes next is not Algorithm 1's concern (it takes the head of one queue).
 Here, by default, it is the one whose prompt needs the least link time left, less the time its

