@@ -16,8 +16,9 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
+from swarm.records import MAX_TTL_S
+
 MAX_VALUE_BYTES = 8 * 1024  # a node record with every link figure is under 2 KiB
-MAX_EXPIRY_S = 300.0  # ten default TTLs: a record outliving its node this long is a lie
 OWNER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 
 
@@ -30,7 +31,7 @@ class SwarmValidator(RecordValidatorBase):
             return False  # unsigned: nobody answers for it
         if len(record.value) > MAX_VALUE_BYTES:
             return False
-        return record.expiration_time <= get_dht_time() + MAX_EXPIRY_S
+        return record.expiration_time <= get_dht_time() + MAX_TTL_S
 
     @property
     def priority(self) -> int:

@@ -22,6 +22,7 @@ MAX_LAYERS = 4096
 MAX_NAME = 200
 MAX_MODELS = 32
 MAX_WEIGHTS_NAME = 32
+MAX_TTL_S = 300.0  # ten default TTLs: every DHT peer of a swarm refuses a record living longer
 DEFAULT_WEIGHTS = "float32"  # what a record from before the field existed was serving
 
 

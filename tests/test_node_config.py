@@ -7,12 +7,12 @@ import pytest
 from swarm.link.options import LinkOptions
 from swarm.link.scheduler import LinkScheduler, Volume
 from swarm.node.compute import ComputeQueue
-from swarm.node.config import parse_args, scheduler_options
+from swarm.node.config import parse_args
 
 
 def test_the_link_defaults_are_the_capped_molink_pacing_slow_links_only():
     config = parse_args(["--layers", "0:10"])
-    options = scheduler_options(config)
+    options = LinkScheduler(config.link).options
     assert config.link.policy == "molink"
     assert options == LinkOptions(
         policy="molink",
@@ -51,14 +51,14 @@ def test_nice_steps_are_0_to_19(capsys):
 
 def test_pacing_and_a_timed_chunk_floor_are_asked_for_in_milliseconds():
     argv = ["--layers", "0:10", "--link-pacing", "--link-pace-lead-ms", "15"]
-    options = scheduler_options(parse_args([*argv, "--link-min-chunk-ms", "40"]))
+    options = LinkScheduler(parse_args([*argv, "--link-min-chunk-ms", "40"]).link).options
     assert options.pace_lead_s == pytest.approx(0.015)
     assert options.min_chunk_s == pytest.approx(0.04)
     assert options.pace_slow_s == 0  # on: every link
-    off = scheduler_options(parse_args([*argv, "--no-link-pacing"]))
+    off = LinkScheduler(parse_args([*argv, "--no-link-pacing"]).link).options
     assert off.pace_lead_s is None
     auto = ["--link-pacing", "auto", "--link-pace-slow-ms", "25"]
-    options = scheduler_options(parse_args(["--layers", "0:10", *auto]))
+    options = LinkScheduler(parse_args(["--layers", "0:10", *auto]).link).options
     assert options.pace_lead_s == pytest.approx(0.010)
     assert options.pace_slow_s == pytest.approx(0.025)
 
@@ -72,7 +72,7 @@ def test_negative_or_unreadable_milliseconds_are_refused(bad, capsys):
 
 def test_the_prefill_order_is_one_of_the_schedulers(capsys):
     config = parse_args(["--layers", "0:10", "--link-prefill-order", "arrival"])
-    assert LinkScheduler(scheduler_options(config)).options.prefill_order == "arrival"
+    assert LinkScheduler(config.link).options.prefill_order == "arrival"
     with pytest.raises(SystemExit):
         parse_args(["--layers", "0:10", "--link-prefill-order", "random"])
     assert "invalid choice" in capsys.readouterr().err
@@ -157,3 +157,10 @@ def test_the_tuning_knobs_have_their_own_help_section(capsys):
     assert "--layers" in basics and "--max-sessions" in basics
     for flag in ("--link-policy", "--link-pace-lead-ms", "--prefill-gather-ms", "--dht-nice"):
         assert flag in tuning and flag not in basics
+
+
+def test_a_record_ttl_the_swarm_would_refuse_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--layers", "0:10", "--announce-ttl", "3600"])
+    assert "--announce-ttl" in capsys.readouterr().err
+    assert parse_args(["--layers", "0:10", "--announce-ttl", "300"]).limits.announce_ttl_s == 300

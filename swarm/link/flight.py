@@ -9,9 +9,8 @@ they are at least `inflight_floor_chunks` chunks (`prefill_frames`), no prefill 
 that connection: the prefill waits here, where the next decode volume can still pass it,
 instead of in a buffer where it cannot. (BBR caps its own flight at 2 x BDP for the same reason.)
 Decode frames do not count: they are what the cap protects. Without a bandwidth or RTT estimate
-there is no cap. LinkOptions' default is gain 0 (no cap); a node asks for gain 2
-(`--link-inflight-gain`), which needs a bandwidth estimate that does not read low: the next
-hop's arrival spreads give it one.
+there is no cap. The default gain is 2 (`--link-inflight-gain`; 0: no cap), which needs a
+bandwidth estimate that does not read low: the next hop's arrival spreads give it one.
 
 Acknowledgements are coarse, though: a frame is acknowledged a round trip after its last byte,
 so the cap must allow a few chunks to keep the link busy, and a decode volume waits behind them.

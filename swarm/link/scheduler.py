@@ -36,7 +36,8 @@ class LinkScheduler:
     """
 
     def __init__(self, options: LinkOptions | None = None):
-        self.options = options = options or LinkOptions()
+        # the pacing mode folded into the figures the flight reads (swarm.link.options)
+        self.options = options = (options or LinkOptions()).effective()
         self.counters = LinkCounters(options.delay_samples)
         self.holding = False  # the last next_send held a prefill back (acknowledgements, pacing)
         self.hold_until: float | None = None  # ... and when pacing lets it go, if it knows

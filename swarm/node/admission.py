@@ -5,7 +5,7 @@ A source address stands for a host (IPv6: its /64, which one subscriber usually 
 until the data plane authenticates peers it is the only identity a node can count by. Each
 address may hold a bounded share of the node; when the node is full, a newcomer from an address
 holding less than its share may take the place of a connection that does nothing (no session)
-from the address holding the most. The session table (sessions.py) applies the same idea to
+from the address holding the most. The session table (session_table.py) applies the same idea to
 sessions and cache tokens.
 """
 

@@ -40,12 +40,12 @@ import outcome
 import trio
 
 from swarm.link.estimator import ewma
+from swarm.node.config import PASS_ORDERS, ComputeConfig
 from swarm.protocol import DECODE
 
 log = logging.getLogger("swarm.node")
 
 
-PASS_ORDERS = ("shortest", "round-robin")
 SCHEDSTAT = "/proc/thread-self/schedstat"
 
 
@@ -206,11 +206,11 @@ class Ticket:
 class ComputeQueue:
     def __init__(
         self,
-        lanes: int = 2,
-        prefill_nice: int = 3,
-        prefill_order: str = "shortest",
+        lanes: int = ComputeConfig.lanes,
+        prefill_nice: int = ComputeConfig.prefill_nice,
+        prefill_order: str = ComputeConfig.prefill_order,
         observe: Callable[[str, int, float], None] | None = None,
-        max_batch: int = 4,
+        max_batch: int = ComputeConfig.max_batch,
     ) -> None:
         """`observe(phase, tokens, seconds)`: told of each job that succeeded; `max_batch`: most
         decode steps in one pass."""

@@ -14,7 +14,6 @@ from dataclasses import MISSING, dataclass, field, fields
 from swarm.cli import initial_peers_option, model_option, wire_dtype_option
 from swarm.link.options import LinkOptions
 from swarm.model.linear import WEIGHT_FORMATS
-from swarm.node.compute import PASS_ORDERS
 from swarm.options import (
     add_option,
     is_option,
@@ -24,7 +23,20 @@ from swarm.options import (
     positive_int,
     read_option,
 )
+from swarm.records import MAX_TTL_S
 from swarm.wire import DEFAULT_MAX_FRAME
+
+
+def record_ttl(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= MAX_TTL_S:  # NaN too
+        raise argparse.ArgumentTypeError(
+            f"must be in (0, {MAX_TTL_S:g}]: the swarm's DHT peers refuse longer-lived records"
+        )
+    return value
+
+
+PASS_ORDERS = ("shortest", "round-robin")  # how the prompt lane orders passes (swarm.node.compute)
 
 
 @dataclass(frozen=True)
@@ -71,7 +83,10 @@ class Limits:
     )
     open_timeout_s: float = 60.0  # how long the next hop may take to answer an open
     announce_ttl_s: float = option(
-        30.0, "seconds a DHT record lives unless refreshed", flag="--announce-ttl"
+        30.0,
+        f"seconds a DHT record lives unless refreshed (at most {MAX_TTL_S:g})",
+        flag="--announce-ttl",
+        type=record_ttl,
     )
     grace_s: float = option(30.0, "on SIGTERM, seconds open sessions may finish", flag="--grace")
 
@@ -204,11 +219,6 @@ GROUPS = {  # section of --help for each part of NodeConfig
     "compute": "tuning (experiments; the defaults are the measured best)",
 }
 TUNING = ("dht_nice",)  # top-level fields that belong with the tuning knobs
-
-
-def scheduler_options(config: NodeConfig) -> LinkOptions:
-    """The LinkScheduler's options that the node's options set."""
-    return config.link.effective()
 
 
 def parse_layers(text: str) -> tuple[int, int]:

@@ -27,7 +27,7 @@ from swarm.errors import (
 from swarm.model.blocks import Span
 from swarm.node.admission import ConnectionTable, Inbound, Throttle, peer_host
 from swarm.node.compute import ComputeQueue
-from swarm.node.config import NodeConfig, scheduler_options
+from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
 from swarm.node.downstream import Downstream
 from swarm.node.observer import NoObserver, StepObserver
@@ -67,7 +67,7 @@ class Node:
             config.limits.max_connections, config.limits.max_host_connections
         )
         self.throttle = Throttle()
-        self.uplink = Uplink(scheduler_options(config), self._stream_broken)
+        self.uplink = Uplink(config.link, self._stream_broken)
         self.compute = ComputeQueue(
             config.compute.lanes,
             config.compute.prefill_nice,
