@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from swarm.dht import owner_subkey
 from swarm.health.app import create_app
 from swarm.health.render import render_page
 from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
@@ -550,14 +551,14 @@ def test_malformed_and_foreign_records_are_skipped_and_counted(swarm):
 
     exp = get_dht_time() + 300
     name = swarm.model_name
-    junk = [
-        (MODELS_KEY, b"junk-a", "not a map"),
-        (MODELS_KEY, b"junk-b", {"model": "huge", "num_layers": 10**9, "fingerprint": "x"}),
-        (block_key(name, 0), b"junk-c", {"peer": 1}),
-        (block_key(name, 1), b"junk-d", rec("f", 0, 6, model="elsewhere").to_wire()),
+    junk = [  # signed (the swarm's DHT peers store nothing else), each under its own key
+        (block_key(name, 2), "not a map"),
+        (MODELS_KEY, {"model": "huge", "num_layers": 10**9, "fingerprint": "x"}),
+        (block_key(name, 0), {"peer": 1}),
+        (block_key(name, 1), rec("f", 0, 6, model="elsewhere").to_wire()),
     ]
-    for key, subkey, value in junk:
-        assert swarm.dht.store(key, value, exp, subkey=subkey)
+    for key, value in junk:
+        assert swarm.dht.store(key, value, exp, subkey=owner_subkey())
     state = poll(swarm.state, lambda s: s["skipped_records"] >= len(junk), 60, "skipped records")
     assert [m["model"] for m in state["models"]] == [name]
     assert swarm.model()["full_route"] is True

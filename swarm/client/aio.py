@@ -50,15 +50,12 @@ async def astream(
     client: Client,
     prompt: str | list[dict[str, str]],
     max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
     stop: Sequence[str] = (),
+    **sampling,
 ) -> AsyncIterator[str]:
     """`Client.stream` for trio tasks: the reply's text piece by piece."""
     ids = await trio.to_thread.run_sync(client.encode, prompt)
-    sampler = Sampler(temperature, top_p, top_k, seed)
+    sampler = Sampler(**sampling)
     text = ReplyText(client, stop)
     async with AsyncSession(client, len(ids) + max_new_tokens) as session:
         logits = await session.feed(ids)

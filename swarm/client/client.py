@@ -120,16 +120,14 @@ class Client:
         self,
         prompt: str | list[dict[str, str]],
         max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
         stop: Sequence[str] = (),
+        **sampling,
     ) -> ReplyStream:
         """The reply's text piece by piece as tokens arrive: iterate the ReplyStream, whose
-        `tokens` are this reply's own, however many threads share the client."""
+        `tokens` are this reply's own, however many threads share the client. `sampling`: the
+        Sampler's temperature, top_p, top_k and seed (greedy by default)."""
         text = ReplyText(self, stop)
-        sampler = Sampler(temperature, top_p, top_k, seed)
+        sampler = Sampler(**sampling)
         return ReplyStream(self._pieces(prompt, max_new_tokens, sampler, text), text)
 
     def _pieces(
@@ -328,7 +326,9 @@ class ReplyStream(Iterator[str]):
 
 
 class Sampler:
-    def __init__(self, temperature: float, top_p: float, top_k: int, seed: int | None):
+    def __init__(
+        self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None
+    ):
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.generator = torch.Generator().manual_seed(
             seed if seed is not None else random.randrange(2**63)
