@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import pickle
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,8 +63,9 @@ def start_dht(
     )
 
 
-def owner_subkey(dht) -> bytes:
-    """Our public-key marker; a subkey holding it can only be written with our private key."""
+def owner_subkey() -> bytes:
+    """Our public-key marker; a subkey holding it can only be written with our private key (one
+    key a process: hivemind's DHT process forks from this one and signs with it)."""
     from hivemind.dht.crypto import RSASignatureValidator
 
     # RSAPrivateKey.process_wide() is shared by every validator in this process, the DHT's too
@@ -76,9 +78,33 @@ def id_of(subkey: bytes) -> str:
     return hashlib.sha256(subkey).hexdigest()[:40]
 
 
-def node_id(dht) -> str:
+def node_id() -> str:
     """This process's node id in the swarm: the one its records' signing key proves."""
-    return id_of(owner_subkey(dht))
+    return id_of(owner_subkey())
+
+
+def sign_as_node(data: bytes) -> tuple[str, str]:
+    """This process's signing key (as its subkeys name it) and its signature of `data`: proof,
+    to whoever asks, of the node id its records carry."""
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    marker = owner_subkey()
+    return marker.decode(), RSAPrivateKey.process_wide().sign(data).decode()
+
+
+def proves(peer: str, key: str, data: bytes, proof: str) -> bool:
+    """Whether `proof` is `key`'s signature of `data`, `key` being the one behind node id `peer`."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils.crypto import RSAPublicKey
+
+    marker = key.encode()
+    found = re.fullmatch(RSASignatureValidator.PUBLIC_KEY_REGEX, marker)
+    if found is None or id_of(marker) != peer:
+        return False
+    try:
+        return RSAPublicKey.from_bytes(found.group(1)).verify(data, proof.encode())
+    except (ValueError, TypeError):  # not a key, or not base64
+        return False
 
 
 def visible_maddrs(dht) -> list[str]:
@@ -141,7 +167,7 @@ def announce(dht, records: Sequence[NodeRecord], ttl: float) -> int:
 
     if not records:
         return 0
-    request = store_request(records, get_dht_time() + ttl, owner_subkey(dht))
+    request = store_request(records, get_dht_time() + ttl, owner_subkey())
     size = len(pickle.dumps(request))
     if size > MAX_REQUEST_BYTES - 1024:  # the rest of the message: the call and its future
         raise ValueError(f"an announcement of {size} bytes would break the DHT's request pipe")

@@ -142,8 +142,10 @@ class Error:
 @dataclass(frozen=True)
 class Relay:
     """Plaintext, before TLS, to a node that relays for nodes nobody can dial (swarm.relay).
-    `op`: listen / listening (a node behind NAT registers `peer`), splice / spliced (a dialler
-    asks for `peer`), reverse (the relay asks `peer` to connect back, `token`, for a dialler at
+    `op`: listen / challenge / prove / listening (a node behind NAT registers `peer`, proving it
+    is that node: the relay sends a nonce `token`, the node answers with its signing `key` and
+    its `proof`, the signature of `relay_claim`), splice / spliced (a dialler asks for `peer`),
+    reverse (the relay asks `peer` to connect back, `token`, for a dialler at
     `addr`), accept (that connection back), dialback / dialed (dial `addr` with key `tls` and
     say whether it answered: `error` empty if so)."""
 
@@ -153,11 +155,23 @@ class Relay:
     addr: str = ""
     tls: str = ""
     error: str = ""
+    key: str = ""
+    proof: str = ""
     t: str = field(default="relay", init=False)
 
 
-RELAY_FIELDS = ("peer", "token", "addr", "tls", "error")
-RELAY_OPS = ("listen", "listening", "splice", "spliced", "reverse", "accept", "dialback", "dialed")
+def relay_claim(relay: str, peer: str, nonce: str) -> bytes:
+    """What a node behind NAT signs to register as `peer` with relay `relay` (a node id): bound
+    to that relay and its fresh nonce, so a proof cannot be replayed to another relay."""
+    return f"swarm relay listen|{relay}|{peer}|{nonce}".encode()
+
+
+RELAY_FIELDS = ("peer", "token", "addr", "tls", "error", "key", "proof")
+RELAY_LONG_FIELDS = ("error", "key", "proof")  # up to 1024 characters; the others 256
+RELAY_OPS = (
+    *("listen", "challenge", "prove", "listening", "splice", "spliced", "reverse", "accept"),
+    *("dialback", "dialed"),
+)
 
 Message = Open | Opened | Attach | Attached | Step | Result | Close | Ping | Pong | Error | Relay
 
@@ -249,7 +263,11 @@ def parse_message(d: dict[str, Any]) -> Message:
             raise ProtocolError(f"field 'op' must be one of {RELAY_OPS}, got {op!r}"[:200])
         return Relay(
             op=op,
-            **{k: _str(d, k, 1024 if k == "error" else 256) for k in RELAY_FIELDS if k in d},
+            **{
+                k: _str(d, k, 1024 if k in RELAY_LONG_FIELDS else 256)
+                for k in RELAY_FIELDS
+                if k in d
+            },
         )
     if kind == "error":
         return Error(

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import trio
 
 from swarm.address import parse_host_port, source_host
+from swarm.dht import proves, sign_as_node
 from swarm.errors import NodeBusy, PeerFailed, ProtocolError, SwarmError
-from swarm.protocol import Error, Hop, Ping, Pong, Relay, to_wire
+from swarm.protocol import Error, Hop, Ping, Pong, Relay, relay_claim, to_wire
 from swarm.records import ONLINE, NodeRecord
 from swarm.transport import FramedStream, ask_relay, ping
 from swarm.wire import DEFAULT_MAX_FRAME, encode_frame
@@ -36,7 +37,9 @@ log = logging.getLogger("swarm.relay")
 DIALBACK_TIMEOUT_S = 5.0  # a reachable node answers a dial-back well within this
 ACCEPT_TIMEOUT_S = 10.0  # for the relayed node to connect back (a dialler waits SPLICE_TIMEOUT_S)
 CONTROL_PING_S = 5.0
-CONTROL_SILENCE_S = 15.0  # a relay silent this long is gone
+CONTROL_SILENCE_S = 15.0  # a relay (or a relayed node) silent this long is gone
+PROOF_TIMEOUT_S = 10.0  # for a registrant to sign the relay's challenge
+MAX_RELAYED_PER_HOST = 2  # nodes one source address may register with a relay
 COPY_CHUNK = 16 * 1024
 HELPERS = 3  # nodes asked to dial back, one after the other
 
@@ -57,16 +60,18 @@ class RelayHub:
     """What a reachable node does for others: holds their control connections, splices
     diallers to them, and dials back nodes that ask whether they can be reached."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, me: str = ""):
         self.capacity = capacity  # nodes it relays for at once; 0: none
+        self.me = me  # this relay's node id, which a registration's proof must name
         self.controls: dict[str, FramedStream] = {}
+        self._hosts: dict[str, str] = {}  # peer -> the address its registration came from
         self._waiting: dict[str, _Handoff] = {}  # splice token -> the splice waiting for it
         self.spliced = 0  # connections spliced so far
 
     async def handle(self, conn: FramedStream, msg: Relay, source: str) -> None:
         """Serve one plaintext relay request on `conn` (from host `source`) to its end."""
         if msg.op == "listen":
-            await self._listen(conn, msg.peer)
+            await self._listen(conn, msg.peer, source)
         elif msg.op == "splice":
             await self._splice(conn, msg.peer, source)
         elif msg.op == "accept":
@@ -76,29 +81,54 @@ class RelayHub:
         else:
             raise ProtocolError(f"a relay does not take {msg.op!r} requests")
 
-    async def _listen(self, conn: FramedStream, peer: str) -> None:
+    async def _listen(self, conn: FramedStream, peer: str, source: str) -> None:
         if not peer:
             raise ProtocolError("listen names no peer")
         if self.capacity <= 0:
             raise NodeBusy("this node relays for nobody (it is relayed itself, or --max-relayed 0)")
+        await self._check_proof(conn, peer)
         if peer not in self.controls and len(self.controls) >= self.capacity:
             raise NodeBusy(f"this node relays for {self.capacity} nodes already")
+        same_host = [p for p, host in self._hosts.items() if host == source and p != peer]
+        if len(same_host) >= MAX_RELAYED_PER_HOST:
+            raise NodeBusy(f"this relay holds {MAX_RELAYED_PER_HOST} nodes from {source} already")
         old = self.controls.get(peer)
-        self.controls[peer] = conn  # the latest registration wins: a node reconnecting
+        self.controls[peer], self._hosts[peer] = conn, source  # a node reconnecting: the latest
         if old is not None:
             await old.aclose()
         log.info("relaying for %s (from %s)", peer, conn.peer())
         try:
             await conn.send(Relay(op="listening"))
-            while (msg := await conn.receive()) is not None:
-                if isinstance(msg, Ping):
-                    await conn.send(Pong(nonce=msg.nonce))
+            while True:
+                # the node pings every CONTROL_PING_S: a silent one is gone, its place free
+                with trio.move_on_after(CONTROL_SILENCE_S):
+                    msg = await conn.receive()
+                    if msg is None:
+                        break
+                    if isinstance(msg, Ping):
+                        await conn.send(Pong(nonce=msg.nonce))
+                    continue
+                log.info("%s silent for %g s; dropping it", peer, CONTROL_SILENCE_S)
+                break
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, ProtocolError):
             pass
         finally:
             if self.controls.get(peer) is conn:
-                del self.controls[peer]
+                del self.controls[peer], self._hosts[peer]
                 log.info("no longer relaying for %s", peer)
+
+    async def _check_proof(self, conn: FramedStream, peer: str) -> None:
+        """The registrant must sign a fresh nonce with the key behind `peer` (its records' key):
+        nobody takes another node's relay slot, or learns who dials it."""
+        nonce = secrets.token_hex(16)
+        await conn.send(Relay(op="challenge", token=nonce))
+        with trio.fail_after(PROOF_TIMEOUT_S):
+            answer = await conn.receive()
+        claim = relay_claim(self.me, peer, nonce)
+        if not isinstance(answer, Relay) or answer.op != "prove":
+            raise ProtocolError("a relay registration answers its challenge with 'prove'")
+        if not proves(peer, answer.key, claim, answer.proof):  # an RSA check: a millisecond
+            raise ProtocolError(f"the registration proves no key of node {peer[:20]!r}")
 
     async def _splice(self, conn: FramedStream, peer: str, source: str) -> None:
         control = self.controls.get(peer)
@@ -244,10 +274,21 @@ async def stay_relayed(
 async def _register(r: NodeRecord, me: str) -> FramedStream:
     request = Relay(op="listen", peer=me)
     control, reply = await ask_relay(
-        *r.host_port, request, "listening", DIALBACK_TIMEOUT_S, DEFAULT_MAX_FRAME
+        *r.host_port, request, "challenge", DIALBACK_TIMEOUT_S, DEFAULT_MAX_FRAME
     )
-    if isinstance(reply, Error):
-        raise reply.exception()
+    try:
+        if isinstance(reply, Relay):
+            key, proof = sign_as_node(relay_claim(r.peer, me, reply.token))
+            await control.send(Relay(op="prove", key=key, proof=proof))
+            with trio.fail_after(DIALBACK_TIMEOUT_S):
+                reply = await control.receive()
+        if isinstance(reply, Error):
+            raise reply.exception()
+        if not isinstance(reply, Relay) or reply.op != "listening":
+            raise ProtocolError(f"relay {r.addr} answered a registration with {reply!r:.100}")
+    except BaseException:
+        await trio.aclose_forcefully(control.stream)
+        raise
     return control
 
 

@@ -26,7 +26,7 @@ def swarm():
     honest = start_dht()
     peers = [str(m) for m in honest.get_visible_maddrs()]
     record = NodeRecord(
-        peer=node_id(honest),
+        peer=node_id(),
         addr="127.0.0.1:7000",
         model=MODEL,
         start=0,

@@ -739,7 +739,7 @@ async def test_open_whose_announced_next_hop_never_accepts_gets_peer_failed(
                 pass
         config = open_model(str(tiny_model_dir)).config
         record = NodeRecord(
-            peer=node_id(announcer),
+            peer=node_id(),
             addr=f"127.0.0.1:{full.getsockname()[1]}",
             model=config.name,
             start=3,

@@ -664,7 +664,7 @@ def fake_node_main(argv: list[str]) -> None:
 
         def publish(state: str) -> None:
             record = NodeRecord(
-                peer=node_id(dht),
+                peer=node_id(),
                 addr=addr,
                 model=a.model,
                 start=start,
@@ -685,7 +685,7 @@ def fake_node_main(argv: list[str]) -> None:
                 print(f"announce {state} failed: {exc!r}", flush=True)
 
         await trio.to_thread.run_sync(publish, "online")
-        print(f"serving blocks {start}:{end} on {addr} (peer {node_id(dht)})", flush=True)
+        print(f"serving blocks {start}:{end} on {addr} (peer {node_id()})", flush=True)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.serve_listeners, handle, listeners)
 

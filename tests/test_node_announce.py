@@ -74,7 +74,7 @@ def bootstrap():
 
 
 def test_announcing_all_30_blocks_with_the_link_figures_is_a_small_request(bootstrap):
-    request = store_request([full_record(0, 30)], 1.7e9, owner_subkey(bootstrap))
+    request = store_request([full_record(0, 30)], 1.7e9, owner_subkey())
     assert len(request.keywords["groups"][0][0]) == 30
     assert len(pickle.dumps(request)) < MAX_REQUEST_BYTES / 2
 

@@ -108,7 +108,7 @@ def test_a_record_naming_a_nodes_address_with_another_key_is_never_routed_throug
     try:
         real = next(r for r in client.nodes() if r.peer == node.peer)
         impostor = NodeRecord(  # signed by its own key: the DHT takes it as another node
-            **{**real.to_wire(), "peer": node_id(dht), "tls": Identity.generate().key_id}
+            **{**real.to_wire(), "peer": node_id(), "tls": Identity.generate().key_id}
         )
         assert announce(dht, [impostor], ttl=60) > 0
         records, _, _ = read_nodes(dht, client.config.name, client.config.num_layers)

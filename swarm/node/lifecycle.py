@@ -129,7 +129,7 @@ class Lifecycle:
     ):
         self.cfg, self.source, self.fingerprint, self.dht = cfg, source, fingerprint, dht
         self.addr, self.usable, self.observer = addr, usable, observer
-        self.me = node_id(dht)
+        self.me = node_id()
         # one key for the node's life: a moved node keeps its identity
         self.identity = None if cfg.plaintext else Identity.generate()
 

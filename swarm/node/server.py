@@ -14,6 +14,7 @@ import time
 
 import trio
 
+from swarm.dht import node_id
 from swarm.errors import (
     FingerprintMismatch,
     FrameTooLarge,
@@ -57,7 +58,8 @@ class Node:
         self.config = config
         self.identity = identity  # the TLS key this node proves; None: plaintext (--plaintext)
         # relaying for nodes nobody can dial takes TLS: the relay must not read what it copies
-        self.relay_hub = RelayHub(config.limits.max_relayed if identity else 0)
+        relays = config.limits.max_relayed if identity else 0
+        self.relay_hub = RelayHub(relays, node_id() if relays else "")
         self.directory = directory  # the next hops an open may name
         self.span = span
         self.fingerprint = fingerprint
