@@ -19,6 +19,7 @@ from swarm.client.aio import AsyncSession
 from swarm.client.client import Client, ReplyText, Sampler
 from swarm.client.routing import missing_blocks, usable
 from swarm.errors import CacheFull, DhtUnavailable, SwarmError
+from swarm.records import format_blocks
 
 
 @dataclass
@@ -80,10 +81,10 @@ class Backend:
         if not gaps:
             self._routed_at = trio.current_time()
         else:
-            blocks = ", ".join(f"{a}:{b}" for a, b in gaps)
             raise ApiError(
                 503,
-                f"the swarm has no route for {self.name}: no online node serves blocks {blocks}",
+                f"the swarm has no route for {self.name}: no online node serves blocks"
+                f" {format_blocks(gaps)}",
                 code="route_unavailable",
                 type="server_error",
             )

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from swarm.errors import RouteUnavailable
 from swarm.protocol import Hop
-from swarm.records import ONLINE, NodeRecord, block_coverage, coverage_gaps
+from swarm.records import ONLINE, NodeRecord, block_coverage, coverage_gaps, format_blocks
 
 DEFAULT_RTT = 0.05  # seconds, for nodes not pinged yet
 DEFAULT_BLOCK_TIME = 0.005  # seconds per block per token, for nodes without a throughput figure
@@ -55,8 +55,7 @@ def find_route(
     nodes = usable(records, fingerprint, exclude, plaintext)
     gaps = missing_blocks(nodes, num_layers)
     if gaps:
-        text = ", ".join(f"{a}:{b}" for a, b in gaps)
-        raise RouteUnavailable(f"no online node serves blocks {text} of {model}")
+        raise RouteUnavailable(f"no online node serves blocks {format_blocks(gaps)} of {model}")
     best = {0: 0.0}
     prev: dict[int, tuple[int, NodeRecord]] = {}
     queue = [(0.0, 0)]
