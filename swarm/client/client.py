@@ -13,11 +13,11 @@ import torch
 import trio
 
 from swarm.client.head_batch import LogitsBatcher
-from swarm.client.routing import find_route, missing_blocks, usable
+from swarm.client.routing import bounded, find_route, missing_blocks, usable
 from swarm.client.runtime import TrioThread
 from swarm.client.session import PREFILL_CHUNK, RemoteSession
 from swarm.dht import read_nodes, start_dht
-from swarm.errors import SwarmError
+from swarm.errors import FingerprintMismatch, ProtocolError, SpanError, SwarmError
 from swarm.model.blocks import Head
 from swarm.model.source import open_model
 from swarm.protocol import Hop
@@ -87,6 +87,7 @@ class Client:
             if without_tls:
                 model += f" ({without_tls} nodes run without TLS: Client(plaintext=True) uses them)"
             find_route(records, self.config.num_layers, self.fingerprint, model=model)
+        records = bounded(records, self._rtts)
         self._weights.update({r.peer: r.weights for r in records})
         rtts = self.loop.run(ping_all, {r.peer: r.hop() for r in records}, 2.0)
         self._rtts.update(rtts)
@@ -216,7 +217,7 @@ class InferenceSession:
             try:
                 logits = self._step(ids)
             except SwarmError as exc:
-                if not exc.retry_elsewhere or attempt == self.client.max_retries:
+                if not _route_may_help(exc) or attempt == self.client.max_retries:
                     raise
                 failed_at = failed_at or time.monotonic()
                 self._reroute(exc, attempt)
@@ -258,6 +259,14 @@ class InferenceSession:
         hops = {h.peer: h for h in self.remote.route}
         alive = self.client.loop.run(ping_all, hops, 2.0)
         self.excluded.update(p for p in hops if p not in alive)
+
+
+def _route_may_help(exc: SwarmError) -> bool:
+    """Whether another route may succeed: the error says so (a busy or dead peer), or a hop
+    answered as no honest node of this model would (blocks it announced but does not serve,
+    other weights, a broken message): leaving that node out may help too."""
+    liar = isinstance(exc, (SpanError, FingerprintMismatch, ProtocolError))
+    return exc.retry_elsewhere or (liar and bool(getattr(exc, "peer", None)))
 
 
 class ReplyText:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import heapq
+import random
+from collections import Counter
 from collections.abc import Iterable
 
 from swarm.errors import RouteUnavailable
@@ -11,6 +13,11 @@ from swarm.records import ONLINE, NodeRecord, block_coverage, coverage_gaps, for
 
 DEFAULT_RTT = 0.05  # seconds, for nodes not pinged yet
 DEFAULT_BLOCK_TIME = 0.005  # seconds per block per token, for nodes without a throughput figure
+# records of one address, and of one host, that a route dials: anyone can sign records naming
+# any address, and must not aim every client at a host's ports (an address holds a relay and
+# the 8 nodes it may relay for)
+MAX_PER_ADDRESS = 9
+MAX_PER_HOST = 16
 
 
 def usable(
@@ -29,6 +36,23 @@ def usable(
         and r.peer not in exclude
         and (r.tls or plaintext)
     ]
+
+
+def bounded(records: Iterable[NodeRecord], known: Iterable[str] = ()) -> list[NodeRecord]:
+    """At most MAX_PER_ADDRESS records of one address and MAX_PER_HOST of one host, those of
+    `known` peers (which answered this client before) first, then the rest in random order."""
+    known = set(known)
+    order = sorted(records, key=lambda r: (r.peer not in known, random.random()))
+    per_address: Counter[str] = Counter()
+    per_host: Counter[str] = Counter()
+    kept = []
+    for r in order:
+        host = r.addr.rpartition(":")[0]
+        if per_address[r.addr] < MAX_PER_ADDRESS and per_host[host] < MAX_PER_HOST:
+            per_address[r.addr] += 1
+            per_host[host] += 1
+            kept.append(r)
+    return kept
 
 
 def missing_blocks(records: Iterable[NodeRecord], num_layers: int) -> list[tuple[int, int]]:

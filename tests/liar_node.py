@@ -1,0 +1,27 @@
+"""A node that lies in its records, for tests of what a lie costs the swarm: it serves its
+--layers as any node does, but announces LIE_END as the end of its span and LIE_THROUGHPUT
+tokens/s (environment variables). Run as a script: `python tests/liar_node.py --layers 0:3 ...`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from swarm.node import announce
+from swarm.node.__main__ import main
+
+honest_record = announce.Announcer.record
+
+
+def lying_record(self, *args, **kwargs):
+    record = honest_record(self, *args, **kwargs)
+    end = int(os.environ.get("LIE_END", record.end))
+    throughput = float(os.environ.get("LIE_THROUGHPUT", record.throughput))
+    return dataclasses.replace(record, end=end, throughput=throughput)
+
+
+announce.Announcer.record = lying_record
+
+if __name__ == "__main__":
+    sys.exit(main())

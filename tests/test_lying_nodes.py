@@ -1,0 +1,65 @@
+"""Routes follow what the client finds, not what a record claims: a node announcing blocks it
+does not serve is left out after its first refusal, and forged records cannot aim a client's
+dials at every port of a host."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from devtools.launch import start_node, stop_all
+from swarm.client.client import Client
+from swarm.client.routing import MAX_PER_ADDRESS, MAX_PER_HOST, bounded
+from swarm.records import NodeRecord
+from tests.conftest import reference_greedy, swarm_greedy
+
+FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+LIAR = (str(Path(__file__).with_name("liar_node.py")),)
+PROMPT = [5, 50, 150, 250]
+
+
+@pytest.mark.slow
+def test_a_node_announcing_blocks_it_does_not_serve_is_left_out(tiny_model_dir, tiny_reference):
+    """The liar serves 0:3 but announces 0:6 at a huge throughput: one hop through it looks
+    cheaper than two honest ones, so a route tries it first and gets SpanError."""
+    model = str(tiny_model_dir)
+    first = start_node((0, 3), model=model, extra=FLAGS)
+    nodes = [first]
+    try:
+        first.wait_serving()
+        peers = first.maddrs[:1]
+        nodes.append(start_node((3, 6), peers, model=model, extra=FLAGS))
+        lie = {"LIE_END": "6", "LIE_THROUGHPUT": "1e9"}
+        nodes.append(start_node((0, 3), peers, model=model, extra=FLAGS, program=LIAR, env=lie))
+        for n in nodes[1:]:
+            n.wait_serving()
+        client = Client(peers, model=model, wire_dtype="float32")
+        try:
+            liar = nodes[2].peer
+            assert [h.peer for h in client.route()] == [liar]  # the lie looks best
+            assert swarm_greedy(client, PROMPT, 6) == reference_greedy(tiny_reference, PROMPT, 6)
+        finally:
+            client.close()
+    finally:
+        stop_all(nodes)
+
+
+def rec(peer: str, addr: str) -> NodeRecord:
+    return NodeRecord(peer, addr, "m", 0, 6, "online", "f", "v", 6)
+
+
+def test_forged_records_at_one_address_are_dialled_a_few_at_most():
+    forged = [rec(f"forged{i:02d}", "10.0.0.5:7000") for i in range(50)]
+    assert len(bounded(forged)) == MAX_PER_ADDRESS
+
+
+def test_forged_records_across_a_hosts_ports_are_dialled_a_few_at_most():
+    forged = [rec(f"forged{i:02d}", f"10.0.0.5:{7000 + i}") for i in range(50)]
+    assert len(bounded(forged)) == MAX_PER_HOST
+
+
+def test_nodes_that_answered_before_keep_their_place_among_forged_ones():
+    honest = rec("honest", "10.0.0.5:9000")
+    forged = [rec(f"forged{i:02d}", f"10.0.0.5:{7000 + i}") for i in range(50)]
+    assert honest in bounded([*forged, honest], known={"honest"})
