@@ -11,9 +11,11 @@ import trio
 from hypercorn.trio import serve
 
 from swarm.api.app import create_app
+from swarm.api.fair import FairSlots
 from swarm.api.generation import Backend
 from swarm.cli import add_http_flags, add_swarm_flags, hypercorn_config, setup_logging
 from swarm.client.client import Client
+from swarm.options import positive_int
 
 KEY_ENV = "SWARM_API_KEY"
 
@@ -32,9 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-sessions",
-        type=int,
+        type=positive_int,
         default=16,
         help="requests generating at once; more wait their turn (a node gives one address 16)",
+    )
+    p.add_argument(
+        "--max-caller-sessions",
+        type=positive_int,
+        default=8,
+        help="of those, the most one caller (source address) holds; a freed slot goes to the"
+        " waiting caller holding fewest",
     )
     p.add_argument(
         "--default-max-tokens",
@@ -47,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def run(args: argparse.Namespace, client: Client) -> None:
     try:
-        backend = Backend(client, args.max_sessions, args.default_max_tokens)
+        slots = FairSlots(args.max_sessions, min(args.max_caller_sessions, args.max_sessions))
+        backend = Backend(client, slots, args.default_max_tokens)
         app = create_app(backend, api_key=args.api_key or None)
         async with trio.open_nursery() as nursery:
             # a reply may take minutes between request and last byte; only idle keep-alives time out

@@ -53,8 +53,8 @@ class ReplyResponse:
     """An ASGI response that runs one request through the swarm while watching its client:
     when the client goes away the run is cancelled, which closes its swarm session."""
 
-    def __init__(self, backend: Backend, request: GenerationRequest):
-        self.backend, self.request = backend, request
+    def __init__(self, backend: Backend, request: GenerationRequest, caller: str):
+        self.backend, self.request, self.caller = backend, request, caller
         self.id = ("chatcmpl-" if request.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.started = False  # response headers sent
@@ -112,7 +112,7 @@ class ReplyResponse:
         }
 
     async def respond(self, send: Send) -> None:
-        async with open_reply(self.backend, self.request) as (reply, pieces):
+        async with open_reply(self.backend, self.request, self.caller) as (reply, pieces):
             if not self.request.stream:
                 async with aclosing(pieces):
                     text = "".join([p async for p in pieces])
@@ -188,7 +188,8 @@ def create_app(backend: Backend, api_key: str | None = None) -> Starlette:
             parsed = parse_request(await read_json(request), chat)
             if parsed.model != backend.name:
                 raise unknown_model(parsed.model)
-            return ReplyResponse(backend, parsed)
+            caller = request.client.host if request.client else "?"
+            return ReplyResponse(backend, parsed, caller)
 
         return endpoint
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import trio
 
+from swarm.api.fair import FairSlots
 from swarm.api.schema import ApiError, GenerationRequest
 from swarm.client.aio import AsyncSession
 from swarm.client.client import Client, ReplyText, Sampler
@@ -38,18 +39,23 @@ class Reply:
         }
 
 
+# a token is rarely longer than this many characters: a prompt longer than the context times it
+# cannot fit, and is refused before it costs the tokenizer seconds of CPU
+MAX_CHARS_PER_TOKEN = 32
+
+
 class Backend:
     """A model the server answers for: its Client, shared by every request."""
 
     ROUTE_FRESH_S = 2.0  # a full route seen this recently is not read again before a request
 
-    def __init__(self, client: Client, max_sessions: int, default_max_tokens: int):
+    def __init__(self, client: Client, sessions: FairSlots, default_max_tokens: int):
         self.client = client
         self.name = client.config.name
         self.context = client.config.max_position
         self.default_max_tokens = default_max_tokens
-        # past this many open sessions requests queue here, not at the nodes' per-address share
-        self.sessions = trio.CapacityLimiter(max_sessions)
+        # past its slots requests queue here, fairly by caller, not at the nodes' address share
+        self.sessions = sessions
         self._routed_at = -math.inf  # when the DHT last showed a full route
 
     def gaps(self) -> list[tuple[int, int]]:
@@ -90,6 +96,17 @@ class Backend:
             )
 
     async def encode(self, request: GenerationRequest) -> list[int]:
+        text = sum(len(m.get("content") or "") for m in request.messages) if request.chat else 0
+        if isinstance(request.prompt, str):
+            text += len(request.prompt)
+        if text > self.context * MAX_CHARS_PER_TOKEN:  # refused before the tokenizer's CPU
+            raise ApiError(
+                400,
+                f"the prompt's {text} characters cannot fit this model's context of"
+                f" {self.context} tokens",
+                param="messages" if request.chat else "prompt",
+                code="context_length_exceeded",
+            )
         if request.chat:
             return await trio.to_thread.run_sync(self.client.encode, list(request.messages))
         if isinstance(request.prompt, tuple):
@@ -119,18 +136,19 @@ class Backend:
 
 @asynccontextmanager
 async def open_reply(
-    backend: Backend, request: GenerationRequest
+    backend: Backend, request: GenerationRequest, caller: str
 ) -> AsyncIterator[tuple[Reply, AsyncIterator[str]]]:
     """Check, encode and prefill (errors raise here, before any byte is sent); then the reply's
-    counts and its text pieces. Leaving the block closes the session on the swarm."""
+    counts and its text pieces. Leaving the block closes the session on the swarm. `caller`:
+    whose share of the server's slots the request takes (tokenizing it too)."""
     if not request.prompt and not request.chat:
         raise ApiError(400, "prompt is empty", param="prompt")
-    ids = await backend.encode(request)
-    if not ids:
-        raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
-    max_tokens = backend.budget(request, len(ids))
     s = request.sampling
-    async with backend.sessions:
+    async with backend.sessions.slot(caller):
+        ids = await backend.encode(request)
+        if not ids:
+            raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
+        max_tokens = backend.budget(request, len(ids))
         await backend.check_route()
         try:
             async with AsyncSession(backend.client, len(ids) + max_tokens) as session:

@@ -1,0 +1,113 @@
+"""The API server's generation slots, shared fairly between callers."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx  # what this openai client is built on
+import openai
+import pytest
+import trio
+import trio.testing
+
+from swarm.api.fair import FairSlots
+from tests.test_api import ApiServer
+
+
+async def hold(slots: FairSlots, caller: str, release: trio.Event, got: list[str]) -> None:
+    async with slots.slot(caller):
+        got.append(caller)
+        await release.wait()
+
+
+async def test_one_caller_holds_at_most_its_share_of_the_slots(nursery):
+    slots, release, got = FairSlots(total=4, per_caller=2), trio.Event(), []
+    for _ in range(5):
+        nursery.start_soon(hold, slots, "greedy", release, got)
+    await trio.testing.wait_all_tasks_blocked()
+    assert got == ["greedy"] * 2 and slots.waiting == 3
+    release.set()
+
+
+async def test_a_newcomer_is_served_before_a_callers_backlog(nursery):
+    slots, got, never = FairSlots(total=2, per_caller=2), [], trio.Event()
+    one = trio.Event()
+    nursery.start_soon(hold, slots, "greedy", one, got)
+    await trio.testing.wait_all_tasks_blocked()
+    for _ in range(5):  # one more holder, then a backlog of four
+        nursery.start_soon(hold, slots, "greedy", never, got)
+    await trio.testing.wait_all_tasks_blocked()
+    nursery.start_soon(hold, slots, "newcomer", never, got)
+    await trio.testing.wait_all_tasks_blocked()
+    one.set()  # a slot comes free: the newcomer takes it, not greedy's backlog
+    await trio.testing.wait_all_tasks_blocked()
+    assert slots.held == {"greedy": 1, "newcomer": 1} and slots.waiting == 4
+    nursery.cancel_scope.cancel()
+
+
+async def test_a_caller_cancelled_while_waiting_leaves_no_slot_taken(nursery):
+    slots, release, got = FairSlots(total=1, per_caller=1), trio.Event(), []
+    nursery.start_soon(hold, slots, "a", release, got)
+    await trio.testing.wait_all_tasks_blocked()
+    with trio.move_on_after(0.01):
+        await hold(slots, "b", trio.Event(), got)
+    release.set()
+    await trio.testing.wait_all_tasks_blocked()
+    assert slots.held == {} and slots.waiting == 0 and got == ["a"]
+
+
+def test_no_slots_is_an_error():
+    with pytest.raises(ValueError):
+        FairSlots(total=0, per_caller=1)
+
+
+# ---- through the API server ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_api(tiny_swarm, tiny_model_dir):
+    """An API server with 4 generation slots, at most 2 for one caller."""
+    extra = ("--max-sessions", "4", "--max-caller-sessions", "2")
+    server = ApiServer.start(tiny_swarm[0].maddrs[:1], tiny_model_dir, *extra)
+    yield server
+    server.stop()
+
+
+def caller(server: ApiServer, address: str) -> openai.OpenAI:
+    transport = httpx.HTTPTransport(local_address=address)
+    return server.openai(http_client=httpx.Client(transport=transport, timeout=120))
+
+
+@pytest.mark.slow
+def test_a_callers_short_request_does_not_wait_behind_anothers_many_streams(
+    small_api, tiny_model_dir
+):
+    greedy, polite = caller(small_api, "127.0.0.1"), caller(small_api, "127.0.0.2")
+    ask = [{"role": "user", "content": "Tell me a long story about the sea."}]
+    done: list[str] = []
+
+    def stream(who: str, client: openai.OpenAI, tokens: int) -> None:
+        reply = client.chat.completions.create(
+            model=tiny_model_dir.name, messages=ask, max_tokens=tokens, temperature=0, stream=True
+        )
+        for _ in reply:
+            pass
+        done.append(who)
+
+    with ThreadPoolExecutor(7) as pool:
+        for _ in range(6):  # two generate, four wait for greedy's share
+            pool.submit(stream, "greedy", greedy, 300)
+        time.sleep(1.0)
+        pool.submit(stream, "polite", polite, 1).result(timeout=120)
+        assert done.count("greedy") <= 2, done  # polite took a free slot at once
+    assert done.count("greedy") == 6
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(small_api, tiny_model_dir):
+    client = caller(small_api, "127.0.0.3")
+    huge = "word " * 200_000  # a megabyte: no tokenizer needed to see it cannot fit 512 tokens
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=tiny_model_dir.name, prompt=huge, max_tokens=1)
+    assert refused.value.code == "context_length_exceeded"
+    assert "characters cannot fit" in refused.value.message
