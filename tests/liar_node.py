@@ -1,13 +1,17 @@
 """A node that lies in its records, for tests of what a lie costs the swarm: it serves its
 --layers as any node does, but announces LIE_END as the end of its span and LIE_THROUGHPUT
-tokens/s (environment variables). Run as a script: `python tests/liar_node.py --layers 0:3 ...`."""
+tokens/s, and spends LIE_SLOW_S more on every pass (environment variables). Run as a script:
+`python tests/liar_node.py --layers 0:3 ...`."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
+import time
 
+from swarm.model.blocks import Span
 from swarm.node import announce
 from swarm.node.__main__ import main
 
@@ -21,7 +25,17 @@ def lying_record(self, *args, **kwargs):
     return dataclasses.replace(record, end=end, throughput=throughput)
 
 
+def slowed(method):
+    @functools.wraps(method)
+    def slow(*args, **kwargs):
+        time.sleep(float(os.environ.get("LIE_SLOW_S", 0)))
+        return method(*args, **kwargs)
+
+    return slow
+
+
 announce.Announcer.record = lying_record
+Span.forward, Span.decode = slowed(Span.forward), slowed(Span.decode)
 
 if __name__ == "__main__":
     sys.exit(main())

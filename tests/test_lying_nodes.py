@@ -63,3 +63,27 @@ def test_nodes_that_answered_before_keep_their_place_among_forged_ones():
     honest = rec("honest", "10.0.0.5:9000")
     forged = [rec(f"forged{i:02d}", f"10.0.0.5:{7000 + i}") for i in range(50)]
     assert honest in bounded([*forged, honest], known={"honest"})
+
+
+@pytest.mark.slow
+def test_a_node_claiming_a_throughput_it_lacks_loses_its_routes_once_measured(tiny_model_dir):
+    """The liar serves 0:6 but takes 50 ms a pass while announcing 1e9 tokens/s: the first route
+    goes through it; after one session's decode steps the client routes by what it measured."""
+    model = str(tiny_model_dir)
+    honest = start_node((0, 6), model=model, extra=FLAGS)
+    nodes = [honest]
+    try:
+        honest.wait_serving()
+        peers = honest.maddrs[:1]
+        lie = {"LIE_THROUGHPUT": "1e9", "LIE_SLOW_S": "0.05"}
+        nodes.append(start_node((0, 6), peers, model=model, extra=FLAGS, program=LIAR, env=lie))
+        nodes[1].wait_serving()
+        client = Client(peers, model=model, wire_dtype="float32")
+        try:
+            assert [h.peer for h in client.route()] == [nodes[1].peer]  # the claim wins at first
+            swarm_greedy(client, PROMPT, 4)
+            assert [h.peer for h in client.route()] == [honest.peer]
+        finally:
+            client.close()
+    finally:
+        stop_all(nodes)

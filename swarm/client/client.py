@@ -13,11 +13,12 @@ import torch
 import trio
 
 from swarm.client.head_batch import LogitsBatcher
-from swarm.client.routing import bounded, find_route, missing_blocks, usable
+from swarm.client.routing import block_seconds, bounded, find_route, missing_blocks, usable
 from swarm.client.runtime import TrioThread
 from swarm.client.session import PREFILL_CHUNK, RemoteSession
 from swarm.dht import read_nodes, start_dht
 from swarm.errors import FingerprintMismatch, ProtocolError, SpanError, SwarmError
+from swarm.link.estimator import ewma
 from swarm.model.blocks import Head
 from swarm.model.source import open_model
 from swarm.protocol import Hop
@@ -25,6 +26,7 @@ from swarm.records import NodeRecord
 from swarm.transport import ping
 
 log = logging.getLogger("swarm.client")
+MEASURE_GAIN = 0.3  # EWMA gain of a node's measured seconds a block
 
 
 class Client:
@@ -60,6 +62,7 @@ class Client:
         self.loop = TrioThread()
         self.logits = LogitsBatcher()  # sessions stepping together share the head's matmul
         self._rtts: dict[str, float] = {}
+        self._block_seconds: dict[str, float] = {}  # peer -> seconds a block, as measured here
 
     @property
     def tokenizer(self):
@@ -100,7 +103,16 @@ class Client:
             exclude,
             model=self.config.name,
             plaintext=self.plaintext,
+            measured=self._block_seconds,
         )
+
+    def observe_step(self, route: list[Hop], seconds: float) -> None:
+        """A one-token step through `route` took `seconds`: what each of its nodes really does
+        replaces what its record claims, in the routes chosen from now on."""
+        per_block = block_seconds(route, seconds, self._rtts)
+        for hop in route:
+            before = self._block_seconds.get(hop.peer)
+            self._block_seconds[hop.peer] = ewma(before, per_block, MEASURE_GAIN)
 
     # ---- sessions ----------------------------------------------------------------------------
 
@@ -234,7 +246,10 @@ class InferenceSession:
             replay = self.history  # a new route: rebuild its caches from the tokens so far
         head = self.client.head(self.remote.route)
         hidden = head.embed_tokens(replay + ids)
+        started = time.perf_counter()
         out = self.client.loop.run(self.remote.step, hidden)
+        if hidden.shape[1] == 1:  # a decode step: its time is the route's per-token cost
+            self.client.observe_step(self.remote.route, time.perf_counter() - started)
         self.history += ids
         return self.client.logits.logits(head, out)
 

@@ -59,10 +59,30 @@ def missing_blocks(records: Iterable[NodeRecord], num_layers: int) -> list[tuple
     return coverage_gaps(block_coverage(records, num_layers))
 
 
-def hop_cost(r: NodeRecord, start: int, end: int, rtts: dict[str, float]) -> float:
-    """Estimated seconds one decode token spends on this hop: the link in, then the blocks."""
-    per_block = 1.0 / (r.throughput * (r.end - r.start)) if r.throughput > 0 else DEFAULT_BLOCK_TIME
+def hop_cost(
+    r: NodeRecord,
+    start: int,
+    end: int,
+    rtts: dict[str, float],
+    measured: dict[str, float] | None = None,
+) -> float:
+    """Estimated seconds one decode token spends on this hop: the link in, then the blocks, at
+    the seconds a block this client measured through the node if it has (`measured`), else at
+    the throughput its record announces (a claim anyone can inflate)."""
+    per_block = (measured or {}).get(r.peer)
+    if per_block is None:
+        announced = r.throughput * (r.end - r.start)
+        per_block = 1.0 / announced if announced > 0 else DEFAULT_BLOCK_TIME
     return rtts.get(r.peer, DEFAULT_RTT) / 2 + (end - start) * per_block
+
+
+def block_seconds(route: list[Hop], seconds: float, rtts: dict[str, float]) -> float:
+    """Seconds a block took in one decode step of `route` that took `seconds` from the client
+    and back: what the links (half of each hop's round trip, and the last hop's way back) do
+    not explain, spread over the route's blocks."""
+    links = sum(rtts.get(h.peer, DEFAULT_RTT) / 2 for h in route)
+    links += rtts.get(route[-1].peer, DEFAULT_RTT) / 2
+    return max(0.0, seconds - links) / sum(h.end - h.start for h in route)
 
 
 def find_route(
@@ -73,8 +93,10 @@ def find_route(
     exclude: set[str] = frozenset(),
     model: str = "the model",
     plaintext: bool = False,
+    measured: dict[str, float] | None = None,
 ) -> list[Hop]:
-    """Shortest path over block boundaries 0..num_layers; a hop may use part of a node's span."""
+    """Shortest path over block boundaries 0..num_layers; a hop may use part of a node's span.
+    `measured`: seconds a block, by peer, as this client found them (see hop_cost)."""
     rtts = rtts or {}
     nodes = usable(records, fingerprint, exclude, plaintext)
     gaps = missing_blocks(nodes, num_layers)
@@ -93,7 +115,7 @@ def find_route(
             if not r.start <= pos < r.end:
                 continue
             for stop in range(pos + 1, r.end + 1):
-                c = cost + hop_cost(r, pos, stop, rtts)
+                c = cost + hop_cost(r, pos, stop, rtts, measured)
                 if c < best.get(stop, float("inf")):
                     best[stop] = c
                     prev[stop] = (pos, r)
