@@ -46,6 +46,7 @@ def session(errors: list[Exception], max_retries: int = 2) -> InferenceSession:
         loop=Nodes(errors),
         head=lambda route: SimpleNamespace(embed_tokens=lambda ids: torch.tensor(ids, dtype=float)),
         logits=SimpleNamespace(logits=lambda head, out: out),
+        observe_step=lambda route, seconds: None,
     )
     return InferenceSession(client, 50)
 

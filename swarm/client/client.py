@@ -248,7 +248,7 @@ class InferenceSession:
         hidden = head.embed_tokens(replay + ids)
         started = time.perf_counter()
         out = self.client.loop.run(self.remote.step, hidden)
-        if hidden.shape[1] == 1:  # a decode step: its time is the route's per-token cost
+        if len(replay) + len(ids) == 1:  # a decode step: its time is the route's cost a token
             self.client.observe_step(self.remote.route, time.perf_counter() - started)
         self.history += ids
         return self.client.logits.logits(head, out)
