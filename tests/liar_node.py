@@ -1,6 +1,7 @@
 """A node that lies in its records, for tests of what a lie costs the swarm: it serves its
 --layers as any node does, but announces LIE_END as the end of its span and LIE_THROUGHPUT
-tokens/s, and spends LIE_SLOW_S more on every pass (environment variables). Run as a script:
+tokens/s, spends LIE_SLOW_S more on every pass and scales what it computes by LIE_SCALE
+(environment variables). Run as a script:
 `python tests/liar_node.py --layers 0:3 ...`."""
 
 from __future__ import annotations
@@ -25,17 +26,17 @@ def lying_record(self, *args, **kwargs):
     return dataclasses.replace(record, end=end, throughput=throughput)
 
 
-def slowed(method):
+def lying(method):
     @functools.wraps(method)
-    def slow(*args, **kwargs):
+    def lie(*args, **kwargs):
         time.sleep(float(os.environ.get("LIE_SLOW_S", 0)))
-        return method(*args, **kwargs)
+        return method(*args, **kwargs) * float(os.environ.get("LIE_SCALE", 1))
 
-    return slow
+    return lie
 
 
 announce.Announcer.record = lying_record
-Span.forward, Span.decode = slowed(Span.forward), slowed(Span.decode)
+Span.forward, Span.decode = lying(Span.forward), lying(Span.decode)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,6 +16,7 @@ from swarm.client.head_batch import LogitsBatcher
 from swarm.client.routing import block_seconds, bounded, find_route, missing_blocks, usable
 from swarm.client.runtime import TrioThread
 from swarm.client.session import PREFILL_CHUNK, RemoteSession
+from swarm.client.verify import Verdict, check_last_step
 from swarm.dht import read_nodes, start_dht
 from swarm.errors import FingerprintMismatch, ProtocolError, SpanError, SwarmError
 from swarm.link.estimator import ewma
@@ -63,6 +64,7 @@ class Client:
         self.logits = LogitsBatcher()  # sessions stepping together share the head's matmul
         self._rtts: dict[str, float] = {}
         self._block_seconds: dict[str, float] = {}  # peer -> seconds a block, as measured here
+        self.suspects: set[str] = set()  # nodes a check found computing wrongly (verify.py)
 
     @property
     def tokenizer(self):
@@ -82,6 +84,7 @@ class Client:
         return records
 
     def route(self, exclude: set[str] = frozenset()) -> list[Hop]:
+        exclude = {*exclude, *self.suspects}
         every = self.nodes()
         records = usable(every, self.fingerprint, exclude, self.plaintext)
         if missing_blocks(records, self.config.num_layers):
@@ -115,6 +118,18 @@ class Client:
             self._block_seconds[hop.peer] = ewma(before, per_block, MEASURE_GAIN)
 
     # ---- sessions ----------------------------------------------------------------------------
+
+    def remote_session(self, route: list[Hop], max_length: int) -> RemoteSession:
+        """A session on the nodes of `route`, not opened yet."""
+        return RemoteSession(
+            route,
+            self.fingerprint,
+            self.config.hidden,
+            max_length,
+            self.wire_dtype,
+            self.step_timeout,
+            prefill_chunk=self.prefill_chunk,
+        )
 
     def head(self, route: list[Hop]) -> Head:
         """The head for `route`: float32 where every hop computes in float32 (the exact path,
@@ -191,6 +206,7 @@ class InferenceSession:
         self.remote: RemoteSession | None = None
         self.excluded: set[str] = set()
         self.recoveries: list[float] = []  # seconds each failure took to recover from
+        self.last_hidden: torch.Tensor | None = None  # the final hidden state of the last token
 
     def __enter__(self) -> InferenceSession:
         return self
@@ -205,15 +221,7 @@ class InferenceSession:
 
     def _open(self) -> None:
         route = self.client.route(self.excluded)
-        remote = RemoteSession(
-            route,
-            self.client.fingerprint,
-            self.client.config.hidden,
-            self.max_length,
-            self.client.wire_dtype,
-            self.client.step_timeout,
-            prefill_chunk=self.client.prefill_chunk,
-        )
+        remote = self.client.remote_session(route, self.max_length)
         try:
             self.client.loop.run(remote.open)
         except BaseException:
@@ -247,11 +255,28 @@ class InferenceSession:
         head = self.client.head(self.remote.route)
         hidden = head.embed_tokens(replay + ids)
         started = time.perf_counter()
-        out = self.client.loop.run(self.remote.step, hidden)
+        out = self.last_hidden = self.client.loop.run(self.remote.step, hidden)
         if len(replay) + len(ids) == 1:  # a decode step: its time is the route's cost a token
             self.client.observe_step(self.remote.route, time.perf_counter() - started)
         self.history += ids
         return self.client.logits.logits(head, out)
+
+    def verify(self, rng: random.Random | None = None) -> Verdict:
+        """Recompute the last step on other routes (see swarm.client.verify); nodes found
+        computing wrongly are left out of this session's routes and named in client.suspects."""
+        if self.remote is None or self.last_hidden is None:
+            raise ValueError("nothing to verify yet: feed the session first")
+        route = self.remote.route
+        verdict = check_last_step(
+            self.client, route, self.history, self.last_hidden, rng, self.excluded
+        )
+        if verdict.suspects:
+            log.warning("nodes computing wrongly, left out: %s", ", ".join(verdict.suspects))
+            self.client.suspects |= verdict.suspects
+            self.excluded |= verdict.suspects
+            self.client.loop.run(self.remote.aclose)
+            self.remote = None  # the next step routes anew, replaying
+        return verdict
 
     def _reroute(self, exc: SwarmError, attempt: int) -> None:
         """Leave the route that failed, blaming whom `exc` names (or the hops that went quiet),

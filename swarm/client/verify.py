@@ -1,0 +1,95 @@
+"""Checking the nodes' work: a session's last step recomputed on other routes, the odd one out
+left out.
+
+A node can return wrong activations (a bug, a broken quantization, or on purpose), and nothing
+in the protocol shows it: the client sees only the last hop's final hidden state. So a client
+may recompute its last step on a route without one of its hops (chosen at random), replaying
+the session's tokens there, and compare the final hidden states. If they differ, a third route
+using neither side's own nodes decides: the nodes of the route it disagrees with are suspects,
+left out from then on. Neither Petals, exo nor Parallax checks its nodes' work.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from swarm.errors import RouteUnavailable, SwarmError
+from swarm.protocol import Hop
+
+if TYPE_CHECKING:
+    from swarm.client.client import Client
+
+log = logging.getLogger("swarm.client")
+
+# relative difference of final hidden states that two honest routes stay within: a decode step
+# against a prompt pass over the same tokens, and formats that may differ from node to node
+TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a check found: `agreed` (None: no other route to ask), and the nodes outvoted."""
+
+    agreed: bool | None
+    suspects: frozenset[str] = frozenset()
+
+
+def agree(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.float().flatten(), b.float().flatten()
+    return bool((a - b).norm() <= TOLERANCE * a.norm().clamp_min(1e-6))
+
+
+def recompute(
+    client: Client, exclude: set[str], history: list[int]
+) -> tuple[list[Hop], torch.Tensor] | None:
+    """The last token's final hidden state after `history`, through a route avoiding
+    `exclude`; None if there is no such route or it failed."""
+    try:
+        route = client.route(exclude)
+    except RouteUnavailable:
+        return None
+    remote = client.remote_session(route, len(history))
+    try:
+        client.loop.run(remote.open)
+        hidden = client.head(route).embed_tokens(history)
+        return route, client.loop.run(remote.step, hidden)
+    except SwarmError as exc:
+        log.info("a check's route failed (%s); the check is left undecided", exc)
+        return None
+    finally:
+        client.loop.run(remote.aclose)
+
+
+def check_last_step(
+    client: Client,
+    route: list[Hop],
+    history: list[int],
+    hidden: torch.Tensor,
+    rng: random.Random | None = None,
+    excluded: set[str] = frozenset(),
+) -> Verdict:
+    """Compare `hidden`, what `route` gave for the last token of `history`, with other routes
+    (none through `excluded`)."""
+    suspect = (rng or random).choice(route).peer
+    other = recompute(client, {suspect, *excluded}, history)
+    if other is None:
+        return Verdict(None)
+    other_route, other_hidden = other
+    if agree(hidden, other_hidden):
+        return Verdict(True)
+    mine, theirs = {h.peer for h in route}, {h.peer for h in other_route}
+    third = recompute(client, (mine ^ theirs) | excluded, history)  # neither side's own nodes
+    if third is None:
+        log.warning("routes disagree and no third route can settle it: %s vs %s", mine, theirs)
+        return Verdict(False)
+    _, third_hidden = third
+    if agree(third_hidden, hidden):
+        return Verdict(False, frozenset(theirs - mine))
+    if agree(third_hidden, other_hidden):
+        return Verdict(False, frozenset(mine - theirs))
+    return Verdict(False)

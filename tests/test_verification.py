@@ -1,0 +1,67 @@
+"""A client can check its nodes' work: its last step recomputed on other routes, and a node
+whose activations disagree with the majority left out."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from devtools.launch import start_node, stop_all
+from swarm.client.client import Client
+from tests.conftest import reference_greedy, swarm_greedy
+
+FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+LIAR = (str(Path(__file__).with_name("liar_node.py")),)
+PROMPT = [5, 50, 150, 250]
+
+
+@pytest.fixture(scope="module")
+def nodes(tiny_model_dir):
+    """Two honest nodes on all blocks, and a liar that scales what it computes by 1.5 while
+    claiming a throughput that wins it every first route."""
+    model = str(tiny_model_dir)
+    first = start_node((0, 6), model=model, extra=FLAGS)
+    started = [first]
+    try:
+        first.wait_serving()
+        peers = first.maddrs[:1]
+        started.append(start_node((0, 6), peers, model=model, extra=FLAGS))
+        lie = {"LIE_THROUGHPUT": "1e9", "LIE_SCALE": "1.5"}
+        started.append(start_node((0, 6), peers, model=model, extra=FLAGS, program=LIAR, env=lie))
+        for n in started[1:]:
+            n.wait_serving()
+        yield started
+    finally:
+        stop_all(started)
+
+
+@pytest.mark.slow
+def test_a_node_computing_wrongly_is_caught_and_left_out(nodes, tiny_model_dir, tiny_reference):
+    liar = nodes[2].peer
+    client = Client(nodes[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
+    try:
+        with client.session(32) as s:
+            s.feed(PROMPT)
+            assert [h.peer for h in s.remote.route] == [liar]
+            verdict = s.verify(random.Random(0))
+        assert verdict.agreed is False and verdict.suspects == {liar}
+        assert client.suspects == {liar}
+        assert swarm_greedy(client, PROMPT, 6) == reference_greedy(tiny_reference, PROMPT, 6)
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_honest_routes_agree(nodes, tiny_model_dir):
+    client = Client(nodes[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
+    client.suspects.add(nodes[2].peer)  # known already: only honest routes remain
+    try:
+        with client.session(32) as s:
+            logits = s.feed(PROMPT)
+            s.feed([int(logits.argmax())])  # a decode step against the check's prompt pass
+            verdict = s.verify(random.Random(0))
+        assert verdict.agreed is True and verdict.suspects == frozenset()
+    finally:
+        client.close()
