@@ -1,8 +1,8 @@
 """A node that lies in its records, for tests of what a lie costs the swarm: it serves its
 --layers as any node does, but announces LIE_END as the end of its span and LIE_THROUGHPUT
 tokens/s, spends LIE_SLOW_S more on every pass and scales what it computes by LIE_SCALE
-(environment variables). Run as a script:
-`python tests/liar_node.py --layers 0:3 ...`."""
+(environment variables). Run as a script: `python devtools/liar_node.py --layers 0:3 ...`,
+or `start_liar(...)` below."""
 
 from __future__ import annotations
 
@@ -35,8 +35,15 @@ def lying(method):
     return lie
 
 
-announce.Announcer.record = lying_record
-Span.forward, Span.decode = lying(Span.forward), lying(Span.decode)
+def start_liar(layers, peers, model: str, extra, **lies):
+    """Start a liar node like devtools.launch.start_node; `lies`: LIE_END=6, LIE_SCALE=1.5..."""
+    from devtools.launch import start_node
+
+    env = {name: str(value) for name, value in lies.items()}
+    return start_node(layers, peers, model=model, extra=extra, program=(__file__,), env=env)
+
 
 if __name__ == "__main__":
+    announce.Announcer.record = lying_record
+    Span.forward, Span.decode = lying(Span.forward), lying(Span.decode)
     sys.exit(main())
