@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from swarm.client.client import InferenceSession
+from swarm.client.session import RemoteSession
 from swarm.errors import FingerprintMismatch, PeerFailed
 
 
@@ -47,6 +48,9 @@ def session(errors: list[Exception], max_retries: int = 2) -> InferenceSession:
         head=lambda route: SimpleNamespace(embed_tokens=lambda ids: torch.tensor(ids, dtype=float)),
         logits=SimpleNamespace(logits=lambda head, out: out),
         observe_step=lambda route, seconds: None,
+        remote_session=lambda route, max_length: RemoteSession(
+            route, "f", 1, max_length, None, 1.0
+        ),
     )
     return InferenceSession(client, 50)
 

@@ -28,6 +28,7 @@ from swarm.transport import ping
 
 log = logging.getLogger("swarm.client")
 MEASURE_GAIN = 0.3  # EWMA gain of a node's measured seconds a block
+SHUN_S = 600.0  # how long a node that answered as no honest one would stays out of routes
 
 
 class Client:
@@ -65,6 +66,7 @@ class Client:
         self._rtts: dict[str, float] = {}
         self._block_seconds: dict[str, float] = {}  # peer -> seconds a block, as measured here
         self.suspects: set[str] = set()  # nodes a check found computing wrongly (verify.py)
+        self.shunned: dict[str, float] = {}  # peer -> until when routes leave it out (monotonic)
 
     @property
     def tokenizer(self):
@@ -84,7 +86,9 @@ class Client:
         return records
 
     def route(self, exclude: set[str] = frozenset()) -> list[Hop]:
-        exclude = {*exclude, *self.suspects}
+        now = time.monotonic()
+        shunned = {peer for peer, until in self.shunned.items() if until > now}
+        exclude = {*exclude, *self.suspects, *shunned}
         every = self.nodes()
         records = usable(every, self.fingerprint, exclude, self.plaintext)
         if missing_blocks(records, self.config.num_layers):
@@ -292,6 +296,8 @@ class InferenceSession:
         peer = getattr(exc, "peer", None)
         if peer:
             self.excluded.add(peer)
+            if _misbehaved(exc):  # every session of this client leaves it out for a while
+                self.client.shunned[peer] = time.monotonic() + SHUN_S
             return
         if self.remote is None:
             return
@@ -301,12 +307,17 @@ class InferenceSession:
         self.excluded.update(p for p in hops if p not in alive)
 
 
-def _route_may_help(exc: SwarmError) -> bool:
-    """Whether another route may succeed: the error says so (a busy or dead peer), or a hop
-    answered as no honest node of this model would (blocks it announced but does not serve,
-    other weights, a broken message): leaving that node out may help too."""
+def _misbehaved(exc: SwarmError) -> bool:
+    """A hop named by `exc` answered as no honest node of this model would: blocks it announced
+    but does not serve, other weights, a broken message."""
     liar = isinstance(exc, (SpanError, FingerprintMismatch, ProtocolError))
-    return exc.retry_elsewhere or (liar and bool(getattr(exc, "peer", None)))
+    return liar and bool(getattr(exc, "peer", None))
+
+
+def _route_may_help(exc: SwarmError) -> bool:
+    """Whether another route may succeed: the error says so (a busy or dead peer), or leaving
+    out a hop that misbehaved may."""
+    return exc.retry_elsewhere or _misbehaved(exc)
 
 
 class ReplyText:
