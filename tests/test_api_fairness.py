@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -67,8 +68,9 @@ def test_no_slots_is_an_error():
 
 @pytest.fixture(scope="module")
 def small_api(tiny_swarm, tiny_model_dir):
-    """An API server with 4 generation slots, at most 2 for one caller."""
-    extra = ("--max-sessions", "4", "--max-caller-sessions", "2")
+    """An API server with 4 generation slots, at most 2 for one caller; idle connections
+    closed after 2 s."""
+    extra = ("--max-sessions", "4", "--max-caller-sessions", "2", "--idle-timeout", "2")
     server = ApiServer.start(tiny_swarm[0].maddrs[:1], tiny_model_dir, *extra)
     yield server
     server.stop()
@@ -111,3 +113,12 @@ def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(small_api, t
         client.completions.create(model=tiny_model_dir.name, prompt=huge, max_tokens=1)
     assert refused.value.code == "context_length_exceeded"
     assert "characters cannot fit" in refused.value.message
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(small_api):
+    host, port = small_api.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as slow:
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        started = time.monotonic()
+        assert slow.recv(1024) == b""  # closed by the server
+        assert time.monotonic() - started < 10

@@ -15,7 +15,7 @@ from swarm.api.fair import FairSlots
 from swarm.api.generation import Backend
 from swarm.cli import add_http_flags, add_swarm_flags, hypercorn_config, setup_logging
 from swarm.client.client import Client
-from swarm.options import positive_int
+from swarm.options import non_negative_float, positive_int
 
 KEY_ENV = "SWARM_API_KEY"
 
@@ -46,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
         " waiting caller holding fewest",
     )
     p.add_argument(
+        "--idle-timeout",
+        type=non_negative_float,
+        default=15.0,
+        metavar="SECONDS",
+        help="close a connection that has no request under way for this long: kept alive"
+        " between requests, or still sending its headers (so slow clients cannot pile up)",
+    )
+    p.add_argument(
         "--default-max-tokens",
         type=int,
         default=512,
@@ -60,8 +68,11 @@ async def run(args: argparse.Namespace, client: Client) -> None:
         backend = Backend(client, slots, args.default_max_tokens)
         app = create_app(backend, api_key=args.api_key or None)
         async with trio.open_nursery() as nursery:
-            # a reply may take minutes between request and last byte; only idle keep-alives time out
-            config = hypercorn_config(args.host, args.port, args.access_log, keep_alive_s=75)
+            # a reply may take minutes between request and last byte; only a connection
+            # without a request under way (idle, or its headers still trickling in) times out
+            config = hypercorn_config(
+                args.host, args.port, args.access_log, keep_alive_s=args.idle_timeout
+            )
             binds = await nursery.start(serve, app, config)
             for url in binds:
                 print(f"api on {url}/v1 serving {backend.name}; chat page on {url}/", flush=True)
