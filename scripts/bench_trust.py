@@ -20,7 +20,6 @@ A tiny random Llama (6 layers) on three honest nodes (0:3, 3:6, 0:6). Per attack
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 import tempfile
@@ -214,6 +213,11 @@ ATTACKS = [
 ]
 
 
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if "model name" in line), "?")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--generations", type=int, default=3)
@@ -232,7 +236,7 @@ def main() -> None:
     finally:
         swarm.close()
     quiet = rows[0][2]
-    print(f"\n{platform.processor() or platform.machine()}; tiny Llama on 3 nodes (0:3, 3:6, 0:6)")
+    print(f"\n{cpu_name()}; tiny Llama on 3 nodes (0:3, 3:6, 0:6)")
     print(f"{a.generations} generations an attack, prompt {a.prompt_tokens}, {a.new_tokens} new")
     head = f"{'attack':>18}{'served':>8}{'TTFT ms':>9}{'x quiet':>8}"
     print(f"{head}{'TPOT ms':>9}{'x quiet':>8}  notes")

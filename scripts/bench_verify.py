@@ -8,7 +8,6 @@ table. Example: .venv/bin/python scripts/bench_verify.py --prompt-tokens 100 --n
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 import time
@@ -35,6 +34,11 @@ def session(client: Client, prompt: list[int], new: int, check: bool) -> tuple[f
         return steps, time.perf_counter() - checked if check else 0.0
 
 
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if "model name" in line), "?")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--prompt-tokens", type=int, default=100)
@@ -56,7 +60,7 @@ def main() -> None:
         stop_all(nodes)
     steps = statistics.median(r[0] for r in runs)
     check = statistics.median(r[1] for r in runs)
-    print(f"\n{platform.processor() or platform.machine()}; 4 nodes x 1 thread (2 per half)")
+    print(f"\n{cpu_name()}; 4 nodes x 1 thread (2 per half)")
     print(f"prompt {a.prompt_tokens} tokens, {a.new_tokens} new; median of {a.repeats}")
     print(f"session steps {steps:.2f} s; one check of its last step {check:.2f} s")
     print(f"a check per session costs {check / steps:.0%} of the session's time")
