@@ -6,12 +6,13 @@ swarm's greedy tokens match the unsplit transformers model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from swarm.model.config import ModelConfig
+from swarm.model.config import Llama3Rope, ModelConfig
 from swarm.model.linear import (
     WEIGHT_FORMATS,
     Dense,
@@ -28,14 +29,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(variance + eps))
 
 
+def llama3_frequencies(inv_freq: torch.Tensor, rope: Llama3Rope) -> torch.Tensor:
+    """`inv_freq` [head_dim/2] as Llama 3.1 scales it (the same float32 steps as transformers,
+    so the exact path stays exact)."""
+    low_wavelen = rope.original_max / rope.low_freq_factor
+    high_wavelen = rope.original_max / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    between = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(between, blended, scaled)
+
+
 class Rotary:
     """cos and sin of every position up to the longest seen, computed once (transformers'
     formula, so the float32 path stays bit-exact) and indexed per step."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        llama3: Llama3Rope | None = None,
+        freq_factors: tuple[float, ...] = (),
+    ):
         self.inv_freq = 1.0 / (
             theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )
+        )  # [head_dim/2]
+        if llama3 is not None:
+            self.inv_freq = llama3_frequencies(self.inv_freq, llama3)
+        if freq_factors:
+            if len(freq_factors) != len(self.inv_freq):
+                raise ValueError(
+                    f"{len(freq_factors)} RoPE frequency factors for {len(self.inv_freq)}"
+                    " frequencies"
+                )
+            self.inv_freq = self.inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
         self.cos = self.sin = torch.empty(0, head_dim)
 
     def _grow(self, length: int) -> None:
@@ -234,7 +265,9 @@ class Span:
     ):
         self.config, self.start, self.end, self.blocks = config, start, end, blocks
         self.weights = weights  # as asked for: "auto" keeps each tensor's own format
-        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        self.rotary = Rotary(
+            config.head_dim, config.rope_theta, config.rope_llama3, config.rope_freq_factors
+        )
         # float32 weights are the exact mode: its cache stays float32 too
         self.cache_dtype = torch.float32 if weights == "float32" else torch.bfloat16
 

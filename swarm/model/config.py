@@ -6,6 +6,17 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Llama3Rope:
+    """Llama 3.1's RoPE scaling: low frequencies (wavelengths past `original_max / low`) slowed
+    by `factor`, high ones (under `original_max / high`) kept, those between blended."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     num_layers: int
@@ -21,6 +32,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     max_position: int
     attention_bias: bool = False
+    rope_llama3: Llama3Rope | None = None  # Llama 3.1+ frequency scaling (HF rope_parameters)
+    rope_freq_factors: tuple[float, ...] = ()  # divisors of each frequency (GGUF rope_freqs)
 
     def check_span(self, start: int, end: int) -> None:
         from swarm.errors import SpanError

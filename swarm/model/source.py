@@ -9,15 +9,18 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 
-from swarm.model.config import ModelConfig
+from swarm.model.config import Llama3Rope, ModelConfig
 from swarm.model.gguf_file import GGUFFile
 from swarm.model.linear import RawTensor
+
+log = logging.getLogger("swarm.model")
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -112,9 +115,26 @@ class GGUFSource:
             vocab=int(self._tensors["token_embd.weight"].shape[-1]),
             bos_token_id=self._field("tokenizer.ggml.bos_token_id", None),
             eos_token_ids=() if eos is None else (int(eos),),
-            max_position=int(self._field(f"{arch}.context_length", 4096)),
+            max_position=self._max_position(arch),
             attention_bias="blk.0.attn_q.bias" in self._tensors,
+            rope_freq_factors=self._rope_factors(arch),
         )
+
+    def _rope_factors(self, arch: str) -> tuple[float, ...]:
+        """Each RoPE frequency's divisor (llama.cpp keeps Llama 3.1's scaling as these); a
+        scaling this code does not compute is refused, not ignored."""
+        kind = self._field(f"{arch}.rope.scaling.type", "none")
+        if "rope_freqs.weight" in self._tensors:
+            return tuple(float(x) for x in np.asarray(self.file.read("rope_freqs.weight")).ravel())
+        if kind not in ("none", ""):
+            raise ValueError(f"{self.path.name}: RoPE scaling {kind!r} is not supported yet")
+        return ()
+
+    def _max_position(self, arch: str) -> int:
+        context = int(self._field(f"{arch}.context_length", 4096))
+        window = self._field(f"{arch}.attention.sliding_window", None)
+        cfg = {"sliding_window": int(window) if window else None}
+        return _window_limit(self.path, cfg, context)
 
     def _field(self, key: str, default=...):
         value = self.file.fields.get(key)
@@ -160,18 +180,42 @@ class GGUFSource:
         return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
 
 
+def _llama3_rope(path: Path, rope: dict) -> Llama3Rope | None:
+    """The RoPE scaling a Hugging Face config asks for, if this code computes it exactly;
+    ValueError for any other (a model computed without it would be silently wrong)."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ValueError(f"{path}: RoPE scaling {kind!r} is not supported yet")
+    return Llama3Rope(
+        float(rope["factor"]),
+        float(rope["low_freq_factor"]),
+        float(rope["high_freq_factor"]),
+        int(rope["original_max_position_embeddings"]),
+    )
+
+
+def _window_limit(path: Path, cfg: dict, max_position: int) -> int:
+    """A sliding-window model is computed exactly up to its window (attention there is full):
+    sessions are held to it until windowed attention is built."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if window and window < max_position:
+        log.warning("%s: sessions limited to its %d-token sliding window", path.name, window)
+        return int(window)
+    return max_position
+
+
 class SafetensorsSource:
     def __init__(self, path: Path):
         self.path = path
         cfg = json.loads((path / "config.json").read_text())
         if cfg.get("model_type") not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"{path}: model_type {cfg.get('model_type')!r} is not Llama-family")
-        if cfg.get("rope_scaling") not in (None, {}):
-            raise ValueError(f"{path}: rope_scaling {cfg['rope_scaling']} is not supported yet")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        rope = cfg.get("rope_parameters") or {}
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5, 4
         self.config = ModelConfig(
             name=path.name,
             num_layers=cfg["num_hidden_layers"],
@@ -185,8 +229,9 @@ class SafetensorsSource:
             vocab=cfg["vocab_size"],
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            max_position=cfg.get("max_position_embeddings", 4096),
+            max_position=_window_limit(path, cfg, cfg.get("max_position_embeddings", 4096)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            rope_llama3=_llama3_rope(path, rope),
         )
         self.tie = bool(cfg.get("tie_word_embeddings", False))
         self._where: dict[str, Path] = {}

@@ -16,6 +16,7 @@ import trio
 
 from swarm.dht import node_id
 from swarm.errors import (
+    CacheFull,
     FingerprintMismatch,
     FrameTooLarge,
     NodeBusy,
@@ -321,3 +322,6 @@ class Node:
             raise ProtocolError(
                 f"wire dtype {msg.wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
             )
+        limit = self.span.config.max_position  # past it (or a sliding window) it would be wrong
+        if msg.max_length > limit:
+            raise CacheFull(f"session wants {msg.max_length} tokens; this model computes {limit}")

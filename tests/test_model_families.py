@@ -1,0 +1,80 @@
+"""Models the node computes exactly, or refuses: never accepted and silently wrong.
+
+Tiny random models saved by transformers, split over two nodes at float32; greedy tokens equal
+transformers' own generate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from devtools.launch import start_swarm, stop_all
+from swarm.client.client import Client
+from swarm.model.blocks import Rotary, llama3_frequencies
+from swarm.model.config import Llama3Rope
+from swarm.model.source import open_model
+from swarm.model.tiny import reference_greedy, save_tiny_llama, save_tiny_tokenizer
+from tests.conftest import swarm_greedy
+
+FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+PROMPT = [5, 50, 150, 250, 350, 450]
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,  # tiny: the scaling touches the tiny head's bands
+}
+
+
+def swarm_tokens(path, new_tokens: int) -> list[int]:
+    nodes = start_swarm([(0, 3), (3, 6)], model=str(path), extra=FLAGS)
+    try:
+        client = Client(nodes[0].maddrs[:1], model=str(path), wire_dtype="float32")
+        try:
+            return swarm_greedy(client, PROMPT, new_tokens)
+        finally:
+            client.close()
+    finally:
+        stop_all(nodes)
+
+
+@pytest.mark.slow
+def test_llama3_rope_scaling_matches_transformers_token_for_token(tmp_path):
+    model = save_tiny_llama(tmp_path, rope_parameters=LLAMA3)
+    save_tiny_tokenizer(tmp_path)
+    assert swarm_tokens(tmp_path, 40) == reference_greedy(model, PROMPT, 40)
+
+
+def test_llama3_frequencies_are_transformers_own(tmp_path):
+    model = save_tiny_llama(tmp_path, rope_parameters=LLAMA3)
+    config = open_model(str(tmp_path)).config
+    ours = Rotary(config.head_dim, config.rope_theta, config.rope_llama3).inv_freq
+    assert torch.equal(ours, model.model.rotary_emb.inv_freq)
+
+
+def test_frequency_factors_from_a_gguf_divide_the_frequencies():
+    rope = Llama3Rope(8.0, 1.0, 4.0, 64)
+    plain = Rotary(16, 10000.0).inv_freq
+    factors = tuple((plain / llama3_frequencies(plain, rope)).tolist())
+    divided = Rotary(16, 10000.0, freq_factors=factors).inv_freq
+    assert torch.allclose(divided, llama3_frequencies(plain, rope), rtol=1e-6)
+
+
+def test_a_rope_scaling_not_computed_here_is_refused(tmp_path):
+    save_tiny_llama(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="RoPE scaling 'yarn' is not supported"):
+        open_model(str(tmp_path))
+
+
+def test_a_sliding_window_model_holds_sessions_to_its_window(tmp_path):
+    save_tiny_llama(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 32}))
+    assert open_model(str(tmp_path)).config.max_position == 32
