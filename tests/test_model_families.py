@@ -20,6 +20,14 @@ from tests.conftest import swarm_greedy
 
 FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
 PROMPT = [5, 50, 150, 250, 350, 450]
+TINY_SHAPE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 LLAMA3 = {
     "rope_type": "llama3",
     "rope_theta": 10000.0,
@@ -78,3 +86,29 @@ def test_a_sliding_window_model_holds_sessions_to_its_window(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 32}))
     assert open_model(str(tmp_path)).config.max_position == 32
+
+
+def relabelled_llama(path, config) -> None:
+    """A tiny model of another architecture saved with `model_type` llama, as a mislabelled
+    download would be."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+
+
+def test_qwen3_relabelled_llama_is_refused_not_computed_without_its_qk_norms(tmp_path):
+    from transformers import Qwen3Config
+
+    relabelled_llama(tmp_path, Qwen3Config(**TINY_SHAPE, head_dim=16))
+    with pytest.raises(ValueError, match="q_norm"):
+        open_model(str(tmp_path))
+
+
+def test_phi3_relabelled_llama_is_refused_with_a_clear_error(tmp_path):
+    from transformers import Phi3Config
+
+    relabelled_llama(tmp_path, Phi3Config(**TINY_SHAPE, pad_token_id=0))
+    with pytest.raises(ValueError, match="lacks .*q_proj|qkv_proj"):
+        open_model(str(tmp_path))

@@ -38,6 +38,30 @@ _GGUF_BLOCK_NAMES = {
 }
 
 
+def _hf_block_weights(prefix: str) -> dict[str, str]:
+    """Hugging Face name within a block -> the weight's full name under `prefix`."""
+    names = {}
+    for hf_name in _GGUF_BLOCK_NAMES.values():
+        proj = hf_name.endswith("proj")
+        sub = ("self_attn." if hf_name[0] in "qkvo" else "mlp.") if proj else ""
+        names[hf_name] = f"{prefix}{sub}{hf_name}.weight"
+    return names
+
+
+def _check_block_tensors(path: Path, present: set[str], required: set[str], known: set[str]):
+    """A block must hold exactly the tensors this code computes: one with others (q/k norms,
+    fused projections, experts: another architecture under a Llama label) or without some is
+    refused, not computed wrong or failing with a KeyError mid-load."""
+    missing, unknown = required - present, present - required - known
+    if missing or unknown:
+        said = [f"has {', '.join(sorted(unknown)[:4])}" if unknown else ""]
+        said += [f"lacks {', '.join(sorted(missing)[:4])}" if missing else ""]
+        raise ValueError(
+            f"{path.name}: its blocks are not the Llama architecture this node computes (a block"
+            f" {' and '.join(x for x in said if x)}); refused rather than computed wrong"
+        )
+
+
 class OnDemand(Mapping):
     """A block's tensors under Hugging Face names, each read from the file when asked for and
     not kept: converting a block holds one tensor's file bytes at a time, not the block's."""
@@ -119,6 +143,10 @@ class GGUFSource:
             attention_bias="blk.0.attn_q.bias" in self._tensors,
             rope_freq_factors=self._rope_factors(arch),
         )
+        weights = {f"{name}.weight" for name in _GGUF_BLOCK_NAMES}
+        biases = {f"{name}.bias" for name in _GGUF_BLOCK_NAMES}
+        present = {n.removeprefix("blk.0.") for n in self._tensors if n.startswith("blk.0.")}
+        _check_block_tensors(path, present, weights, biases)
 
     def _rope_factors(self, arch: str) -> tuple[float, ...]:
         """Each RoPE frequency's divisor (llama.cpp keeps Llama 3.1's scaling as these); a
@@ -243,6 +271,11 @@ class SafetensorsSource:
                     self._where[k] = f
         if not self._where:
             raise FileNotFoundError(f"{path} has no *.safetensors files")
+        weights = set(_hf_block_weights("").values())
+        biases = {n.removesuffix("weight") + "bias" for n in weights}
+        first = "model.layers.0."
+        present = {n.removeprefix(first) for n in self._where if n.startswith(first)}
+        _check_block_tensors(path, present, weights, biases)
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(b"safetensors")
@@ -258,17 +291,11 @@ class SafetensorsSource:
             return RawTensor(name, "torch", st.get_tensor(name))
 
     def block_raw(self, block: int) -> Mapping[str, RawTensor]:
-        p = f"model.layers.{block}."
         names = {}
-        for hf_name in _GGUF_BLOCK_NAMES.values():
-            sub = (
-                "self_attn."
-                if hf_name.endswith("proj") and hf_name[0] in "qkvo"
-                else ("mlp." if hf_name.endswith("proj") else "")
-            )
-            names[hf_name] = f"{p}{sub}{hf_name}.weight"
-            if f"{p}{sub}{hf_name}.bias" in self._where:
-                names[hf_name + ".bias"] = f"{p}{sub}{hf_name}.bias"
+        for hf_name, weight in _hf_block_weights(f"model.layers.{block}.").items():
+            names[hf_name] = weight
+            if (bias := weight.removesuffix("weight") + "bias") in self._where:
+                names[hf_name + ".bias"] = bias
         return OnDemand(names, self.raw)
 
     def head_raw(self) -> dict[str, RawTensor]:
