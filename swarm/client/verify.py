@@ -14,21 +14,30 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from swarm.errors import RouteUnavailable, SwarmError
 from swarm.protocol import Hop
 
-if TYPE_CHECKING:
-    from swarm.client.client import Client
-
 log = logging.getLogger("swarm.client")
 
 # relative difference of final hidden states that two honest routes stay within: a decode step
 # against a prompt pass over the same tokens, and formats that may differ from node to node
 TOLERANCE = 0.05
+
+
+class Client(Protocol):
+    """What a check uses of swarm.client.Client."""
+
+    loop: Any  # runs a session's coroutines
+
+    def route(self, exclude: set[str] = ...) -> list[Hop]: ...
+
+    def remote_session(self, route: list[Hop], max_length: int) -> Any: ...
+
+    def head(self, route: list[Hop]) -> Any: ...
 
 
 @dataclass(frozen=True)
