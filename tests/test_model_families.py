@@ -85,7 +85,8 @@ def test_a_sliding_window_model_holds_sessions_to_its_window(tmp_path):
     save_tiny_llama(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 32}))
-    assert open_model(str(tmp_path)).config.max_position == 32
+    config = open_model(str(tmp_path)).config
+    assert config.max_position == config.sliding_window == 32
 
 
 def relabelled_llama(path, config) -> None:

@@ -34,6 +34,7 @@ class ModelConfig:
     attention_bias: bool = False
     rope_llama3: Llama3Rope | None = None  # Llama 3.1+ frequency scaling (HF rope_parameters)
     rope_freq_factors: tuple[float, ...] = ()  # divisors of each frequency (GGUF rope_freqs)
+    sliding_window: int | None = None  # attention span past which this code is not exact
 
     def check_span(self, start: int, end: int) -> None:
         from swarm.errors import SpanError

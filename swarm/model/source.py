@@ -126,6 +126,8 @@ class GGUFSource:
         eos = self._field("tokenizer.ggml.eos_token_id", None)
         heads = int(self._field(f"{arch}.attention.head_count"))
         hidden = int(self._field(f"{arch}.embedding_length"))
+        context = int(self._field(f"{arch}.context_length", 4096))
+        window = self._window(arch)
         self.config = ModelConfig(
             name=path.stem,
             num_layers=int(self._field(f"{arch}.block_count")),
@@ -139,9 +141,10 @@ class GGUFSource:
             vocab=int(self._tensors["token_embd.weight"].shape[-1]),
             bos_token_id=self._field("tokenizer.ggml.bos_token_id", None),
             eos_token_ids=() if eos is None else (int(eos),),
-            max_position=self._max_position(arch),
+            max_position=min(context, window or context),
             attention_bias="blk.0.attn_q.bias" in self._tensors,
             rope_freq_factors=self._rope_factors(arch),
+            sliding_window=window,
         )
         weights = {f"{name}.weight" for name in _GGUF_BLOCK_NAMES}
         biases = {f"{name}.bias" for name in _GGUF_BLOCK_NAMES}
@@ -158,11 +161,10 @@ class GGUFSource:
             raise ValueError(f"{self.path.name}: RoPE scaling {kind!r} is not supported yet")
         return ()
 
-    def _max_position(self, arch: str) -> int:
-        context = int(self._field(f"{arch}.context_length", 4096))
+    def _window(self, arch: str) -> int | None:
         window = self._field(f"{arch}.attention.sliding_window", None)
         cfg = {"sliding_window": int(window) if window else None}
-        return _window_limit(self.path, cfg, context)
+        return _window(self.path, cfg, int(self._field(f"{arch}.context_length", 4096)))
 
     def _field(self, key: str, default=...):
         value = self.file.fields.get(key)
@@ -224,14 +226,14 @@ def _llama3_rope(path: Path, rope: dict) -> Llama3Rope | None:
     )
 
 
-def _window_limit(path: Path, cfg: dict, max_position: int) -> int:
-    """A sliding-window model is computed exactly up to its window (attention there is full):
-    sessions are held to it until windowed attention is built."""
+def _window(path: Path, cfg: dict, max_position: int) -> int | None:
+    """A sliding window shorter than the context: up to it attention is full, and exact here;
+    sessions are held to it (max_position) until windowed attention is built."""
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     if window and window < max_position:
         log.warning("%s: sessions limited to its %d-token sliding window", path.name, window)
         return int(window)
-    return max_position
+    return None
 
 
 class SafetensorsSource:
@@ -244,6 +246,8 @@ class SafetensorsSource:
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5, 4
+        context = cfg.get("max_position_embeddings", 4096)
+        window = _window(path, cfg, context)
         self.config = ModelConfig(
             name=path.name,
             num_layers=cfg["num_hidden_layers"],
@@ -257,9 +261,10 @@ class SafetensorsSource:
             vocab=cfg["vocab_size"],
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            max_position=_window_limit(path, cfg, cfg.get("max_position_embeddings", 4096)),
+            max_position=min(context, window or context),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
             rope_llama3=_llama3_rope(path, rope),
+            sliding_window=window,
         )
         self.tie = bool(cfg.get("tie_word_embeddings", False))
         self._where: dict[str, Path] = {}

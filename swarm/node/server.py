@@ -322,6 +322,9 @@ class Node:
             raise ProtocolError(
                 f"wire dtype {msg.wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
             )
-        limit = self.span.config.max_position  # past it (or a sliding window) it would be wrong
-        if msg.max_length > limit:
-            raise CacheFull(f"session wants {msg.max_length} tokens; this model computes {limit}")
+        window = self.span.config.sliding_window  # past it, attention here would not be exact
+        if window and msg.max_length > window:
+            raise CacheFull(
+                f"session wants {msg.max_length} tokens; this node computes {window} exactly"
+                " (the model's sliding window)"
+            )
