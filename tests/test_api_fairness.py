@@ -12,8 +12,9 @@ import pytest
 import trio
 import trio.testing
 
+from devtools.launch import start_swarm, stop_all
 from swarm.api.fair import FairSlots
-from tests.test_api import ApiServer
+from tests.test_api import NODE_FLAGS, ApiServer
 
 
 async def hold(slots: FairSlots, caller: str, release: trio.Event, got: list[str]) -> None:
@@ -67,13 +68,17 @@ def test_no_slots_is_an_error():
 
 
 @pytest.fixture(scope="module")
-def small_api(tiny_swarm, tiny_model_dir):
+def small_api(tiny_model_dir):
     """An API server with 4 generation slots, at most 2 for one caller; idle connections
-    closed after 2 s."""
+    closed after 2 s. Its own nodes: the shared tiny swarm's session counts are other tests'."""
+    nodes = start_swarm([(0, 3), (3, 6)], model=str(tiny_model_dir), extra=NODE_FLAGS)
     extra = ("--max-sessions", "4", "--max-caller-sessions", "2", "--idle-timeout", "2")
-    server = ApiServer.start(tiny_swarm[0].maddrs[:1], tiny_model_dir, *extra)
-    yield server
-    server.stop()
+    try:
+        server = ApiServer.start(nodes[0].maddrs[:1], tiny_model_dir, *extra)
+        yield server
+        server.stop()
+    finally:
+        stop_all(nodes)
 
 
 def caller(server: ApiServer, address: str) -> openai.OpenAI:

@@ -46,8 +46,16 @@ def generate(client: Client, exclude: set[str] = frozenset(), on_token=None) -> 
     return out
 
 
-def record_of(client: Client, peer: str):
-    return next(r for r in client.nodes() if r.peer == peer)
+def record_of(client: Client, peer: str, wait_s: float = 20.0):
+    """The peer's record as the client reads it; a relayed node's refreshes cross NAT and can
+    be late (TTL 6 s here), so a record missing for a moment is read again."""
+    deadline = time.monotonic() + wait_s
+    while (found := [r for r in client.nodes() if r.peer == peer]) == [] and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+    assert found, f"no record of {peer} within {wait_s:g} s"
+    return found[0]
 
 
 # ---- loopback ---------------------------------------------------------------------------------
