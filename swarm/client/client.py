@@ -267,19 +267,17 @@ class InferenceSession:
 
     def verify(self, rng: random.Random | None = None) -> Verdict:
         """Recompute the last step on other routes (see swarm.client.verify); nodes found
-        computing wrongly are left out of this session's routes and named in client.suspects."""
+        computing wrongly go into client.suspects, which every route of the client leaves out."""
         if self.remote is None or self.last_hidden is None:
             raise ValueError("nothing to verify yet: feed the session first")
         route = self.remote.route
         verdict = check_last_step(
             self.client, route, self.history, self.last_hidden, rng, self.excluded
         )
-        if verdict.suspects:
+        if verdict.suspects:  # every route of the client leaves them out from now on
             log.warning("nodes computing wrongly, left out: %s", ", ".join(verdict.suspects))
             self.client.suspects |= verdict.suspects
-            self.excluded |= verdict.suspects
-            self.client.loop.run(self.remote.aclose)
-            self.remote = None  # the next step routes anew, replaying
+            self.close()  # the next step routes anew, replaying
         return verdict
 
     def _reroute(self, exc: SwarmError, attempt: int) -> None:
@@ -287,9 +285,7 @@ class InferenceSession:
         and back off before the next try."""
         self._blame(exc)
         log.warning("route failed (%s); rerouting, attempt %d", exc, attempt + 1)
-        if self.remote is not None:
-            self.client.loop.run(self.remote.aclose)
-            self.remote = None
+        self.close()
         time.sleep(min(0.25 * 2**attempt, 4.0))
 
     def _blame(self, exc: SwarmError) -> None:
