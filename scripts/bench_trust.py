@@ -37,9 +37,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from devtools.launch import start_swarm, stop_all
 from devtools.liar_node import start_liar
+from devtools.stranger import new_key, store_padded, stranger_dht
 from swarm.address import parse_host_port
 from swarm.client.client import Client
-from swarm.dht import id_of, read_models
+from swarm.dht import read_models
 from swarm.model.tiny import save_tiny_llama, save_tiny_tokenizer
 from swarm.protocol import Relay, relay_claim
 from swarm.records import MODELS_KEY, ModelRecord, block_key
@@ -59,8 +60,7 @@ class Swarm:
         self.name, self.layers = self.client.config.name, self.client.config.num_layers
 
     def stranger(self, key: RSAPrivateKey | None = None) -> hivemind.DHT:
-        validators = [RSASignatureValidator(key)] if key is not None else []
-        return hivemind.DHT(initial_peers=self.peers, record_validators=validators, start=True)
+        return stranger_dht(self.peers, key)
 
     def close(self) -> None:
         self.client.close()
@@ -73,13 +73,6 @@ def store_lies(dht: hivemind.DHT, swarm: Swarm, subkey: bytes, expiration: float
         for b in range(r.start, r.end):
             key = block_key(swarm.name, b)
             dht.store(key, lie, expiration, subkey=subkey, return_future=True).result(30)
-
-
-async def store_padded(_dht, node, keys, record, pad, subkey, expiration):
-    value = {**record, "padding": "x" * pad}
-    await node.store_many(
-        keys, [value] * len(keys), expiration_time=expiration, subkeys=[subkey] * len(keys)
-    )
 
 
 @contextmanager
@@ -136,9 +129,7 @@ def attack(name: str, swarm: Swarm, notes: dict):
 
 async def relay_burst(node) -> None:
     host, port = parse_host_port(node.addr)
-    key = RSAPrivateKey()
-    marker = RSASignatureValidator(key).local_public_key
-    me = id_of(marker)
+    key, marker, me = new_key()
     opened = []
     for _ in range(10):
         control = await connect(host, port, tls=None)

@@ -13,6 +13,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from devtools.stranger import store_padded, stranger_dht
 from swarm.dht import announce, id_of, node_id, read_models, read_nodes, start_dht
 from swarm.records import MODELS_KEY, ModelRecord, NodeRecord, block_key
 
@@ -44,12 +45,6 @@ def swarm():
     honest.shutdown()
 
 
-def stranger(peers: list[str], key: RSAPrivateKey | None = None) -> hivemind.DHT:
-    """A DHT peer of the stranger's: stock hivemind, signing with `key` if given."""
-    validators = [RSASignatureValidator(key)] if key is not None else []
-    return hivemind.DHT(initial_peers=peers, record_validators=validators, start=True)
-
-
 def forge(record: NodeRecord, **changes) -> bytes:
     return msgpack.packb({**record.to_wire(), **changes})
 
@@ -64,16 +59,9 @@ def store(dht: hivemind.DHT, keys: list[str], value, subkey, expiration: float) 
         dht.store(key, value, expiration, subkey=subkey, return_future=True).result(timeout=30)
 
 
-async def store_padded(_dht, node, keys, record, pad, subkey, expiration):
-    """Runs in the stranger's DHT process: a value this large cannot cross hivemind's pipe."""
-    value = {**record, "padding": "x" * pad}
-    n = len(keys)
-    await node.store_many(keys, [value] * n, expiration_time=expiration, subkeys=[subkey] * n)
-
-
 def test_an_unsigned_record_cannot_hide_a_node(swarm):
     peers, record, reader = swarm
-    attacker = stranger(peers)
+    attacker = stranger_dht(peers)
     try:
         lie = msgpack.unpackb(forge(record, state="offline", updated=get_dht_time() + YEAR_S))
         keys = [block_key(MODEL, b) for b in range(LAYERS)]
@@ -86,7 +74,7 @@ def test_an_unsigned_record_cannot_hide_a_node(swarm):
 def test_a_record_signed_by_another_key_cannot_speak_for_a_node(swarm):
     peers, record, reader = swarm
     key = RSAPrivateKey()
-    attacker = stranger(peers, key)
+    attacker = stranger_dht(peers, key)
     try:
         lie = msgpack.unpackb(forge(record, state="offline", updated=get_dht_time() + 5))
         subkey = RSASignatureValidator(key).local_public_key
@@ -100,7 +88,7 @@ def test_a_record_signed_by_another_key_cannot_speak_for_a_node(swarm):
 def test_a_record_dated_ahead_does_not_outdate_the_nodes_own(swarm):
     peers, record, reader = swarm
     key = RSAPrivateKey()
-    attacker = stranger(peers, key)
+    attacker = stranger_dht(peers, key)
     subkey = RSASignatureValidator(key).local_public_key
     try:
         # its own record, for its own id, but dated an hour ahead: a reader skips it
@@ -114,7 +102,7 @@ def test_a_record_dated_ahead_does_not_outdate_the_nodes_own(swarm):
 def test_an_oversized_record_leaves_the_block_keys_readable(swarm):
     peers, record, reader = swarm
     key = RSAPrivateKey()
-    attacker = stranger(peers, key)
+    attacker = stranger_dht(peers, key)
     try:
         subkey = RSASignatureValidator(key).local_public_key
         keys = [block_key(MODEL, b) for b in range(LAYERS)]
@@ -130,7 +118,7 @@ def test_an_oversized_record_leaves_the_block_keys_readable(swarm):
 
 def test_unsigned_models_do_not_push_the_real_one_out_of_the_index(swarm):
     peers, _record, reader = swarm
-    attacker = stranger(peers)
+    attacker = stranger_dht(peers)
     try:
         for i in range(33):
             fake = ModelRecord(f"aaa-fake-{i:02d}", 1, "0" * 16).to_wire()

@@ -13,8 +13,8 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
 from devtools.launch import start_node
+from devtools.stranger import new_key
 from swarm.address import parse_host_port
-from swarm.dht import id_of
 from swarm.errors import ProtocolError, SwarmError
 from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
@@ -38,9 +38,8 @@ async def ask(host: str, port: int, request: Relay) -> FramedStream:
 
 def key_pair() -> tuple[RSAPrivateKey, str]:
     """A fresh signing key and the node id it proves: anyone can make one, for its own id."""
-    key = RSAPrivateKey()
-    marker = RSASignatureValidator(key).local_public_key
-    return key, id_of(marker)
+    key, _marker, me = new_key()
+    return key, me
 
 
 def proof(key: RSAPrivateKey, relay: str, peer: str, nonce: str) -> Relay:
