@@ -27,7 +27,8 @@ import warnings
 import checkout  # noqa: F401 (devtools/ from this checkout)
 import torch
 
-from swarm.model.blocks import Head, Span
+from swarm.model.blocks import Span
+from swarm.model.head import Head
 from swarm.model.source import default_model_path, open_model
 
 PROMPT, NEW, CONTEXT = 512, 128, 500
@@ -42,7 +43,7 @@ def ids(n: int, salt: int = 0) -> list[int]:
 
 def span_figures(span: Span, head: Head) -> dict[str, float]:
     def prompt_pass(n: int):
-        cache = span.allocate_cache(span.end - span.start, n + NEW + 1)
+        cache = span.allocate_cache(span.start, span.end, n + NEW + 1)
         start = time.perf_counter()
         hidden = span.forward(head.embed_tokens(ids(n)), cache, 0, span.start, span.end)
         token = int(head.logits(hidden[:, -1]).argmax())

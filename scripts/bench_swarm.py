@@ -14,7 +14,8 @@ import torch
 
 from devtools.launch import even_spans, start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.model.blocks import Head, KVCache, Span
+from swarm.model.blocks import KVCache, Span
+from swarm.model.head import Head
 from swarm.model.source import open_model
 
 

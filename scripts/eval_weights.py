@@ -13,8 +13,9 @@ import warnings
 
 import torch
 
-from swarm.model.blocks import Head, Span
+from swarm.model.blocks import Span
 from swarm.model.fidelity import SAMPLE_TEXT, agreement, perplexity, reference_logits, span_logits
+from swarm.model.head import Head
 from swarm.model.source import open_model
 
 PROMPTS = [

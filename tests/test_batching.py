@@ -177,7 +177,7 @@ def tiny_span(tiny_model_dir):
 def primed(span, lengths):
     caches = []
     for n in lengths:
-        cache = span.allocate_cache(6, 32)
+        cache = span.allocate_cache(0, 6, 32)
         span.forward(torch.randn(1, n, span.config.hidden), cache, 0, 0, 6)
         caches.append(cache)
     return caches
@@ -204,7 +204,7 @@ def test_a_decode_pass_gives_each_session_what_it_would_get_alone(tiny_span):
     def caches():
         out = []
         for p in prompts:
-            cache = tiny_span.allocate_cache(6, 32)
+            cache = tiny_span.allocate_cache(0, 6, 32)
             tiny_span.forward(p, cache, 0, 0, 6)
             out.append(cache)
         return out

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.model.blocks import Rotary, Span
+from swarm.model.blocks import Span
 from swarm.model.linear import make_linear
+from swarm.model.rope import Rotary
 from swarm.model.source import open_model
 
 FORMATS = ["float32", "bfloat16", "int8", "int4"]
@@ -19,8 +20,8 @@ def test_fused_projections_hold_each_matrix_as_it_would_be_held_alone(tiny_model
     raw = source.block_raw(0)
     block = Span.load(source, 0, 1, weights=weights).blocks[0]
     for fused, names in (
-        (block.qkv, ("q_proj", "k_proj", "v_proj")),
-        (block.gate_up, ("gate_proj", "up_proj")),
+        (block.qkv, ("q", "k", "v")),
+        (block.gate_up, ("gate", "up")),
     ):
         assert len(fused.linears) == 1 and fused.linears[0].matrices == len(names)
         alone = torch.cat([make_linear(raw[n], weights).dequantized() for n in names])
@@ -33,7 +34,7 @@ def test_a_fused_projection_multiplies_as_its_parts_do(tiny_model_dir, weights):
     raw = source.block_raw(0)
     block = Span.load(source, 0, 1, weights=weights).blocks[0]
     x = torch.randn(3, source.config.hidden)
-    want = torch.cat([make_linear(raw[n], weights)(x) for n in ("q_proj", "k_proj", "v_proj")], -1)
+    want = torch.cat([make_linear(raw[n], weights)(x) for n in ("q", "k", "v")], -1)
     torch.testing.assert_close(block.qkv(x).float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
@@ -44,7 +45,7 @@ def test_the_rotary_table_gives_transformers_cos_and_sin_at_every_position(tiny_
     reference = LlamaRotaryEmbedding(LlamaConfig.from_pretrained(tiny_model_dir))
     config = open_model(str(tiny_model_dir)).config
     head_dim = config.head_dim
-    rotary = Rotary(head_dim, config.rope_theta)
+    rotary = Rotary(config.rope, head_dim)
     positions = torch.arange(0, 700)  # past the table's first size: it grows
     want_cos, want_sin = reference(torch.zeros(1, 1, head_dim), positions[None])
     cos, sin = rotary.cos_sin(0, 700)
@@ -60,7 +61,7 @@ def test_one_decode_pass_for_several_sessions_computes_what_each_computes_alone(
     steps = torch.randn(len(prompts), hidden)
 
     def primed():
-        caches = [span.allocate_cache(6, 32) for _ in prompts]
+        caches = [span.allocate_cache(0, 6, 32) for _ in prompts]
         for cache, prompt in zip(caches, prompts):
             span.forward(prompt, cache, 0, 0, 6)
         return caches
@@ -77,7 +78,7 @@ def test_one_decode_pass_for_several_sessions_computes_what_each_computes_alone(
 
 def test_a_decode_pass_writes_each_sessions_cache_at_its_own_position(tiny_model_dir):
     span = Span.load(open_model(str(tiny_model_dir)), 0, 2, weights="float32")
-    caches = [span.allocate_cache(2, 8) for _ in range(2)]
+    caches = [span.allocate_cache(0, 2, 8) for _ in range(2)]
     span.forward(torch.randn(1, 3, span.config.hidden), caches[1], 0, 0, 2)
     span.decode(torch.randn(2, span.config.hidden), caches, [0, 3], 0, 2)
     assert (

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from swarm.client.head_batch import LogitsBatcher
-from swarm.model.blocks import Head
+from swarm.model.head import Head
 from swarm.model.source import open_model
 
 THREADS = 6

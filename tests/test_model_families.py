@@ -12,8 +12,8 @@ import torch
 
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.model.blocks import Rotary, llama3_frequencies
-from swarm.model.config import Llama3Rope
+from swarm.model.config import Llama3Rope, Rope
+from swarm.model.rope import Rotary, llama3_frequencies
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny_llama, save_tiny_tokenizer
 from tests.conftest import swarm_greedy
@@ -60,15 +60,15 @@ def test_llama3_rope_scaling_matches_transformers_token_for_token(tmp_path):
 def test_llama3_frequencies_are_transformers_own(tmp_path):
     model = save_tiny_llama(tmp_path, rope_parameters=LLAMA3)
     config = open_model(str(tmp_path)).config
-    ours = Rotary(config.head_dim, config.rope_theta, config.rope_llama3).inv_freq
+    ours = Rotary(config.rope, config.head_dim).inv_freq
     assert torch.equal(ours, model.model.rotary_emb.inv_freq)
 
 
 def test_frequency_factors_from_a_gguf_divide_the_frequencies():
     rope = Llama3Rope(8.0, 1.0, 4.0, 64)
-    plain = Rotary(16, 10000.0).inv_freq
+    plain = Rotary(Rope(10000.0), 16).inv_freq
     factors = tuple((plain / llama3_frequencies(plain, rope)).tolist())
-    divided = Rotary(16, 10000.0, freq_factors=factors).inv_freq
+    divided = Rotary(Rope(10000.0, freq_factors=factors), 16).inv_freq
     assert torch.allclose(divided, llama3_frequencies(plain, rope), rtol=1e-6)
 
 
@@ -81,12 +81,13 @@ def test_a_rope_scaling_not_computed_here_is_refused(tmp_path):
         open_model(str(tmp_path))
 
 
-def test_a_sliding_window_model_holds_sessions_to_its_window(tmp_path):
+def test_a_mistral_window_covers_every_layer_and_not_the_context(tmp_path):
     save_tiny_llama(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 32}))
+    cfg = {**cfg, "model_type": "mistral", "sliding_window": 32}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     config = open_model(str(tmp_path)).config
-    assert config.max_position == config.sliding_window == 32
+    assert config.windows == (32,) * 6 and config.max_position == 512
 
 
 def relabelled_llama(path, config) -> None:

@@ -183,7 +183,7 @@ def test_a_pass_that_would_run_before_its_sessions_earlier_positions_is_refused(
 
     source = open_model(str(tiny_model_dir))
     span = Span.load(source, 0, 2, weights="float32")
-    cache = span.allocate_cache(2, 16)
+    cache = span.allocate_cache(0, 2, 16)
     hidden = torch.randn(1, 1, source.config.hidden)
     with pytest.raises(ProtocolError, match="before the session's earlier positions"):
         forward_pass(span, cache, 0, 2, 4, hidden)

@@ -50,10 +50,10 @@ class Conn:
 class Doubling:
     """Blocks that double the activations; a session's cache only counts its positions."""
 
-    config = SimpleNamespace(hidden=HIDDEN, sliding_window=1024)
+    config = SimpleNamespace(hidden=HIDDEN)
     start, end = 0, 4
 
-    def allocate_cache(self, layers: int, max_length: int) -> KVCache:
+    def allocate_cache(self, start: int, end: int, max_length: int) -> KVCache:
         return KVCache(keys=[], values=[])
 
     def forward(self, h, cache: KVCache, pos: int, start: int, end: int) -> torch.Tensor:
@@ -299,16 +299,3 @@ async def test_an_evicted_sessions_holder_is_told_though_the_newcomer_hung_up(nu
     assert (told.code, told.sid) == ("busy", "a" * 32)
     assert "session evicted" in told.message
     await holder.aclose()
-
-
-async def test_a_session_longer_than_the_models_sliding_window_is_refused(nursery):
-    config = NodeConfig(start=0, end=2, host="127.0.0.1", plaintext=True)
-    directory = PeerDirectory(lambda: [], plaintext=True)
-    node = Node(config, Doubling(), "weights", directory=directory)
-    port = await nursery.start(node.serve)
-    conn = FramedStream(await trio.open_tcp_stream("127.0.0.1", port))
-    await conn.send(Open("c" * 32, route(1), 0, "weights", "float32", 2000, TOKEN))
-    with trio.fail_after(5):
-        answer = await conn.receive()
-    assert answer.code == "cache_full" and "computes 1024 exactly" in answer.message
-    await conn.aclose()

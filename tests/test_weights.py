@@ -149,7 +149,7 @@ def test_the_kv_cache_holds_half_the_bytes_per_token_outside_the_exact_mode(tiny
         return KVCache.bytes_per_token(source.config, 2, span.cache_dtype)
 
     assert bytes_per_token(packed) * 2 == bytes_per_token(exact)
-    assert packed.allocate_cache(2, 8).keys[0].dtype == torch.bfloat16
+    assert packed.allocate_cache(0, 2, 8).keys[0].dtype == torch.bfloat16
     assert KVCache.bytes_per_token(source.config, 2) == bytes_per_token(exact)
 
 
@@ -163,8 +163,7 @@ def as_float32(span: Span) -> Span:
     for b in span.blocks:
         qkv = Fused([dense(lin) for lin in b.qkv.linears], b.qkv.sizes)
         gate_up = Fused([dense(lin) for lin in b.gate_up.linears], b.gate_up.sizes)
-        norms = (b.attn_norm, b.mlp_norm)
-        blocks.append(Block(span.config, norms, qkv, dense(b.o), gate_up, dense(b.down)))
+        blocks.append(Block(span.config, b.norms, qkv, dense(b.o), gate_up, dense(b.down)))
     return Span(span.config, span.start, span.end, blocks, "float32")
 
 
@@ -176,7 +175,7 @@ def test_a_quantized_span_computes_what_its_weights_give_in_float32(tiny_model_d
     prompt = torch.randn(1, 40, span.config.hidden)
     outs = []
     for s in (as_float32(span), span):
-        cache = s.allocate_cache(6, 48)
+        cache = s.allocate_cache(0, 6, 48)
         hidden = s.forward(prompt, cache, 0, 0, 6)
         steps = [s.forward(hidden[:, -1:], cache, 40 + i, 0, 6) for i in range(3)]
         outs.append(torch.cat([hidden, *steps], dim=1))

@@ -7,8 +7,9 @@ import torch
 
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.model.blocks import Head, Span
+from swarm.model.blocks import Span
 from swarm.model.fidelity import SAMPLE_TEXT, agreement, perplexity, reference_logits, span_logits
+from swarm.model.head import Head
 from swarm.model.source import open_model
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,7 @@ def test_kept_weights_agree_with_float32_transformers_and_keep_its_perplexity(
 
 
 def local_greedy(span: Span, head: Head, ids: list[int], new_tokens: int) -> list[int]:
-    cache = span.allocate_cache(span.end - span.start, len(ids) + new_tokens)
+    cache = span.allocate_cache(span.start, span.end, len(ids) + new_tokens)
     hidden = span.forward(head.embed_tokens(ids), cache, 0, span.start, span.end)
     out = []
     for i in range(new_tokens):

@@ -20,7 +20,7 @@ from swarm.client.verify import Verdict, check_last_step
 from swarm.dht import read_nodes, start_dht
 from swarm.errors import FingerprintMismatch, ProtocolError, SpanError, SwarmError
 from swarm.link.estimator import ewma
-from swarm.model.blocks import Head
+from swarm.model.head import Head
 from swarm.model.source import open_model
 from swarm.protocol import Hop
 from swarm.records import NodeRecord

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.model.blocks import Head
+from swarm.model.head import Head
 
 MAX_ROWS = 32
 

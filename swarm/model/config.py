@@ -1,4 +1,5 @@
-"""What a node or client needs to know about a Llama-family model, independent of file format."""
+"""What a node or client needs to know about a model, independent of file format: its shape and
+every variant of the decoder's math it uses (swarm.model.families fills it from a file)."""
 
 from __future__ import annotations
 
@@ -17,24 +18,64 @@ class Llama3Rope:
 
 
 @dataclass(frozen=True)
+class Rope:
+    """One RoPE: base, and the scaling applied to its frequencies (at most one kind)."""
+
+    theta: float
+    linear: float = 1.0  # positions divided by this (HF "linear" scaling)
+    llama3: Llama3Rope | None = None
+    freq_factors: tuple[float, ...] = ()  # divisors of each frequency (GGUF rope_freqs)
+
+
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
+    family: str  # a key of swarm.model.families.FAMILIES
     num_layers: int
     hidden: int
     intermediate: int
     heads: int
     kv_heads: int
     head_dim: int
-    rope_theta: float
+    rope: Rope
     rms_eps: float
     vocab: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     max_position: int
-    attention_bias: bool = False
-    rope_llama3: Llama3Rope | None = None  # Llama 3.1+ frequency scaling (HF rope_parameters)
-    rope_freq_factors: tuple[float, ...] = ()  # divisors of each frequency (GGUF rope_freqs)
-    sliding_window: int | None = None  # attention span past which this code is not exact
+    rotary_dim: int = 0  # leading dims of a head that RoPE turns (0: all); Phi-4-mini's 3/4
+    local_rope: Rope | None = None  # sliding layers' own RoPE (Gemma 3's base 10,000)
+    windows: tuple[int | None, ...] = ()  # per layer: tokens a query sees, None for all
+    norm_offset: float = 0.0  # Gemma computes x * (1 + w): its HF files hold w
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False  # Gemma 2/3: a norm on attention's and the MLP's outputs too
+    fused: bool = False  # q, k, v in one matrix and gate, up in another (Phi-3)
+    activation: str = "silu"  # of the gate; one of ACTIVATIONS
+    attention_scale: float = 0.0  # multiplies q.k (0: head_dim ** -0.5)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits
+    embed_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden))
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
+        if self.windows and len(self.windows) != self.num_layers:
+            raise ValueError(f"{len(self.windows)} windows for {self.num_layers} layers")
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
+
+    def rope_of(self, layer: int) -> Rope:
+        if self.local_rope is not None and self.window(layer) is not None:
+            return self.local_rope
+        return self.rope
+
+    @property
+    def scale(self) -> float:
+        return self.attention_scale or self.head_dim**-0.5
 
     def check_span(self, start: int, end: int) -> None:
         from swarm.errors import SpanError

@@ -30,7 +30,7 @@ Most of them leave with unfinished pictures and promise to return. Many of them 
 def span_logits(span, head, ids: list[int], step: int | None = None) -> torch.Tensor:
     """Logits [tokens, vocab] at every position of `ids` through `span`: one prompt pass, or
     `step` tokens at a time (1: every position as a decode step, through the decode kernels)."""
-    cache = span.allocate_cache(span.end - span.start, len(ids))
+    cache = span.allocate_cache(span.start, span.end, len(ids))
     step = step or len(ids)
     hidden = torch.cat(
         [

@@ -1,6 +1,6 @@
 """Read a model's configuration and only the tensors asked for, from GGUF or safetensors.
 
-Block tensors come back under Hugging Face Llama names (q_proj, ..., down_proj) as the file
+Block tensors come back under blocks.py's names (swarm.model.families maps them) as the file
 stores them (`RawTensor`); `swarm.model.linear` turns each into the format a node computes in.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from swarm.model.config import Llama3Rope, ModelConfig
+from swarm.model.families import LINEARS, block_names, config_from_gguf, config_from_hf
 from swarm.model.gguf_file import GGUFFile
 from swarm.model.linear import RawTensor
 
@@ -24,52 +24,46 @@ log = logging.getLogger("swarm.model")
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# GGUF tensor name -> Hugging Face name within a block
-_GGUF_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "q_proj",
-    "attn_k": "k_proj",
-    "attn_v": "v_proj",
-    "attn_output": "o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "gate_proj",
-    "ffn_up": "up_proj",
-    "ffn_down": "down_proj",
-}
+
+def _check_block_tensors(where: str, present: dict[int, set[str]], names: dict[str, str]):
+    """Every block must hold exactly the tensors its family computes (file names, ".weight"
+    and ".bias" kept): one with others (experts, norms of another architecture under this
+    label) or without some is refused, not computed wrong or failing with a KeyError mid-load."""
+    required = {f"{n}.weight" for n in names.values()}
+    known = required | {f"{names[n]}.bias" for n in LINEARS if n in names}
+    for block, have in sorted(present.items()):
+        missing, unknown = required - have, have - known
+        if missing or unknown:
+            said = [f"has {', '.join(sorted(unknown)[:4])}" if unknown else ""]
+            said += [f"lacks {', '.join(sorted(missing)[:4])}" if missing else ""]
+            raise ValueError(
+                f"{where}: block {block} is not the architecture its file names (it"
+                f" {' and '.join(x for x in said if x)}); refused rather than computed wrong"
+            )
 
 
-def _hf_block_weights(prefix: str) -> dict[str, str]:
-    """Hugging Face name within a block -> the weight's full name under `prefix`."""
-    names = {}
-    for hf_name in _GGUF_BLOCK_NAMES.values():
-        proj = hf_name.endswith("proj")
-        sub = ("self_attn." if hf_name[0] in "qkvo" else "mlp.") if proj else ""
-        names[hf_name] = f"{prefix}{sub}{hf_name}.weight"
-    return names
-
-
-def _check_block_tensors(path: Path, present: set[str], required: set[str], known: set[str]):
-    """A block must hold exactly the tensors this code computes: one with others (q/k norms,
-    fused projections, experts: another architecture under a Llama label) or without some is
-    refused, not computed wrong or failing with a KeyError mid-load."""
-    missing, unknown = required - present, present - required - known
-    if missing or unknown:
-        said = [f"has {', '.join(sorted(unknown)[:4])}" if unknown else ""]
-        said += [f"lacks {', '.join(sorted(missing)[:4])}" if missing else ""]
-        raise ValueError(
-            f"{path.name}: its blocks are not the Llama architecture this node computes (a block"
-            f" {' and '.join(x for x in said if x)}); refused rather than computed wrong"
-        )
+def _by_block(names, prefix: str) -> dict[int, set[str]]:
+    """Tensor names under `prefix` + "N." grouped by block N, the prefix removed."""
+    out: dict[int, set[str]] = {}
+    for n in names:
+        if n.startswith(prefix):
+            block, _, rest = n[len(prefix) :].partition(".")
+            if block.isdigit():
+                out.setdefault(int(block), set()).add(rest)
+    return out
 
 
 class OnDemand(Mapping):
-    """A block's tensors under Hugging Face names, each read from the file when asked for and
-    not kept: converting a block holds one tensor's file bytes at a time, not the block's."""
+    """A block's tensors under blocks.py's names, each read from the file when asked for and
+    not kept: converting a block holds one tensor's file bytes at a time, not the block's.
+    Remembers what was read, so a loader can prove it used every tensor it was given."""
 
     def __init__(self, names: dict[str, str], read: Callable[[str], RawTensor]):
         self._names, self._read = names, read
+        self.read: set[str] = set()
 
     def __getitem__(self, key: str) -> RawTensor:
+        self.read.add(key)
         return self._read(self._names[key])
 
     def __iter__(self):
@@ -77,6 +71,22 @@ class OnDemand(Mapping):
 
     def __len__(self) -> int:
         return len(self._names)
+
+    def __contains__(self, key) -> bool:  # without reading the tensor
+        return key in self._names
+
+    def unread(self) -> set[str]:
+        return set(self._names) - self.read
+
+
+def _block_map(names: dict[str, str], prefix: str, present) -> dict[str, str]:
+    """blocks.py's name -> the file's full tensor name, biases the file has included."""
+    out = {}
+    for ours, theirs in names.items():
+        out[ours] = f"{prefix}{theirs}.weight"
+        if f"{prefix}{theirs}.bias" in present:
+            out[f"{ours}.bias"] = f"{prefix}{theirs}.bias"
+    return out
 
 
 def default_model_path() -> Path:
@@ -119,52 +129,14 @@ class GGUFSource:
         self.path = path
         self.file = GGUFFile(path)
         self._tensors = self.file.tensors
-        arch = self._field("general.architecture")
-        if arch not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"{path.name}: architecture {arch!r} is not Llama-family")
-        self.arch = arch
-        eos = self._field("tokenizer.ggml.eos_token_id", None)
-        heads = int(self._field(f"{arch}.attention.head_count"))
-        hidden = int(self._field(f"{arch}.embedding_length"))
-        context = int(self._field(f"{arch}.context_length", 4096))
-        window = self._window(arch)
-        self.config = ModelConfig(
-            name=path.stem,
-            num_layers=int(self._field(f"{arch}.block_count")),
-            hidden=hidden,
-            intermediate=int(self._field(f"{arch}.feed_forward_length")),
-            heads=heads,
-            kv_heads=int(self._field(f"{arch}.attention.head_count_kv", heads)),
-            head_dim=int(self._field(f"{arch}.rope.dimension_count", hidden // heads)),
-            rope_theta=float(self._field(f"{arch}.rope.freq_base", 10000.0)),
-            rms_eps=float(self._field(f"{arch}.attention.layer_norm_rms_epsilon")),
-            vocab=int(self._tensors["token_embd.weight"].shape[-1]),
-            bos_token_id=self._field("tokenizer.ggml.bos_token_id", None),
-            eos_token_ids=() if eos is None else (int(eos),),
-            max_position=min(context, window or context),
-            attention_bias="blk.0.attn_q.bias" in self._tensors,
-            rope_freq_factors=self._rope_factors(arch),
-            sliding_window=window,
+        self.config, self.family = config_from_gguf(
+            self._field, self._tensors, path.stem, self._freq_factors
         )
-        weights = {f"{name}.weight" for name in _GGUF_BLOCK_NAMES}
-        biases = {f"{name}.bias" for name in _GGUF_BLOCK_NAMES}
-        present = {n.removeprefix("blk.0.") for n in self._tensors if n.startswith("blk.0.")}
-        _check_block_tensors(path, present, weights, biases)
+        self._names = block_names(self.config, gguf=True)
+        _check_block_tensors(path.name, _by_block(self._tensors, "blk."), self._names)
 
-    def _rope_factors(self, arch: str) -> tuple[float, ...]:
-        """Each RoPE frequency's divisor (llama.cpp keeps Llama 3.1's scaling as these); a
-        scaling this code does not compute is refused, not ignored."""
-        kind = self._field(f"{arch}.rope.scaling.type", "none")
-        if "rope_freqs.weight" in self._tensors:
-            return tuple(float(x) for x in np.asarray(self.file.read("rope_freqs.weight")).ravel())
-        if kind not in ("none", ""):
-            raise ValueError(f"{self.path.name}: RoPE scaling {kind!r} is not supported yet")
-        return ()
-
-    def _window(self, arch: str) -> int | None:
-        window = self._field(f"{arch}.attention.sliding_window", None)
-        cfg = {"sliding_window": int(window) if window else None}
-        return _window(self.path, cfg, int(self._field(f"{arch}.context_length", 4096)))
+    def _freq_factors(self) -> tuple[float, ...]:
+        return tuple(float(x) for x in np.asarray(self.file.read("rope_freqs.weight")).ravel())
 
     def _field(self, key: str, default=...):
         value = self.file.fields.get(key)
@@ -181,7 +153,7 @@ class GGUFSource:
 
     def raw(self, name: str) -> RawTensor:
         data = self.file.read(name)
-        if name.endswith(("attn_q.weight", "attn_k.weight")) and self.arch in ("llama", "mistral"):
+        if name.endswith(("attn_q.weight", "attn_k.weight")) and self.family.gguf_permuted:
             # llama.cpp stores q/k rows interleaved for its RoPE; put them back in HF order.
             # Rows are whole (even quantized ones), so this reorders the file's own bytes.
             heads = self.config.heads if "attn_q" in name else self.config.kv_heads
@@ -190,14 +162,8 @@ class GGUFSource:
             data = data.reshape(-1, data.shape[-1])
         return RawTensor(name, self._tensors[name].kind, data)
 
-    def block_raw(self, block: int) -> Mapping[str, RawTensor]:
-        names = {}
-        for gguf_name, hf_name in _GGUF_BLOCK_NAMES.items():
-            names[hf_name] = f"blk.{block}.{gguf_name}.weight"
-            bias = f"blk.{block}.{gguf_name}.bias"
-            if bias in self._tensors:
-                names[hf_name + ".bias"] = bias
-        return OnDemand(names, self.raw)
+    def block_raw(self, block: int) -> OnDemand:
+        return OnDemand(_block_map(self._names, f"blk.{block}.", self._tensors), self.raw)
 
     def head_raw(self) -> dict[str, RawTensor]:
         embed = self.raw("token_embd.weight")
@@ -210,63 +176,11 @@ class GGUFSource:
         return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
 
 
-def _llama3_rope(path: Path, rope: dict) -> Llama3Rope | None:
-    """The RoPE scaling a Hugging Face config asks for, if this code computes it exactly;
-    ValueError for any other (a model computed without it would be silently wrong)."""
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind in (None, "default"):
-        return None
-    if kind != "llama3":
-        raise ValueError(f"{path}: RoPE scaling {kind!r} is not supported yet")
-    return Llama3Rope(
-        float(rope["factor"]),
-        float(rope["low_freq_factor"]),
-        float(rope["high_freq_factor"]),
-        int(rope["original_max_position_embeddings"]),
-    )
-
-
-def _window(path: Path, cfg: dict, max_position: int) -> int | None:
-    """A sliding window shorter than the context: up to it attention is full, and exact here;
-    sessions are held to it (max_position) until windowed attention is built."""
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    if window and window < max_position:
-        log.warning("%s: sessions limited to its %d-token sliding window", path.name, window)
-        return int(window)
-    return None
-
-
 class SafetensorsSource:
     def __init__(self, path: Path):
         self.path = path
         cfg = json.loads((path / "config.json").read_text())
-        if cfg.get("model_type") not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"{path}: model_type {cfg.get('model_type')!r} is not Llama-family")
-        heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5, 4
-        context = cfg.get("max_position_embeddings", 4096)
-        window = _window(path, cfg, context)
-        self.config = ModelConfig(
-            name=path.name,
-            num_layers=cfg["num_hidden_layers"],
-            hidden=cfg["hidden_size"],
-            intermediate=cfg["intermediate_size"],
-            heads=heads,
-            kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rms_eps=cfg.get("rms_norm_eps", 1e-6),
-            vocab=cfg["vocab_size"],
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            max_position=min(context, window or context),
-            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-            rope_llama3=_llama3_rope(path, rope),
-            sliding_window=window,
-        )
-        self.tie = bool(cfg.get("tie_word_embeddings", False))
+        self.config, self.tie = config_from_hf(cfg, path.name, str(path))
         self._where: dict[str, Path] = {}
         from safetensors import safe_open
 
@@ -276,11 +190,8 @@ class SafetensorsSource:
                     self._where[k] = f
         if not self._where:
             raise FileNotFoundError(f"{path} has no *.safetensors files")
-        weights = set(_hf_block_weights("").values())
-        biases = {n.removesuffix("weight") + "bias" for n in weights}
-        first = "model.layers.0."
-        present = {n.removeprefix(first) for n in self._where if n.startswith(first)}
-        _check_block_tensors(path, present, weights, biases)
+        self._names = block_names(self.config, gguf=False)
+        _check_block_tensors(str(path), _by_block(self._where, "model.layers."), self._names)
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(b"safetensors")
@@ -295,12 +206,8 @@ class SafetensorsSource:
         with safe_open(str(self._where[name]), framework="pt") as st:
             return RawTensor(name, "torch", st.get_tensor(name))
 
-    def block_raw(self, block: int) -> Mapping[str, RawTensor]:
-        names = {}
-        for hf_name, weight in _hf_block_weights(f"model.layers.{block}.").items():
-            names[hf_name] = weight
-            if (bias := weight.removesuffix("weight") + "bias") in self._where:
-                names[hf_name + ".bias"] = bias
+    def block_raw(self, block: int) -> OnDemand:
+        names = _block_map(self._names, f"model.layers.{block}.", self._where)
         return OnDemand(names, self.raw)
 
     def head_raw(self) -> dict[str, RawTensor]:

@@ -15,7 +15,7 @@ from swarm.node.placement import blocks_for_memory
 
 def measure_throughput(span: Span) -> float:
     """Seconds per one-token decode step through the whole span, after a warm-up."""
-    cache = span.allocate_cache(span.end - span.start, 16)
+    cache = span.allocate_cache(span.start, span.end, 16)
     h = torch.zeros(1, 1, span.config.hidden)
     times = []
     for pos in range(4):

@@ -16,7 +16,6 @@ import trio
 
 from swarm.dht import node_id
 from swarm.errors import (
-    CacheFull,
     FingerprintMismatch,
     FrameTooLarge,
     NodeBusy,
@@ -321,10 +320,4 @@ class Node:
         if msg.wire_dtype and msg.wire_dtype not in WIRE_DTYPES:
             raise ProtocolError(
                 f"wire dtype {msg.wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
-            )
-        window = self.span.config.sliding_window  # past it, attention here would not be exact
-        if window and msg.max_length > window:
-            raise CacheFull(
-                f"session wants {msg.max_length} tokens; this node computes {window} exactly"
-                " (the model's sliding window)"
             )

@@ -204,7 +204,7 @@ class Session:
 
     @asynccontextmanager
     async def _cache(self):
-        cache = self.ctx.span.allocate_cache(self.end - self.start, self.max_length)
+        cache = self.ctx.span.allocate_cache(self.start, self.end, self.max_length)
         try:
             yield cache
         finally:
