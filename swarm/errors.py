@@ -56,6 +56,13 @@ class NodeBusy(SwarmError):
     retry_elsewhere = True
 
 
+class NoChatTemplate(SwarmError, ValueError):
+    """A conversation was given to a model without a chat template (a base model): send it
+    plain text instead."""
+
+    code = "no_chat_template"
+
+
 class CacheFull(SwarmError):
     """The sequence would exceed the session's or node's cache budget. Shorten the request."""
 

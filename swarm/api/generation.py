@@ -19,7 +19,7 @@ from swarm.api.schema import ApiError, GenerationRequest
 from swarm.client.aio import AsyncSession
 from swarm.client.client import Client, ReplyText, Sampler
 from swarm.client.routing import missing_blocks, usable
-from swarm.errors import CacheFull, DhtUnavailable, SwarmError
+from swarm.errors import CacheFull, DhtUnavailable, NoChatTemplate, SwarmError
 from swarm.records import format_blocks
 
 
@@ -108,7 +108,12 @@ class Backend:
                 code="context_length_exceeded",
             )
         if request.chat:
-            return await trio.to_thread.run_sync(self.client.encode, list(request.messages))
+            try:
+                return await trio.to_thread.run_sync(self.client.encode, list(request.messages))
+            except NoChatTemplate as exc:
+                raise ApiError(
+                    400, f"{exc}; use /v1/completions", param="messages", code=exc.code
+                ) from exc
         if isinstance(request.prompt, tuple):
             vocab = self.client.config.vocab
             if max(request.prompt) >= vocab:

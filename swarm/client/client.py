@@ -18,7 +18,13 @@ from swarm.client.runtime import TrioThread
 from swarm.client.session import PREFILL_CHUNK, RemoteSession
 from swarm.client.verify import Verdict, check_last_step
 from swarm.dht import read_nodes, start_dht
-from swarm.errors import FingerprintMismatch, ProtocolError, SpanError, SwarmError
+from swarm.errors import (
+    FingerprintMismatch,
+    NoChatTemplate,
+    ProtocolError,
+    SpanError,
+    SwarmError,
+)
 from swarm.link.estimator import ewma
 from swarm.model.head import Head
 from swarm.model.source import open_model
@@ -133,6 +139,7 @@ class Client:
             self.wire_dtype,
             self.step_timeout,
             prefill_chunk=self.prefill_chunk,
+            own_dtype=self.config.wire_dtype,
         )
 
     def head(self, route: list[Hop]) -> Head:
@@ -187,8 +194,17 @@ class Client:
     def generate(self, prompt: str | list[dict[str, str]], **kwargs) -> str:
         return "".join(self.stream(prompt, **kwargs))
 
+    @property
+    def chat(self) -> bool:
+        """Whether the model has a chat template (base models have none)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
         if isinstance(prompt, list):
+            if not self.chat:
+                raise NoChatTemplate(
+                    f"{self.config.name} has no chat template (a base model): send plain text"
+                )
             enc = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
             if hasattr(enc, "keys"):
                 enc = enc["input_ids"]

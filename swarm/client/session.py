@@ -43,8 +43,10 @@ class RemoteSession:
         step_timeout: float = 30.0,
         max_frame: int = DEFAULT_MAX_FRAME,
         prefill_chunk: int = PREFILL_CHUNK,
+        own_dtype: str = DEFAULT_WIRE_DTYPE,
     ):
         self.route = route
+        self.own_dtype = own_dtype  # what the client sends where it asks nodes for none
         self.prefill_chunk = max(1, prefill_chunk)
         self.fingerprint = fingerprint
         self.hidden = hidden
@@ -143,7 +145,7 @@ class RemoteSession:
                     phase=phase,
                     pos=self.position + lo,
                     end=end,
-                    hidden=pack_tensor(piece, self.wire_dtype or DEFAULT_WIRE_DTYPE),
+                    hidden=pack_tensor(piece, self.wire_dtype or self.own_dtype),
                 )
             )
         timeout = self.step_timeout + 0.05 * n

@@ -58,6 +58,7 @@ class ModelConfig:
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_softcap: float | None = None  # the same on the logits
     embed_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden))
+    wire_dtype: str = "float16"  # activations between nodes; Gemma's overflow float16
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:

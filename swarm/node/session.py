@@ -87,7 +87,7 @@ class Session:
         self.open_msg = msg
         self.sid, self.hop, self.route = msg.sid, msg.hop, msg.route
         self.start, self.end = hop.start, hop.end
-        self.wire_dtype = msg.wire_dtype or ctx.config.wire_dtype
+        self.wire_dtype = msg.wire_dtype or ctx.config.wire_dtype or ctx.span.config.wire_dtype
         self.max_length = msg.max_length
         self.owner = owner  # only it may send steps
         self.host = peer_host(owner)  # whose share it counts in
