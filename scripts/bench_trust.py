@@ -13,18 +13,32 @@ A tiny random Llama (6 layers) on three honest nodes (0:3, 3:6, 0:6). Per attack
   false-throughput   a node on 0:6 taking 50 ms a pass announces 1e9 tokens/s
   wrong-activations  a node on 0:6 scaling its outputs by 1.5 announces 1e9 tokens/s; the
                      client checks each session once (InferenceSession.verify)
+Then `python -m swarm.api` (default flags) in front of the swarm, and per row --generations
+one-token chat requests of a polite caller (127.0.0.2), timed whole, against api-quiet's:
+  api-48-streams     another caller (127.0.0.1) holds 48 streamed 400-token replies
+  api-slow-headers   1,100 connections from 50 addresses that never finish their headers
+                     (figure: the API process's file descriptors before and at most)
 
-  .venv/bin/python scripts/bench_trust.py [--generations 3] [--new-tokens 24]
+  .venv/bin/python scripts/bench_trust.py [--generations 3] [--new-tokens 24] [--only NAME...]
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
+import os
 import random
+import re
+import resource
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -201,7 +215,138 @@ ATTACKS = [
     "false-span",
     "false-throughput",
     "wrong-activations",
+    "api-quiet",
+    "api-48-streams",
+    "api-slow-headers",
 ]
+POLITE, GREEDY = "127.0.0.2", "127.0.0.1"
+
+
+class Api:
+    """`python -m swarm.api` in front of the swarm, default flags."""
+
+    def __init__(self, swarm: Swarm):
+        cmd = [sys.executable, "-m", "swarm.api", "--initial-peers", *swarm.peers, "--port", "0"]
+        cmd += ["--model", swarm.model, "--wire-dtype", "float32"]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        for line in self.proc.stdout:
+            if m := re.search(r"api on http://([\d.]+):(\d+)/v1 serving (\S+);", line):
+                self.host, self.port, self.name = m.group(1), int(m.group(2)), m.group(3)
+                break
+        else:
+            raise RuntimeError("the API server did not start")
+        self.ask()  # its tokenizer and heads load on the first request: not the quiet row's
+
+    def connect(self, source: str) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(
+            self.host, self.port, timeout=120, source_address=(source, 0)
+        )
+
+    def post(self, conn: http.client.HTTPConnection, max_tokens: int, stream: bool) -> None:
+        body = {"model": self.name, "messages": [{"role": "user", "content": "Tell a story."}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": stream}  # fmt: skip
+        conn.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"}
+        )
+
+    def ask(self) -> float:
+        """Seconds for the polite caller's one-token request; raises unless answered 200."""
+        conn = self.connect(POLITE)
+        t0 = time.perf_counter()
+        self.post(conn, 1, stream=False)
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {data[:80]!r}")
+        return time.perf_counter() - t0
+
+    def fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+@contextmanager
+def streams(api: Api, n: int, notes: dict):
+    """`n` streamed replies of the greedy caller under way for the block."""
+    conns = [api.connect(GREEDY) for _ in range(n)]
+    finished: list[int] = []
+
+    def hog(conn: http.client.HTTPConnection) -> None:
+        try:
+            api.post(conn, 400, stream=True)
+            for _ in conn.getresponse():
+                pass
+            finished.append(1)
+        except OSError:
+            pass  # cut when the measurement ended
+
+    threads = [threading.Thread(target=hog, args=(c,), daemon=True) for c in conns]
+    for t in threads:
+        t.start()
+    time.sleep(2)  # every stream sent, the first ones generating
+    try:
+        yield
+    finally:
+        notes["greedy streams done meanwhile"] = len(finished)
+        for conn in conns:
+            if conn.sock is not None:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        for t in threads:
+            t.join(30)
+
+
+@contextmanager
+def slow_headers(api: Api, n: int, notes: dict):
+    """`n` connections from 50 addresses that begin their headers and never end them; the
+    API process's descriptors before and at most meanwhile go into `notes`."""
+    before, peak, done = api.fds(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.01):
+            peak[0] = max(peak[0], api.fds())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    held = []
+    try:
+        for i in range(n):
+            s = socket.create_connection(
+                (api.host, api.port), timeout=10, source_address=(f"127.0.1.{1 + i % 50}", 0)
+            )
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            held.append(s)
+        yield
+    finally:
+        done.set()
+        sampler.join()
+        for s in held:
+            s.close()
+        notes["fds before / at most"] = f"{before} / {peak[0]}"
+
+
+def measure_api(api: Api, name: str, a) -> tuple[int, list, dict]:
+    notes: dict = {}
+    attacks = {
+        "api-48-streams": partial(streams, api, 48),
+        "api-slow-headers": partial(slow_headers, api, 1100),
+    }
+    runs, served = [], 0
+    with attacks[name](notes) if name in attacks else nullcontext():
+        for _ in range(a.generations):
+            try:
+                runs.append((api.ask(), None))
+                served += 1
+            except Exception as exc:  # what the attack did to the polite caller
+                notes["error"] = f"{type(exc).__name__}: {str(exc)[:60]}"
+    if name != "api-quiet":
+        notes["API alive"] = api.proc.poll() is None
+    return served, runs, notes
 
 
 def cpu_name() -> str:
@@ -214,29 +359,43 @@ def main() -> None:
     p.add_argument("--generations", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--only", nargs="+", choices=ATTACKS, help="these rows (and their quiet one)")
     a = p.parse_args()
+    # 1,100 slow connections are as many descriptors here; the soft limit is often 1,024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    names = [n for n in ATTACKS if not a.only or n in a.only or n in ("quiet", "api-quiet")]
     model = Path(tempfile.mkdtemp()) / "tiny-llama"
     save_tiny_llama(model)
     save_tiny_tokenizer(model)
     swarm = Swarm(model)
+    api = None
     rows = []
     try:
-        for name in ATTACKS:
-            rows.append((name, *measure(swarm, name, a)))
+        for name in names:
+            if name.startswith("api-"):
+                api = api or Api(swarm)
+                rows.append((name, *measure_api(api, name, a)))
+            else:
+                rows.append((name, *measure(swarm, name, a)))
             print(f"  {name}: {rows[-1][1]}/{a.generations} served", flush=True)
     finally:
+        if api is not None:
+            api.close()
         swarm.close()
-    quiet = rows[0][2]
     print(f"\n{cpu_name()}; tiny Llama on 3 nodes (0:3, 3:6, 0:6)")
     print(f"{a.generations} generations an attack, prompt {a.prompt_tokens}, {a.new_tokens} new")
+    print("api- rows: the polite caller's one-token request, timed whole (as TTFT)")
     head = f"{'attack':>18}{'served':>8}{'TTFT ms':>9}{'x quiet':>8}"
     print(f"{head}{'TPOT ms':>9}{'x quiet':>8}  notes")
+    quiet = {row[0]: row[2] for row in rows if row[0] in ("quiet", "api-quiet")}
     for name, served, runs, notes in rows:
+        base = quiet.get("api-quiet" if name.startswith("api-") else "quiet")
         cells = ""
         for k in (0, 1):
-            if runs and quiet:
-                med, base = (statistics.median(r[k] for r in rs) for rs in (runs, quiet))
-                cells += f"{med * 1000:>9.1f}{med / base:>8.2f}"
+            if runs and base and runs[0][k] is not None:
+                med, ref = (statistics.median(r[k] for r in rs) for rs in (runs, base))
+                cells += f"{med * 1000:>9.1f}{med / ref:>8.2f}"
             else:
                 cells += f"{'-':>9}{'':>8}"
         said = ", ".join(f"{k}: {v}" for k, v in notes.items())

@@ -66,13 +66,35 @@ def add_swarm_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_http_flags(parser: argparse.ArgumentParser, host: str, port: int) -> None:
-    """--host, --port and --access-log of a program serving HTTP (see hypercorn_config)."""
+    """--host, --port, --access-log and the connection caps of a program serving HTTP (see
+    hypercorn_config and swarm.http_server)."""
+    from swarm.http_server import ConnectionLimits
+    from swarm.options import positive_int
+
     add_options(
         parser,
         host=option(host, "HTTP listen address"),
         port=option(port, "HTTP port (0: any free port)"),
         access_log=option(False, "log every request to stderr", action="store_true"),
+        max_connections=option(
+            ConnectionLimits.total,
+            "connections open at once; past it one without a request under way is closed"
+            " (of the address holding most), or the newcomer gets 503",
+            type=positive_int,
+        ),
+        max_caller_connections=option(
+            ConnectionLimits.per_caller,
+            "of those, the most one source address (an IPv6 /64) holds",
+            type=positive_int,
+        ),
     )
+
+
+def connection_limits(args: argparse.Namespace):
+    """The connection caps the flags of add_http_flags ask for."""
+    from swarm.http_server import ConnectionLimits
+
+    return ConnectionLimits(args.max_connections, args.max_caller_connections)
 
 
 def hypercorn_config(host: str, port: int, access_log: bool, keep_alive_s: float | None = None):

@@ -20,16 +20,22 @@ from swarm.errors import DhtGone
 from swarm.records import (
     MAX_LAYERS,
     MAX_MODELS,
+    MAX_TTL_S,
     MODELS_KEY,
     ModelRecord,
     NodeRecord,
+    Report,
+    Reported,
+    ReportRecord,
     block_key,
+    reports_key,
 )
 
 log = logging.getLogger(__name__)
 
 CLOCK_SKEW_S = 60.0  # a record dated further ahead of this clock would outdate honest ones
 MAX_ENTRIES_PER_KEY = 256  # records read under one key (a block's nodes); the rest are counted
+MAX_REPORTED_SPANS = 8  # distinct block ranges kept of the reports on one node
 
 
 def start_dht(
@@ -195,6 +201,7 @@ class SwarmView:
     models: dict[str, ModelRecord] = field(default_factory=dict)
     nodes: dict[str, list[NodeRecord]] = field(default_factory=dict)  # model -> records
     expirations: dict[tuple[str, str], float] = field(default_factory=dict)  # (model, peer)
+    reports: dict[str, dict[str, Reported]] = field(default_factory=dict)  # model -> peer -> it
     malformed: int = 0
 
 
@@ -262,8 +269,56 @@ def read_nodes(dht, model: str, num_layers: int) -> tuple[list[NodeRecord], dict
     return list(by_peer.values()), expirations, malformed
 
 
+def publish_reports(dht, model: str, reports: Sequence[Report], ttl: float = MAX_TTL_S) -> bool:
+    """Put this process's `reports` on `model`'s nodes in the DHT, signed with its key: they
+    replace what it published before, and expire after `ttl` seconds."""
+    from hivemind.utils import get_dht_time
+
+    request = functools.partial(
+        _store_records,
+        groups=[([reports_key(model)], ReportRecord(tuple(reports)).to_wire())],
+        expiration=get_dht_time() + min(ttl, MAX_TTL_S),
+        subkey=owner_subkey(),
+    )
+    return bool(run_in_dht(dht, request))
+
+
+def read_reports(dht, model: str) -> tuple[dict[str, Reported], int]:
+    """What the reports on `model` say of each node they name, and how many entries failed
+    validation. A report counts for the reporter its signing key proves (`id_of`), whatever
+    it claims; reports older than MAX_TTL_S or dated ahead of this clock, and reporters past
+    the first MAX_ENTRIES_PER_KEY, are skipped."""
+    from hivemind.utils import get_dht_time
+
+    key = reports_key(model)
+    entries = run_in_dht(dht, functools.partial(get_latest, keys=[key])).get(key, {})
+    now = get_dht_time()
+    earliest, latest = now - MAX_TTL_S, now + CLOCK_SKEW_S
+    found: dict[str, list[tuple[str, Report]]] = {}
+    malformed = max(0, len(entries) - MAX_ENTRIES_PER_KEY)
+    for subkey, (value, _exp) in list(entries.items())[:MAX_ENTRIES_PER_KEY]:
+        try:
+            record = ReportRecord.from_wire(value)
+        except ValueError:
+            malformed += 1
+            continue
+        for report in record.reports:
+            if earliest <= report.at <= latest:
+                found.setdefault(report.peer, []).append((id_of(subkey), report))
+    return {
+        peer: Reported(
+            peer,
+            frozenset(reporter for reporter, _ in said),
+            tuple(sorted({(r.start, r.end) for _, r in said}))[:MAX_REPORTED_SPANS],
+            max(r.at for _, r in said),
+        )
+        for peer, said in found.items()
+    }, malformed
+
+
 def read_swarm(dht, max_models: int = MAX_MODELS, max_layers: int = MAX_LAYERS) -> SwarmView:
-    """Every model in the index and its nodes, in one pass (blocking). Skipped entries counted."""
+    """Every model in the index, its nodes and the reports on them, in one pass (blocking).
+    Skipped entries counted."""
     view = SwarmView()
     view.models, view.malformed = read_models(dht, max_models, max_layers)
     for name, m in view.models.items():
@@ -272,4 +327,6 @@ def read_swarm(dht, max_models: int = MAX_MODELS, max_layers: int = MAX_LAYERS) 
         view.malformed += bad
         for peer, exp in exps.items():
             view.expirations[(name, peer)] = exp
+        view.reports[name], bad = read_reports(dht, name)
+        view.malformed += bad
     return view

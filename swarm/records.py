@@ -1,7 +1,8 @@
 """DHT records: what a node announces about itself, one record per served block.
 
 Each record sits under key `<model>.block.<i>` with the owner's public key as subkey, so
-hivemind's RSASignatureValidator lets only that owner change it. `swarm.models` lists models.
+hivemind's RSASignatureValidator lets only that owner change it. `swarm.models` lists models;
+`<model>.reports` holds what clients' checks found (`ReportRecord`), one value per reporter.
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ MAX_NAME = 200
 MAX_MODELS = 32
 MAX_WEIGHTS_NAME = 32
 MAX_TTL_S = 300.0  # ten default TTLs: every DHT peer of a swarm refuses a record living longer
+MAX_REPORTED = 16  # nodes one reporter's record may name
 DEFAULT_WEIGHTS = "float32"  # what a record from before the field existed was serving
 
 
 def block_key(model: str, block: int) -> str:
     return f"{model}.block.{block}"
+
+
+def reports_key(model: str) -> str:
+    return f"{model}.reports"
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,65 @@ class ModelRecord:
         if not 1 <= rec.num_layers <= MAX_LAYERS or not 0 < len(rec.model) <= MAX_NAME:
             raise ValueError(f"model record {rec.model[:40]!r} with {rec.num_layers} layers")
         return rec
+
+
+@dataclass(frozen=True)
+class Report:
+    """A node a client's check found computing wrongly (swarm.client.verify): outvoted by
+    another route on blocks start:end at DHT time `at`."""
+
+    peer: str
+    start: int
+    end: int
+    at: float
+
+
+@dataclass(frozen=True)
+class ReportRecord:
+    """What one reporter (the key signing it) keeps under `<model>.reports`: its recent
+    reports. Anyone can make a key, so a reader counts reporters as a signal, not a verdict."""
+
+    reports: tuple[Report, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"reports": [asdict(r) for r in self.reports]}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> ReportRecord:
+        if not isinstance(raw, dict) or not isinstance(raw.get("reports"), list):
+            raise ValueError("report record is not a map with a list of reports")
+        if len(raw["reports"]) > MAX_REPORTED:
+            raise ValueError(f"report record names {len(raw['reports'])} nodes")
+        reports = []
+        for r in raw["reports"]:
+            if not isinstance(r, dict):
+                raise ValueError("a report is not a map")
+            try:
+                report = Report(
+                    peer=_typed(r, "peer", str),
+                    start=_typed(r, "start", int),
+                    end=_typed(r, "end", int),
+                    at=float(_typed(r, "at", (int, float))),
+                )
+            except KeyError as exc:
+                raise ValueError(f"report lacks field {exc}") from None
+            if not 0 < len(report.peer) <= MAX_NAME or not 0 <= report.start < report.end:
+                raise ValueError(f"report of {report.peer[:40]!r} on {report.start}:{report.end}")
+            if report.end > MAX_LAYERS:
+                raise ValueError(f"report on blocks past {MAX_LAYERS}")
+            reports.append(report)
+        return cls(tuple(reports))
+
+
+@dataclass(frozen=True)
+class Reported:
+    """What the reports read of one node say: the distinct reporters (node ids of the keys
+    that signed them), the blocks named, the newest report's DHT time."""
+
+    peer: str
+    reporters: frozenset[str]
+    blocks: tuple[tuple[int, int], ...]
+    last: float
 
 
 @dataclass(frozen=True)

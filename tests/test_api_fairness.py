@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +17,8 @@ import trio.testing
 from devtools.launch import start_swarm, stop_all
 from swarm.api.fair import FairSlots
 from tests.test_api import NODE_FLAGS, ApiServer
+
+MAX_CONNECTIONS = 64
 
 
 async def hold(slots: FairSlots, caller: str, release: trio.Event, got: list[str]) -> None:
@@ -70,9 +74,11 @@ def test_no_slots_is_an_error():
 @pytest.fixture(scope="module")
 def small_api(tiny_model_dir):
     """An API server with 4 generation slots, at most 2 for one caller; idle connections
-    closed after 2 s. Its own nodes: the shared tiny swarm's session counts are other tests'."""
+    closed after 2 s; 64 connections, 16 for one address. Its own nodes: the shared tiny
+    swarm's session counts are other tests'."""
     nodes = start_swarm([(0, 3), (3, 6)], model=str(tiny_model_dir), extra=NODE_FLAGS)
     extra = ("--max-sessions", "4", "--max-caller-sessions", "2", "--idle-timeout", "2")
+    extra += ("--max-connections", str(MAX_CONNECTIONS), "--max-caller-connections", "16")
     try:
         server = ApiServer.start(nodes[0].maddrs[:1], tiny_model_dir, *extra)
         yield server
@@ -127,3 +133,43 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(small_api):
         started = time.monotonic()
         assert slow.recv(1024) == b""  # closed by the server
         assert time.monotonic() - started < 10
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_thousand_slow_connections_take_few_descriptors_and_a_request_is_still_answered(
+    small_api, tiny_model_dir
+):
+    host, port = small_api.url.removeprefix("http://").rsplit(":", 1)
+    pid = small_api.proc.pid
+    before, peak, done = open_fds(pid), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], open_fds(pid))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    slow: list[socket.socket] = []
+    try:
+        for i in range(1100):  # from 50 addresses: more than the cap, more than any share
+            s = socket.create_connection(
+                (host, int(port)), timeout=10, source_address=(f"127.0.1.{1 + i % 50}", 0)
+            )
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # no more
+            slow.append(s)
+        reply = caller(small_api, "127.0.0.9").chat.completions.create(
+            model=tiny_model_dir.name, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+        )
+        assert reply.choices[0].finish_reason in ("length", "stop")
+    finally:
+        done.set()
+        sampler.join()
+        for s in slow:
+            s.close()
+    # the table's places, the refusals under way, a few for the request's own connections
+    assert peak[0] - before <= MAX_CONNECTIONS + 16 + 8, (before, peak[0])
+    assert small_api.proc.poll() is None

@@ -13,9 +13,18 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from devtools.stranger import store_padded, stranger_dht
-from swarm.dht import announce, id_of, node_id, read_models, read_nodes, start_dht
-from swarm.records import MODELS_KEY, ModelRecord, NodeRecord, block_key
+from devtools.stranger import new_key, store_padded, stranger_dht
+from swarm.dht import (
+    announce,
+    id_of,
+    node_id,
+    publish_reports,
+    read_models,
+    read_nodes,
+    read_reports,
+    start_dht,
+)
+from swarm.records import MODELS_KEY, ModelRecord, NodeRecord, Report, block_key, reports_key
 
 MODEL, LAYERS = "honest-model", 4
 YEAR_S = 365 * 24 * 3600.0
@@ -128,3 +137,44 @@ def test_unsigned_models_do_not_push_the_real_one_out_of_the_index(swarm):
         assert not [name for name in models if name.startswith("aaa-fake")]
     finally:
         attacker.shutdown()
+
+
+# ---- reports of what clients' checks found (swarm.client.verify) -----------------------------
+
+
+def report_as_stranger(peers: list[str], reports: list) -> str:
+    """Store `reports` (wire form) under the model's reports key with a fresh key of a
+    stranger's; the node id that key proves."""
+    key, marker, stranger_id = new_key()
+    attacker = stranger_dht(peers, key)
+    try:
+        store(attacker, [reports_key(MODEL)], {"reports": reports}, marker, get_dht_time() + 60)
+    finally:
+        attacker.shutdown()
+    return stranger_id
+
+
+def test_a_report_counts_once_for_the_key_that_signed_it(swarm):
+    peers, _record, reader = swarm
+    accused = "accused-" + "0" * 32
+    assert publish_reports(reader, MODEL, [Report(accused, 0, 2, get_dht_time())])
+    said = {"peer": accused, "start": 2, "end": 4, "at": get_dht_time(), "reporter": node_id()}
+    stranger = report_as_stranger(peers, [said, said])  # naming it twice, claiming another id
+    reported, malformed = read_reports(reader, MODEL)
+    assert reported[accused].reporters == {node_id(), stranger} and malformed == 0
+    assert reported[accused].blocks == ((0, 2), (2, 4))
+
+
+def test_malformed_and_misdated_reports_are_skipped(swarm):
+    peers, _record, reader = swarm
+    _before, malformed_before = read_reports(reader, MODEL)
+    report_as_stranger(peers, ["not a report"])
+    now = get_dht_time()
+    misdated = [
+        {"peer": "ahead-" + "0" * 34, "start": 0, "end": 1, "at": now + 3600},
+        {"peer": "stale-" + "0" * 34, "start": 0, "end": 1, "at": now - 3600},
+    ]
+    report_as_stranger(peers, misdated)
+    reported, malformed = read_reports(reader, MODEL)
+    assert malformed == malformed_before + 1
+    assert not [peer for peer in reported if peer.startswith(("ahead-", "stale-"))]

@@ -33,7 +33,7 @@ from swarm.health.app import create_app
 from swarm.health.render import render_page
 from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
 from swarm.health.state import Collector, CollectorConfig
-from swarm.records import MODELS_KEY, ModelRecord, NodeRecord, block_key
+from swarm.records import MODELS_KEY, ModelRecord, NodeRecord, Reported, block_key
 from swarm.transport import Reach
 
 MODEL, LAYERS, FINGERPRINT = "tiny-fake", 8, "fp-test-0001"
@@ -60,10 +60,15 @@ def rec(peer: str, start: int, end: int, **kw) -> NodeRecord:
     return NodeRecord(**{**base, **kw})
 
 
-def view(*records: NodeRecord, reach: dict[str, Reach] | None = None, now: float = 1001.0):
+def view(
+    *records: NodeRecord,
+    reach: dict[str, Reach] | None = None,
+    now: float = 1001.0,
+    reports: dict[str, Reported] | None = None,
+):
     model = ModelRecord(MODEL, LAYERS, FINGERPRINT)
     known = [Known(r, expires=1010.0) for r in records]
-    return build_model_view(model, known, reach or {}, now)
+    return build_model_view(model, known, reach or {}, now, reports)
 
 
 def test_coverage_counts_usable_nodes_per_block_and_a_gap_breaks_the_route():
@@ -164,6 +169,21 @@ def test_page_shows_each_nodes_sessions_and_mean_decode_batch():
     assert cells == [("5", "2.5"), ("0", "1.0")]
     nodes = snap.to_json()["models"][0]["nodes"]
     assert [(n["sessions"], n["decode_batch"]) for n in nodes] == [(5, 2.46), (0, 1.0)]
+
+
+def test_page_flags_a_node_clients_reported_with_how_many_keys_reported_it():
+    said = Reported("liar", frozenset({"k1", "k2", "k3"}), ((0, 4),), last=1000.0)
+    snap = Snapshot(
+        taken_at=1001.0,
+        dht=DhtStatus("ok", 1001.0, 0.01),
+        models=(view(rec("liar", 0, 4), rec("honest", 4, 8), reports={"liar": said}),),
+    )
+    states = dict(re.findall(r'data-peer="(\w+)".*?State"><div>(.*?)</div>', render_page(snap, 10)))
+    assert "reported by 3</span>" in states["liar"] and "a signal, not a verdict" in states["liar"]
+    assert "reported" not in states["honest"]
+    nodes = {n["peer"]: n for n in snap.to_json()["models"][0]["nodes"]}
+    assert nodes["liar"]["reported"] == {"reporters": 3, "blocks": [[0, 4]], "last": 1000.0}
+    assert nodes["honest"]["reported"] is None
 
 
 def test_page_has_no_script_and_no_external_asset():

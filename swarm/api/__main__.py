@@ -8,13 +8,19 @@ import signal
 import sys
 
 import trio
-from hypercorn.trio import serve
 
 from swarm.api.app import create_app
 from swarm.api.fair import FairSlots
 from swarm.api.generation import Backend
-from swarm.cli import add_http_flags, add_swarm_flags, hypercorn_config, setup_logging
+from swarm.cli import (
+    add_http_flags,
+    add_swarm_flags,
+    connection_limits,
+    hypercorn_config,
+    setup_logging,
+)
 from swarm.client.client import Client
+from swarm.http_server import serve
 from swarm.options import non_negative_float, positive_int
 
 KEY_ENV = "SWARM_API_KEY"
@@ -73,7 +79,7 @@ async def run(args: argparse.Namespace, client: Client) -> None:
             config = hypercorn_config(
                 args.host, args.port, args.access_log, keep_alive_s=args.idle_timeout
             )
-            binds = await nursery.start(serve, app, config)
+            binds = await nursery.start(serve, app, config, connection_limits(args))
             for url in binds:
                 print(f"api on {url}/v1 serving {backend.name}; chat page on {url}/", flush=True)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

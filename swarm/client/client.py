@@ -16,7 +16,7 @@ from swarm.client.head_batch import LogitsBatcher
 from swarm.client.routing import block_seconds, bounded, find_route, missing_blocks, usable
 from swarm.client.runtime import TrioThread
 from swarm.client.session import PREFILL_CHUNK, RemoteSession
-from swarm.client.verify import Verdict, check_last_step
+from swarm.client.verify import Reports, Verdict, check_last_step
 from swarm.dht import read_nodes, start_dht
 from swarm.errors import (
     FingerprintMismatch,
@@ -72,6 +72,7 @@ class Client:
         self._rtts: dict[str, float] = {}
         self._block_seconds: dict[str, float] = {}  # peer -> seconds a block, as measured here
         self.suspects: set[str] = set()  # nodes a check found computing wrongly (verify.py)
+        self.reports = Reports()  # what those checks found, as this client keeps it in the DHT
         self.shunned: dict[str, float] = {}  # peer -> until when routes leave it out (monotonic)
 
     @property
@@ -283,7 +284,8 @@ class InferenceSession:
 
     def verify(self, rng: random.Random | None = None) -> Verdict:
         """Recompute the last step on other routes (see swarm.client.verify); nodes found
-        computing wrongly go into client.suspects, which every route of the client leaves out."""
+        computing wrongly go into client.suspects, which every route of the client leaves out,
+        and are reported in the DHT, where the health page shows them."""
         if self.remote is None or self.last_hidden is None:
             raise ValueError("nothing to verify yet: feed the session first")
         route = self.remote.route
@@ -293,6 +295,7 @@ class InferenceSession:
         if verdict.suspects:  # every route of the client leaves them out from now on
             log.warning("nodes computing wrongly, left out: %s", ", ".join(verdict.suspects))
             self.client.suspects |= verdict.suspects
+            self.client.reports.publish(self.client.dht, self.client.config.name, verdict.outvoted)
             self.close()  # the next step routes anew, replaying
         return verdict
 

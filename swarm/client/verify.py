@@ -6,7 +6,8 @@ in the protocol shows it: the client sees only the last hop's final hidden state
 may recompute its last step on a route without one of its hops (chosen at random), replaying
 the session's tokens there, and compare the final hidden states. If they differ, a third route
 using neither side's own nodes decides: the nodes of the route it disagrees with are suspects,
-left out from then on. Neither Petals, exo nor Parallax checks its nodes' work.
+left out from then on, and reported in the DHT (`Reports`) for the health page to show. Neither
+Petals, exo nor Parallax checks its nodes' work.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
+from swarm.dht import publish_reports
 from swarm.errors import RouteUnavailable, SwarmError
 from swarm.protocol import Hop
+from swarm.records import MAX_REPORTED, MAX_TTL_S, Report
 
 log = logging.getLogger("swarm.client")
 
@@ -42,10 +45,38 @@ class Client(Protocol):
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a check found: `agreed` (None: no other route to ask), and the nodes outvoted."""
+    """What a check found: `agreed` (None: no other route to ask), and the nodes outvoted
+    (`suspects`, their hops in the route they computed on: `outvoted`)."""
 
     agreed: bool | None
-    suspects: frozenset[str] = frozenset()
+    outvoted: tuple[Hop, ...] = ()
+
+    @property
+    def suspects(self) -> frozenset[str]:
+        return frozenset(h.peer for h in self.outvoted)
+
+
+class Reports:
+    """The reports a client keeps in the DHT: one value signed by its key under the model's
+    reports key, holding its last MAX_REPORTED reports of the last MAX_TTL_S seconds (a new
+    report replaces the value, so it carries the older ones on)."""
+
+    def __init__(self) -> None:
+        self.kept: list[Report] = []
+
+    def publish(self, dht, model: str, outvoted: tuple[Hop, ...]) -> None:
+        from hivemind.utils import get_dht_time
+
+        now = get_dht_time()
+        named = {h.peer for h in outvoted}
+        kept = [r for r in self.kept if r.at > now - MAX_TTL_S and r.peer not in named]
+        self.kept = (kept + [Report(h.peer, h.start, h.end, now) for h in outvoted])[-MAX_REPORTED:]
+        try:
+            publish_reports(dht, model, self.kept)
+        except SwarmError as exc:  # the check's verdict stands; only the page misses it
+            log.warning(
+                "could not report %s in the DHT: %s", ", ".join(h.peer for h in outvoted), exc
+            )
 
 
 def agree(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -98,7 +129,7 @@ def check_last_step(
         return Verdict(False)
     _, third_hidden = third
     if agree(third_hidden, hidden):
-        return Verdict(False, frozenset(theirs - mine))
+        return Verdict(False, tuple(h for h in other_route if h.peer not in mine))
     if agree(third_hidden, other_hidden):
-        return Verdict(False, frozenset(mine - theirs))
+        return Verdict(False, tuple(h for h in route if h.peer not in theirs))
     return Verdict(False)

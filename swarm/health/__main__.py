@@ -7,11 +7,17 @@ import signal
 import sys
 
 import trio
-from hypercorn.trio import serve
 
-from swarm.cli import add_http_flags, hypercorn_config, initial_peers_option, setup_logging
+from swarm.cli import (
+    add_http_flags,
+    connection_limits,
+    hypercorn_config,
+    initial_peers_option,
+    setup_logging,
+)
 from swarm.health.app import create_app
 from swarm.health.state import Collector, CollectorConfig
+from swarm.http_server import serve
 from swarm.options import add_options, option
 
 
@@ -60,9 +66,8 @@ async def run(args: argparse.Namespace) -> None:
         stale_after=collector.config.stale_after,
     )
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(
-            serve, app, hypercorn_config(args.host, args.port, args.access_log)
-        )
+        config = hypercorn_config(args.host, args.port, args.access_log)
+        binds = await nursery.start(serve, app, config, connection_limits(args))
         for url in binds:
             print(f"health page on {url}/", flush=True)
         await nursery.start(collector.run)

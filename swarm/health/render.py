@@ -9,7 +9,7 @@ import time
 from html import escape
 
 from swarm.health.snapshot import EXPIRED, ModelView, NodeView, Snapshot, short_peer
-from swarm.records import format_blocks
+from swarm.records import MAX_TTL_S, Reported, format_blocks
 
 # numbers inside the bar's cells stop fitting beyond this many blocks; the tooltip keeps them
 MAX_LABELLED_BLOCKS = 48
@@ -222,6 +222,18 @@ def _throttled(n: int) -> str:
     )
 
 
+def _reported(r: Reported | None) -> str:
+    if r is None:
+        return ""
+    k = len(r.reporters)
+    title = (
+        f"clients' checks (signed by {k} distinct key{'s' if k != 1 else ''}) found its"
+        f" activations outvoted by other routes on blocks {format_blocks(r.blocks)} in the last"
+        f" {MAX_TTL_S / 60:.0f} min; anyone can make a key: a signal, not a verdict"
+    )
+    return f' <span class="badge reported warn" title="{escape(title)}">reported by {k}</span>'
+
+
 def _row(n: NodeView, num_layers: int) -> str:
     r = n.record
     left = 100.0 * r.start / max(num_layers, 1)
@@ -232,6 +244,7 @@ def _row(n: NodeView, num_layers: int) -> str:
             ' <span class="badge s-unreachable" title="fingerprint differs from the model">'
             "other weights</span>"
         )
+    state += _reported(n.reported)
     if n.reach is None:
         rtt = '<span class="muted">—</span>'
     elif n.reach.reachable:

@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.records import ONLINE, Block, ModelRecord, NodeRecord, coverage, coverage_gaps
+from swarm.records import (
+    ONLINE,
+    Block,
+    ModelRecord,
+    NodeRecord,
+    Reported,
+    coverage,
+    coverage_gaps,
+)
 from swarm.transport import Reach
 
 EXPIRED = "expired"  # shown for a node whose records left the DHT; never announced by a node
@@ -33,6 +41,7 @@ class NodeView:
     usable: bool  # counted in coverage: online, current, same weights, not unreachable
     updated_ago_s: float
     expires_in_s: float
+    reported: Reported | None = None  # clients' checks that found it computing wrongly
 
     @property
     def short_peer(self) -> str:
@@ -67,6 +76,7 @@ class NodeView:
             "updated": r.updated,
             "updated_ago_s": round(self.updated_ago_s, 1),
             "expires_in_s": round(self.expires_in_s, 1),
+            "reported": None if self.reported is None else _reported(self.reported),
         }
 
 
@@ -166,10 +176,15 @@ def short_peer(peer: str) -> str:
 
 
 def build_model_view(
-    model: ModelRecord, known: list[Known], reach: dict[str, Reach], now: float
+    model: ModelRecord,
+    known: list[Known],
+    reach: dict[str, Reach],
+    now: float,
+    reports: dict[str, Reported] | None = None,
 ) -> ModelView:
     """Coverage and node rows for one model; `reach` maps a node's link (`Hop.link`) to its
-    last ping."""
+    last ping, `reports` a node to what clients' checks reported of it."""
+    reports = reports or {}
     views = []
     for k in known:
         r = k.record
@@ -192,11 +207,21 @@ def build_model_view(
                 usable=usable,
                 updated_ago_s=max(0.0, now - r.updated),
                 expires_in_s=k.expires - now,
+                reported=reports.get(r.peer),
             )
         )
     views.sort(key=lambda v: (v.state == EXPIRED, v.record.start, v.record.end, v.record.peer))
     blocks = coverage((v.record for v in views if v.usable), model.num_layers)
     return ModelView(model=model, blocks=blocks, nodes=tuple(views))
+
+
+def _reported(r: Reported) -> dict[str, Any]:
+    # reporters are keys anyone can make: a count of them is a signal, not a verdict
+    return {
+        "reporters": len(r.reporters),
+        "blocks": [list(b) for b in r.blocks],
+        "last": r.last,
+    }
 
 
 def _round(x: float | None, digits: int) -> float | None:

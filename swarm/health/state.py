@@ -19,7 +19,7 @@ from swarm import __version__
 from swarm.dht import SwarmView, read_swarm, start_dht
 from swarm.errors import DhtBusy
 from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
-from swarm.records import MAX_LAYERS, MAX_MODELS, ModelRecord
+from swarm.records import MAX_LAYERS, MAX_MODELS, ModelRecord, Reported
 from swarm.transport import Reach, ping
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class Collector:
         self._status = DhtStatus("starting")
         self._models: dict[str, ModelRecord] = {}
         self._known: dict[tuple[str, str], Known] = {}  # (model, peer)
+        self._reports: dict[str, dict[str, Reported]] = {}  # model -> peer -> (last read)
         self._skipped = 0
         self._serial = 0
         self.snapshot = self._build({})
@@ -123,6 +124,7 @@ class Collector:
                 exp = view.expirations.get((name, rec.peer), now)
                 self._known[(name, rec.peer)] = Known(rec, exp)
         self._models.update(view.models)
+        self._reports = view.reports
         self._forget(now, set(view.models))
 
     def _fail(self, error: str) -> None:
@@ -180,7 +182,8 @@ class Collector:
         models = []
         for name in sorted(self._models):
             known = [k for (m, _), k in self._known.items() if m == name]
-            models.append(build_model_view(self._models[name], known, reach, now))
+            reports = self._reports.get(name, {})
+            models.append(build_model_view(self._models[name], known, reach, now, reports))
         self._serial += 1
         return Snapshot(
             taken_at=now,
