@@ -111,6 +111,7 @@ HF_ARCHITECTURES = {
 
 # llama.cpp fixes these and stores none of them; a checkpoint that differs is refused
 GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer is full, the others slide
+GEMMA2_ROPE_THETA = 10_000.0
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from devtools.gguf_tables import (
     FAMILIES,
+    GEMMA2_ROPE_THETA,
     GEMMA3_LOCAL_ROPE_THETA,
     GEMMA_SWA_PATTERN,
     HF_ARCHITECTURES,
@@ -112,6 +113,8 @@ def check_convertible(name: str, config: dict) -> None:
             raise UnsupportedCheckpoint(f"{name}: llama.cpp scales scores by 1/sqrt(head_dim)")
         if not config.get("tie_word_embeddings", True):
             raise UnsupportedCheckpoint(f"{name}: llama.cpp drops an untied lm_head")
+    if name == "gemma2" and _rope(config)["rope_theta"] != GEMMA2_ROPE_THETA:
+        raise UnsupportedCheckpoint("gemma2: llama.cpp assumes a RoPE base of 10000")
     if name == "gemma3":
         if _rope(config, "sliding_attention").get("rope_theta") != GEMMA3_LOCAL_ROPE_THETA:
             raise UnsupportedCheckpoint("gemma3: llama.cpp fixes the local RoPE base at 10000")
@@ -133,9 +136,10 @@ def family_fields(name: str, config: dict) -> dict[str, int | float]:
         _K.Attention.HEAD_COUNT: heads,
         _K.Attention.HEAD_COUNT_KV: config.get("num_key_value_heads") or heads,
         _K.Attention.LAYERNORM_RMS_EPS: float(config["rms_norm_eps"]),
-        _K.Rope.FREQ_BASE: float(_rope(config)["rope_theta"]),
     }
     wanted = family.fields
+    if name != "gemma2":  # llama.cpp writes none for Gemma 2, and assumes 10000
+        fields[_K.Rope.FREQ_BASE] = float(_rope(config)["rope_theta"])
     if "head_dim" in wanted and config.get("head_dim") is not None:
         fields |= {_K.Attention.KEY_LENGTH: head_dim, _K.Attention.VALUE_LENGTH: head_dim}
     if "rope_dims" in wanted:

@@ -289,6 +289,7 @@ def test_the_transformers_check_catches_a_convention_left_out(tiny, tmp_path, fa
     [
         ("gemma3", dict(layer_types=["full_attention"] * 6)),
         ("gemma2", dict(query_pre_attn_scalar=256)),
+        ("gemma2", dict(rope_theta=20000.0)),
         ("gemma3", dict(rope_parameters=GEMMA3_ONE_BASE)),
         ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)),
         ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0})),
