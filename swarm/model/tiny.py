@@ -185,8 +185,8 @@ def tiny_config(family: str, **config):
     """The transformers config `save_tiny` builds: _SHAPE, the family's switches, `config`."""
     layers = config.get("num_hidden_layers", _SHAPE["num_hidden_layers"])
     fields = {**_SHAPE, **_family_config(family, layers), **config}
-    if family == "gemma3" and "num_hidden_layers" in config and "layer_types" not in config:
-        fields["layer_types"] = gemma_layer_types(layers)
+    if family.startswith("gemma") and "query_pre_attn_scalar" not in config:
+        fields["query_pre_attn_scalar"] = fields["head_dim"]  # see _family_config
     config_class, _ = _family_classes(family)
     return config_class(**fields)
 
@@ -204,13 +204,12 @@ def save_tiny(family: str, directory: str | PathLike, seed: int = 0, **config):
     gemma = family.startswith("gemma")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            noise = 0.3 * torch.randn_like(p)
             if p.dim() == 2 and not (gemma and "embed_tokens" in name):
                 p.mul_(8.0)
             elif name.endswith("norm.weight"):
-                p.copy_(_norm_weight(name, gemma) + noise)
+                p.copy_(_norm_weight(name, gemma) + 0.3 * torch.randn_like(p))
             elif name.endswith("bias"):
-                p.copy_(noise)
+                p.copy_(0.3 * torch.randn_like(p))
     model.save_pretrained(directory, safe_serialization=True)
     return model.eval()
 
