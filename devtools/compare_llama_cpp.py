@@ -7,7 +7,13 @@ comparison leaves the tokenizer.* and general.* keys out. Prints, per family, th
 tensors that differ; the only expected difference is Mistral's sliding window, which llama.cpp
 drops.
 
+With --llama-cpp-python PYTHON (an interpreter that has llama-cpp-python), it also runs each
+of our files in llama.cpp and prints the largest logit difference from transformers' over a
+70-token prompt, within the first 8 positions and over all; llama.cpp computes Mistral and Phi-3
+without their windows, so those differ past them.
+
 Usage: python -m devtools.compare_llama_cpp LLAMA_CPP_DIR [--qtype F32|F16|Q8_0]
+                                            [--llama-cpp-python PYTHON]
 """
 
 from __future__ import annotations
@@ -89,6 +95,35 @@ def differences(mine: Path, theirs: Path) -> dict[str, object]:
     }
 
 
+# Run by the interpreter that has llama-cpp-python: a float32 KV cache and no flash attention,
+# so that at F32 only llama.cpp's kernels differ from transformers.
+_LLAMA_CPP_LOGITS = """
+import sys, numpy as np
+from llama_cpp import Llama
+ids = [int(i) for i in sys.argv[3].split(",")]
+llm = Llama(model_path=sys.argv[1], n_ctx=256, logits_all=True, n_threads=2, verbose=False,
+            type_k=0, type_v=0, flash_attn=False)
+llm.eval(ids)
+np.save(sys.argv[2], np.array(llm.scores[: len(ids)]))
+"""
+
+
+def llama_cpp_logit_gaps(
+    python: str, gguf_path: Path, model, ids: list[int]
+) -> tuple[float, float]:
+    """The largest logit difference between llama.cpp running `gguf_path` and `model`, within
+    the first 8 positions of `ids` and over all of them."""
+    import torch
+
+    out = gguf_path.with_suffix(".npy")
+    cmd = [python, "-c", _LLAMA_CPP_LOGITS, str(gguf_path), str(out), ",".join(map(str, ids))]
+    subprocess.run(cmd, check=True, capture_output=True)
+    with torch.inference_mode():
+        ours = model(torch.tensor([ids])).logits[0].numpy()
+    gaps = np.abs(np.load(out) - ours).max(axis=1)
+    return float(gaps[:8].max()), float(gaps.max())
+
+
 def _same(x, y) -> bool:
     if isinstance(x, float) and isinstance(y, float):
         return abs(x - y) <= 1e-6 * abs(y)
@@ -101,6 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("llama_cpp", type=Path)
     parser.add_argument("--qtype", default="F32", choices=["F32", "F16", "BF16", "Q8_0"])
+    parser.add_argument("--llama-cpp-python", help="an interpreter with llama-cpp-python")
     args = parser.parse_args()
 
     from devtools.hf_to_gguf import write_gguf
@@ -108,12 +144,17 @@ def main() -> None:
 
     for family in FAMILIES:
         with tempfile.TemporaryDirectory() as tmp:
-            hf_dir = Path(tmp) / f"tiny-{family}"
-            save_tiny(family, hf_dir)
+            # llama.cpp looks Phi-3's special tokens up by the file's name, which is the folder's
+            hf_dir = Path(tmp) / f"tiny-{family.replace('phi3', 'p3')}"
+            model = save_tiny(family, hf_dir)
             save_tiny_tokenizer(hf_dir)  # Gemma 3's converter sizes the embedding by it
             mine = write_gguf(hf_dir, Path(tmp) / "mine.gguf", args.qtype)
             run_their_converter(args.llama_cpp, hf_dir, Path(tmp) / "theirs.gguf", args.qtype)
             print(family, differences(mine, Path(tmp) / "theirs.gguf"))
+            if args.llama_cpp_python:
+                ids = list(range(5, 5 + 70 * 7, 7))
+                gaps = llama_cpp_logit_gaps(args.llama_cpp_python, mine, model, ids)
+                print(f"  llama.cpp vs transformers: first 8 {gaps[0]:.1e}, all {gaps[1]:.1e}")
 
 
 if __name__ == "__main__":
