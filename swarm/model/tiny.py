@@ -1,4 +1,8 @@
-"""A tiny random-weight Llama for tests, fuzzing and benchmarks (no download; seconds to make)."""
+"""Tiny random-weight models for tests, fuzzing and benchmarks (no download; seconds to make).
+
+`save_tiny_llama` is the Llama every swarm test uses; `save_tiny` makes one of each family the
+node computes, each with the switches that set its family apart turned on (sliding windows that
+short prompts run past, softcaps, q/k norms, fused projections)."""
 
 from __future__ import annotations
 
@@ -93,3 +97,140 @@ def save_tiny_tokenizer(directory: str | PathLike, seed: int = 0) -> None:
         eos_token="</s>",
         chat_template=TINY_CHAT_TEMPLATE,
     ).save_pretrained(directory)
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+
+# Shared by every family: TINY's shape, and the ids of save_tiny_tokenizer's <unk>, <s>, </s>.
+_SHAPE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def gemma_layer_types(layers: int, pattern: int = 6) -> list[str]:
+    """Gemma's layers: `pattern - 1` sliding ones, then a full one, over and over. llama.cpp
+    assumes exactly this (pattern 2 for Gemma 2, 6 for Gemma 3) and stores no per-layer list."""
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+    ]
+
+
+def _family_config(family: str, layers: int) -> dict:
+    """What sets the family apart, on top of _SHAPE; every value here is a switch its GGUF
+    conversion has to carry (or that llama.cpp assumes, as Gemma's attention scale)."""
+    if family == "llama":
+        return dict(rope_theta=10000.0, rms_norm_eps=1e-5)
+    if family == "mistral":
+        # head_dim apart from hidden/heads, as Mistral Nemo has; a window short prompts pass
+        return dict(head_dim=32, sliding_window=16, rope_theta=10000.0, rms_norm_eps=1e-5)
+    if family == "qwen2":
+        return dict(rope_theta=10000.0, rms_norm_eps=1e-6, use_sliding_window=False)
+    if family == "qwen3":
+        return dict(head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6, use_sliding_window=False)
+    gemma = dict(
+        head_dim=32,
+        # llama.cpp scales Gemma's scores by 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the
+        # 27B only) and stores no scalar: the tiny models use that one
+        query_pre_attn_scalar=32,
+        sliding_window=8,
+        rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    )
+    if family == "gemma2":
+        # caps low enough to bite on the tiny model's scores and logits
+        return gemma | dict(
+            rope_theta=10000.0, attn_logit_softcapping=5.0, final_logit_softcapping=3.0
+        )
+    if family == "gemma3":
+        rope = {
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        }
+        return gemma | dict(rope_parameters=rope, layer_types=gemma_layer_types(layers))
+    if family == "phi3":
+        return dict(
+            sliding_window=16,
+            original_max_position_embeddings=512,  # short context: no longrope factors
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+        )
+    raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
+
+
+def _family_classes(family: str):
+    import transformers as t
+
+    return {
+        "llama": (t.LlamaConfig, t.LlamaForCausalLM),
+        "mistral": (t.MistralConfig, t.MistralForCausalLM),
+        "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM),
+        "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM),
+        "gemma2": (t.Gemma2Config, t.Gemma2ForCausalLM),
+        "gemma3": (t.Gemma3TextConfig, t.Gemma3ForCausalLM),
+        "phi3": (t.Phi3Config, t.Phi3ForCausalLM),
+    }[family]
+
+
+def tiny_config(family: str, **config):
+    """The transformers config `save_tiny` builds: _SHAPE, the family's switches, `config`."""
+    layers = config.get("num_hidden_layers", _SHAPE["num_hidden_layers"])
+    fields = {**_SHAPE, **_family_config(family, layers), **config}
+    if family.startswith("gemma") and "query_pre_attn_scalar" not in config:
+        fields["query_pre_attn_scalar"] = fields["head_dim"]  # see _family_config
+    config_class, _ = _family_classes(family)
+    return config_class(**fields)
+
+
+def save_tiny(family: str, directory: str | PathLike, seed: int = 0, **config):
+    """Save a random tiny model of `family` (one of FAMILIES) as a Hugging Face safetensors
+    folder; returns it in eval mode, float32. `config` overrides any config field.
+
+    As in save_tiny_llama, 2-D weights are scaled up 8x so greedy decoding is not near-ties.
+    Norm weights and biases are random too (not 1 and 0), so a reader that drops one is caught."""
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    _, model_class = _family_classes(family)
+    torch.manual_seed(seed)
+    model = model_class(tiny_config(family, **config)).float()
+    gemma = family.startswith("gemma")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and not (gemma and "embed_tokens" in name):
+                p.mul_(8.0)
+            elif name.endswith("norm.weight"):
+                p.copy_(_norm_weight(name, gemma) + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+    model.save_pretrained(directory, safe_serialization=True)
+    return model.eval()
+
+
+def _norm_weight(name: str, gemma: bool) -> float:
+    """The mean of a norm's weight. Gemma multiplies by (1 + weight), and ties an lm_head to the
+    embedding it scales by sqrt(hidden): that embedding scaled 8x, each token's own embedding
+    would win the next step and greedy decoding repeat one token. So Gemma's embedding stays as
+    initialized, post-norms double what each layer adds, and the final norm scales the logits."""
+    if not gemma:
+        return 1.0
+    if name == "model.norm.weight":
+        return 7.0
+    return 1.0 if ".post_" in name else 0.0
+
+
+def min_greedy_margin(model, ids: list[int], new_tokens: int) -> float:
+    """The smallest gap between the best and second-best logit along the greedy continuation of
+    `ids`: token-for-token comparisons at float32 need it well above float32 rounding."""
+    tokens = reference_greedy(model, ids, new_tokens)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
+    top2 = logits.float().topk(2, dim=-1).values
+    return float((top2[:, 0] - top2[:, 1]).min())

@@ -1,0 +1,127 @@
+"""What llama.cpp's converter does to each family's Hugging Face checkpoint, as data.
+
+Read from llama.cpp's convert_hf_to_gguf.py (its conversion/ modules: base.py's TextModel, llama.py,
+qwen.py, gemma.py, phi.py) and gguf-py's tensor tables; hf_to_gguf.py applies these tables.
+Names are without their `.weight` / `.bias` suffix, which carries over unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# tensors outside the blocks; lm_head is absent from a tied checkpoint, and then from the GGUF
+TOP_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+
+# per block: the Hugging Face name after `model.layers.{i}.`, the GGUF one after `blk.{i}.`
+_ATTENTION = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+}
+_MLP = {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+# Llama's "post_attention_layernorm" is the norm before the MLP ...
+_LLAMA_NORMS = {"post_attention_layernorm": "ffn_norm"}
+# ... Gemma's is a norm after attention, and its pre-MLP norm has another name
+_GEMMA_NORMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_QK_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+# Phi-3 fuses q|k|v (rows in that order) and gate|up (gate's rows first) in its checkpoint,
+# and llama.cpp keeps them fused: ffn_up holds both halves, and there is no ffn_gate
+_PHI3 = {
+    "input_layernorm": "attn_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str  # general.architecture
+    block_names: dict[str, str]
+    # llama.cpp's "normal" RoPE rotates adjacent pairs where Hugging Face rotates the two
+    # halves of a head; the converter interleaves q/k rows (weights and biases) to match
+    permute_qk: bool = False
+    # Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w, every `*norm.weight`
+    norm_plus_one: bool = False
+    # llama.cpp drops lm_head for Gemma (it always ties it to the embedding)
+    must_tie: bool = False
+    # which optional keys llama.cpp writes for this family (see hf_to_gguf.family_fields)
+    fields: frozenset[str] = field(default_factory=frozenset)
+
+
+FAMILIES = {
+    "llama": Family(
+        "llama",
+        _ATTENTION | _LLAMA_NORMS | _MLP,
+        permute_qk=True,
+        fields=frozenset({"head_dim", "rope_dims", "vocab_size", "llama3_rope"}),
+    ),
+    # llama.cpp converts Mistral as a Llama (and drops its sliding window: see hf_to_gguf)
+    "mistral": Family(
+        "llama",
+        _ATTENTION | _LLAMA_NORMS | _MLP,
+        permute_qk=True,
+        fields=frozenset({"head_dim", "rope_dims", "vocab_size", "sliding_window"}),
+    ),
+    "qwen2": Family("qwen2", _ATTENTION | _LLAMA_NORMS | _MLP, fields=frozenset({"head_dim"})),
+    "qwen3": Family(
+        "qwen3", _ATTENTION | _QK_NORMS | _LLAMA_NORMS | _MLP, fields=frozenset({"head_dim"})
+    ),
+    "gemma2": Family(
+        "gemma2",
+        _ATTENTION | _GEMMA_NORMS | _MLP,
+        norm_plus_one=True,
+        must_tie=True,
+        fields=frozenset({"head_dim", "sliding_window", "softcaps"}),
+    ),
+    "gemma3": Family(
+        "gemma3",
+        _ATTENTION | _QK_NORMS | _GEMMA_NORMS | _MLP,
+        norm_plus_one=True,
+        must_tie=True,
+        fields=frozenset({"head_dim", "sliding_window", "final_softcap", "rope_swa"}),
+    ),
+    "phi3": Family(
+        "phi3", _PHI3, fields=frozenset({"rope_dims", "sliding_window", "rope_orig_ctx"})
+    ),
+}
+
+# a checkpoint's config.json `architectures[0]` -> family
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+}
+
+# llama.cpp fixes these and stores none of them; a checkpoint that differs is refused
+GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer is full, the others slide
+GEMMA2_ROPE_THETA = 10_000.0
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+
+
+def gguf_name(family: Family, hf_name: str) -> str:
+    """The GGUF name of a Hugging Face tensor; KeyError for one llama.cpp does not convert."""
+    stem, _, suffix = hf_name.rpartition(".")
+    if stem in TOP_NAMES:
+        return f"{TOP_NAMES[stem]}.{suffix}"
+    prefix, _, rest = stem.partition(".layers.")
+    block, _, local = rest.partition(".")
+    if prefix != "model" or not block.isdigit() or local not in family.block_names:
+        raise KeyError(f"{hf_name}: no GGUF name for it in family {family.arch!r}")
+    return f"blk.{block}.{family.block_names[local]}.{suffix}"

@@ -1,0 +1,287 @@
+"""Convert a small Hugging Face checkpoint to GGUF as llama.cpp's convert_hf_to_gguf.py does.
+
+For test fixtures: the tiny models of swarm.model.tiny, and any checkpoint of the same families
+small enough to hold in memory. The per-family conventions are data in gguf_tables.py; this file
+applies them. A checkpoint llama.cpp would convert into a different model (a layer pattern or an
+attention scale it does not store, a RoPE scaling this does not write) is refused, not converted.
+
+One deliberate difference: llama.cpp drops Mistral's sliding window (it converts Mistral as a
+Llama and computes it without one); this keeps it as `llama.attention.sliding_window`, so the
+file describes the model transformers computes.
+
+Usage: python -m devtools.hf_to_gguf HF_DIR OUT.gguf [--qtype F32|F16|BF16|Q8_0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from devtools.gguf_tables import (
+    FAMILIES,
+    GEMMA2_ROPE_THETA,
+    GEMMA3_LOCAL_ROPE_THETA,
+    GEMMA_SWA_PATTERN,
+    HF_ARCHITECTURES,
+    Family,
+    gguf_name,
+)
+from swarm.model.tiny import gemma_layer_types
+
+QTYPES = {
+    "F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "F16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "BF16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+_K = gguf.Keys
+
+
+class UnsupportedCheckpoint(ValueError):
+    """The checkpoint has a feature the GGUF file would not carry: converting it would make
+    a file of a different model."""
+
+
+def write_gguf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, qtype: str = "F32") -> Path:
+    """Write the Hugging Face folder `hf_dir` as the GGUF file `out_path`; returns its path.
+    2-D weights are stored as `qtype`; 1-D tensors and norms stay F32, as llama.cpp keeps them."""
+    if qtype not in QTYPES:
+        raise ValueError(f"qtype {qtype!r}: one of {', '.join(QTYPES)}")
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    config = hf_config(hf_dir)
+    name = family_of(config)
+    family = FAMILIES[name]
+    check_convertible(name, config)
+    writer = gguf.GGUFWriter(str(out_path), family.arch)
+    writer.add_type(gguf.GGUFType.MODEL)
+    # llama.cpp's name when the folder has no model card (transformers, given a "llama" file
+    # named exactly "mistral", looks for an arch gguf-py lacks, and fails to load it)
+    writer.add_name(hf_dir.name)
+    writer.add_file_type(QTYPES[qtype][1])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, value in {**family_fields(name, config), **tokenizer_fields(hf_dir, config)}.items():
+        _add_field(writer, key, value)
+    for tensor_name, array in gguf_tensors(family, config, _state_dict(hf_dir)):
+        data, kind = encode(tensor_name, array, qtype)
+        writer.add_tensor(tensor_name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def hf_config(hf_dir: Path) -> dict:
+    """The folder's config with every default filled in, as llama.cpp's converter reads it."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(hf_dir).to_dict()
+
+
+def family_of(config: dict) -> str:
+    arch = (config.get("architectures") or ["?"])[0]
+    if arch not in HF_ARCHITECTURES:
+        raise UnsupportedCheckpoint(f"architecture {arch}: one of {', '.join(HF_ARCHITECTURES)}")
+    return HF_ARCHITECTURES[arch]
+
+
+def _rope(config: dict, layer_type: str = "full_attention") -> dict:
+    rope = config.get("rope_parameters") or {}
+    return rope.get(layer_type, rope)
+
+
+def check_convertible(name: str, config: dict) -> None:
+    """UnsupportedCheckpoint if llama.cpp's file would describe another model than `config`."""
+    rope_type = _rope(config).get("rope_type", "default")
+    allowed = {"default", "llama3"} if name == "llama" else {"default"}
+    if rope_type not in allowed:
+        raise UnsupportedCheckpoint(f"{name}: RoPE scaling {rope_type!r} is not written")
+    layers, types = config["num_hidden_layers"], config.get("layer_types")
+    if name in ("qwen2", "qwen3") and types and "sliding_attention" in types:
+        raise UnsupportedCheckpoint(f"{name}: llama.cpp has no sliding window for it")
+    if name in GEMMA_SWA_PATTERN:
+        n = GEMMA_SWA_PATTERN[name]
+        if types != gemma_layer_types(layers, n):
+            raise UnsupportedCheckpoint(f"{name}: llama.cpp assumes every {n}th layer is full")
+        if config["query_pre_attn_scalar"] != config["head_dim"]:
+            raise UnsupportedCheckpoint(f"{name}: llama.cpp scales scores by 1/sqrt(head_dim)")
+        if not config.get("tie_word_embeddings", True):
+            raise UnsupportedCheckpoint(f"{name}: llama.cpp drops an untied lm_head")
+    if name == "gemma2" and _rope(config)["rope_theta"] != GEMMA2_ROPE_THETA:
+        raise UnsupportedCheckpoint("gemma2: llama.cpp assumes a RoPE base of 10000")
+    if name == "gemma3":
+        if _rope(config, "sliding_attention").get("rope_theta") != GEMMA3_LOCAL_ROPE_THETA:
+            raise UnsupportedCheckpoint("gemma3: llama.cpp fixes the local RoPE base at 10000")
+        if config.get("attn_logit_softcapping") is not None:
+            raise UnsupportedCheckpoint("gemma3: llama.cpp has no attention softcap for it")
+
+
+def family_fields(name: str, config: dict) -> dict[str, int | float]:
+    """The `{arch}.*` keys llama.cpp writes for this family, with their values."""
+    family = FAMILIES[name]
+    keys = lambda key: key.format(arch=family.arch)  # noqa: E731
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    fields = {
+        _K.LLM.CONTEXT_LENGTH: config["max_position_embeddings"],
+        _K.LLM.EMBEDDING_LENGTH: hidden,
+        _K.LLM.FEED_FORWARD_LENGTH: config["intermediate_size"],
+        _K.LLM.BLOCK_COUNT: config["num_hidden_layers"],
+        _K.Attention.HEAD_COUNT: heads,
+        _K.Attention.HEAD_COUNT_KV: config.get("num_key_value_heads") or heads,
+        _K.Attention.LAYERNORM_RMS_EPS: float(config["rms_norm_eps"]),
+    }
+    wanted = family.fields
+    if name != "gemma2":  # llama.cpp writes none for Gemma 2, and assumes 10000
+        fields[_K.Rope.FREQ_BASE] = float(_rope(config)["rope_theta"])
+    if "head_dim" in wanted and config.get("head_dim") is not None:
+        fields |= {_K.Attention.KEY_LENGTH: head_dim, _K.Attention.VALUE_LENGTH: head_dim}
+    if "rope_dims" in wanted:
+        fraction = _rope(config).get("partial_rotary_factor", 1.0)
+        fields[_K.Rope.DIMENSION_COUNT] = (
+            head_dim if name != "phi3" else int(fraction * hidden) // heads
+        )
+    if "vocab_size" in wanted:
+        fields[_K.LLM.VOCAB_SIZE] = config["vocab_size"]
+    if "sliding_window" in wanted and (config.get("sliding_window") or name == "phi3"):
+        fields[_K.Attention.SLIDING_WINDOW] = config.get("sliding_window") or 0
+    if "softcaps" in wanted and config.get("attn_logit_softcapping") is not None:
+        fields[_K.LLM.ATTN_LOGIT_SOFTCAPPING] = float(config["attn_logit_softcapping"])
+    if {"softcaps", "final_softcap"} & wanted and config.get("final_logit_softcapping"):
+        fields[_K.LLM.FINAL_LOGIT_SOFTCAPPING] = float(config["final_logit_softcapping"])
+    if "rope_swa" in wanted:
+        fields[_K.Rope.FREQ_BASE_SWA] = float(_rope(config, "sliding_attention")["rope_theta"])
+    if "rope_orig_ctx" in wanted:
+        fields[_K.Rope.SCALING_ORIG_CTX_LEN] = config["original_max_position_embeddings"]
+    return {keys(key): value for key, value in fields.items()}
+
+
+def tokenizer_fields(hf_dir: Path, config: dict) -> dict[str, object]:
+    """A minimal `tokenizer.ggml.*`: the vocabulary (the folder's tokenizer.json if it has
+    one, placeholders if not; transformers sizes the model by it) and the special ids."""
+    vocab = config["vocab_size"]
+    tokens = [f"[PAD{i}]" for i in range(vocab)]
+    types = [gguf.TokenType.UNUSED] * vocab
+    path = hf_dir / "tokenizer.json"
+    if path.is_file():
+        spec = json.loads(path.read_text())
+        entries = [(i, t, gguf.TokenType.NORMAL) for t, i in spec["model"]["vocab"].items()]
+        entries += [(a["id"], a["content"], gguf.TokenType.CONTROL) for a in spec["added_tokens"]]
+        for i, token, kind in entries:
+            tokens[i], types[i] = token, kind
+    fields: dict[str, object] = {
+        _K.Tokenizer.MODEL: "llama",
+        _K.Tokenizer.LIST: tokens,
+        _K.Tokenizer.SCORES: [0.0] * vocab,
+        _K.Tokenizer.TOKEN_TYPE: [int(t) for t in types],
+    }
+    ids = {"bos_token_id": _K.Tokenizer.BOS_ID, "eos_token_id": _K.Tokenizer.EOS_ID}
+    ids["pad_token_id"] = _K.Tokenizer.PAD_ID
+    for field, key in ids.items():
+        value = config.get(field)
+        if isinstance(value, list):  # several eos ids: GGUF keeps one
+            value = value[0]
+        if value is not None:
+            fields[key] = int(value)
+    return fields
+
+
+def _add_field(writer: gguf.GGUFWriter, key: str, value) -> None:
+    """Ints as uint32, floats as float32, as llama.cpp writes these keys; lists as arrays of
+    their items' type (int32 token types, float32 scores, strings)."""
+    if isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    else:
+        writer.add_array(key, value)
+
+
+def _state_dict(hf_dir: Path) -> dict[str, np.ndarray]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for part in sorted(hf_dir.glob("model*.safetensors")):
+        state |= {k: v.float().numpy() for k, v in load_file(part).items()}
+    if not state:
+        raise FileNotFoundError(f"{hf_dir}: no model*.safetensors")
+    return state
+
+
+def gguf_tensors(family: Family, config: dict, state: dict[str, np.ndarray]):
+    """(GGUF name, float32 array) for every tensor of the file, in the checkpoint's order, then
+    the ones llama.cpp derives from the config (Llama 3's rope_freqs)."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    for hf_name, array in state.items():
+        if family.must_tie and hf_name == "lm_head.weight":
+            continue
+        name = gguf_name(family, hf_name)
+        if family.permute_qk and ".attn_q." in name:
+            array = interleave_rope_rows(array, heads)
+        elif family.permute_qk and ".attn_k." in name:
+            array = interleave_rope_rows(array, kv_heads)
+        if family.norm_plus_one and hf_name.endswith("norm.weight"):
+            array = array + np.float32(1.0)
+        yield name, np.ascontiguousarray(array, dtype=np.float32)
+    if "llama3_rope" in family.fields and _rope(config).get("rope_type") == "llama3":
+        yield "rope_freqs.weight", llama3_rope_factors(config)
+
+
+def interleave_rope_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """A q or k projection's rows (or bias) as llama.cpp's Llama stores them: within each head,
+    Hugging Face's rotated halves [x0..x(d/2-1) | y0..y(d/2-1)] become pairs x0 y0 x1 y1 ..."""
+    half = rows.shape[0] // heads // 2
+    split = rows.reshape(heads, 2, half, *rows.shape[1:])  # [head, half-index, row, ...]
+    return split.swapaxes(1, 2).reshape(rows.shape)
+
+
+def llama3_rope_factors(config: dict) -> np.ndarray:
+    """rope_freqs.weight: what llama.cpp divides each RoPE frequency by under Llama 3.1's
+    scaling (1 for short wavelengths, `factor` for long ones, a blend between)."""
+    rope = _rope(config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    context = rope["original_max_position_embeddings"]
+    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    factors = []
+    for wavelength in 2 * math.pi / freqs:
+        if wavelength < context / high:
+            factors.append(1.0)
+        elif wavelength > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def encode(
+    name: str, array: np.ndarray, qtype: str
+) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """The tensor's bytes in the file: F32 for 1-D tensors and norms, `qtype` for the rest."""
+    kind = QTYPES[qtype][0]
+    if array.ndim <= 1 or name.endswith("_norm.weight"):
+        kind = gguf.GGMLQuantizationType.F32
+    return gguf.quants.quantize(array, kind), kind
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("hf_dir")
+    parser.add_argument("out")
+    parser.add_argument("--qtype", default="F32", choices=sorted(QTYPES))
+    args = parser.parse_args()
+    print(write_gguf(args.hf_dir, args.out, args.qtype))
+
+
+if __name__ == "__main__":
+    main()
