@@ -33,7 +33,7 @@ class Family:
     local_theta: float | None = None  # windowed layers' RoPE base when a file omits it
     softcaps: tuple[float | None, float | None] = (None, None)  # attention, final defaults
     gguf_permuted: bool = False  # llama.cpp interleaved q/k rows for its RoPE
-    sliding: bool = True  # reads a sliding window (transformers' Llama ignores one)
+    sliding: bool = True  # config.json's sliding_window counts (transformers' Llama ignores it)
     wire_dtype: str = "float16"  # Gemma's residual stream passes float16's 65,504
 
 
@@ -267,7 +267,9 @@ def config_from_gguf(
     layers = int(field(f"{arch}.block_count"))
     head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
     rotary = int(field(f"{arch}.rope.dimension_count", head_dim))
-    window = field(f"{arch}.attention.sliding_window", None) if f.sliding else None
+    # read for every architecture: llama.cpp files Mistral under "llama", and a file that
+    # states a window means it (llama.cpp's own converter drops Mistral's, then computes none)
+    window = field(f"{arch}.attention.sliding_window", None)
     period = int(field(f"{arch}.attention.sliding_window_pattern", f.window_period))
     windows = ()
     if window:

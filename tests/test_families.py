@@ -1,0 +1,166 @@
+"""Every family the node computes gives transformers' own tokens: tiny random models of each
+(swarm.model.tiny), from their safetensors folder and from a GGUF written the way llama.cpp
+writes it (devtools.hf_to_gguf), split 2 and 3 ways at float32, with prompts longer than any
+sliding window; batched sessions give each one's tokens alone; every tensor is consumed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from devtools.hf_to_gguf import write_gguf
+from devtools.launch import start_swarm, stop_all
+from swarm.client.client import Client
+from swarm.model.blocks import Block, Span
+from swarm.model.head import Head
+from swarm.model.source import open_model
+from swarm.model.tiny import FAMILIES, reference_greedy, save_tiny, save_tiny_tokenizer
+from tests.conftest import swarm_greedy
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+VARIANTS = {
+    **{f: (f, {}) for f in FAMILIES},
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
+}
+PROMPT = [(7 * i + 3) % 500 + 5 for i in range(30)]  # past every window (8 or 16)
+NEW_TOKENS = 40
+SPLITS = {2: [(0, 3), (3, 6)], 3: [(0, 2), (2, 4), (4, 6)]}
+FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """variant -> (reference model, safetensors folder, GGUF path), each made on first use."""
+    cache = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            family, config = VARIANTS[variant]
+            folder = tmp_path_factory.mktemp(variant)
+            model = save_tiny(family, folder, **config)
+            save_tiny_tokenizer(folder)
+            gguf = write_gguf(folder, tmp_path_factory.mktemp("gguf") / f"{variant}.gguf")
+            cache[variant] = model, folder, gguf, reference_greedy(model, PROMPT, NEW_TOKENS)
+        return cache[variant]
+
+    return get
+
+
+def split_greedy(path, spans, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of several sessions through `spans` in this process, their decode steps
+    batched in one pass per span as a node batches them."""
+    source = open_model(str(path))
+    head = Head.load(source, weights="float32")
+    parts = [Span.load(source, a, b, weights="float32") for a, b in spans]
+    caches = [[p.allocate_cache(p.start, p.end, 128) for p in parts] for _ in prompts]
+    h = [head.embed_tokens(ids) for ids in prompts]
+    for part, i in zip(parts, range(len(parts))):
+        h = [part.forward(x, c[i], 0, part.start, part.end) for x, c in zip(h, caches)]
+    out = [[int(head.logits(x[0, -1]).argmax())] for x in h]
+    for _ in range(new_tokens - 1):
+        x = torch.cat([head.embed_tokens([toks[-1]])[0] for toks in out])
+        positions = [c[0].length for c in caches]
+        for part, i in zip(parts, range(len(parts))):
+            x = part.decode(x, [c[i] for c in caches], positions, part.start, part.end)
+        for toks, row in zip(out, head.logits_rows(x)):
+            toks.append(int(row.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("ways", [2, 3])
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_split_gives_transformers_greedy_tokens(made, variant, fmt, ways):
+    _, folder, gguf, want = made(variant)
+    path = folder if fmt == "safetensors" else gguf
+    assert split_greedy(path, SPLITS[ways], [PROMPT], NEW_TOKENS) == [want]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_batched_sessions_each_get_their_own_tokens(made, variant):
+    model, folder, _, _ = made(variant)
+    prompts = [PROMPT, PROMPT[:7], PROMPT[5:26]]  # inside and past the window, at once
+    want = [reference_greedy(model, p, 24) for p in prompts]
+    assert split_greedy(folder, SPLITS[2], prompts, 24) == want
+
+
+def file_tensors(source, block: int) -> set[str]:
+    """The names the file holds for one block, read apart from the loader."""
+    if hasattr(source, "file"):
+        return {n for n in source.file.tensors if n.startswith(f"blk.{block}.")}
+    from safetensors import safe_open
+
+    names = set()
+    for f in source.path.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            names |= {n for n in st.keys() if n.startswith(f"model.layers.{block}.")}
+    return names
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_tensor_of_every_block_is_consumed(made, variant, fmt):
+    _, folder, gguf, _ = made(variant)
+    source = open_model(str(folder if fmt == "safetensors" else gguf))
+    for block in range(source.config.num_layers):
+        raw = source.block_raw(block)
+        Block.load(source.config, raw, "float32", None)
+        assert not raw.unread() and len(raw) == len(file_tensors(source, block))
+
+
+def test_a_block_with_a_tensor_its_family_does_not_compute_is_refused(made, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, folder, _, _ = made("qwen2")
+    for f in folder.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.4.self_attn.q_norm.weight"] = torch.ones(16)  # Qwen3's, in block 4
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="block 4 .*has self_attn.q_norm.weight"):
+        open_model(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ({"model_type": "olmo2"}, "model_type 'olmo2' is not one this node computes"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn'"),
+        ({"hidden_act": "relu2"}, "activation 'relu2'"),
+    ],
+)
+def test_what_changes_the_math_and_is_not_built_is_refused_by_name(made, tmp_path, change, said):
+    _, folder, _, _ = made("qwen3")
+    for f in folder.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=said):
+        open_model(str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt, ways", [("safetensors", 3), ("gguf", 2)])
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_nodes_of_each_family_give_transformers_tokens(made, variant, fmt, ways):
+    _, folder, gguf, want = made(variant)
+    path = str(folder if fmt == "safetensors" else gguf)
+    nodes = start_swarm(SPLITS[ways], model=path, extra=FLAGS)
+    try:
+        client = Client(nodes[0].maddrs[:1], model=path, wire_dtype="float32")
+        try:
+            assert swarm_greedy(client, PROMPT, NEW_TOKENS) == want
+        finally:
+            client.close()
+    finally:
+        stop_all(nodes)
