@@ -9,6 +9,7 @@ memory the converted weights replace.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -82,6 +83,33 @@ class GGUFFile:
             return np.frombuffer(buf, dtype=_FLOAT_TYPES[t.kind]).reshape(t.shape[::-1])
         rows = int(np.prod(t.shape[1:]))
         return np.frombuffer(buf, dtype=np.uint8).reshape(rows, -1)
+
+    def mapped(self, name: str) -> np.ndarray:
+        """The tensor's bytes as `read` shapes them, mapped from the file rather than read:
+        for a table a process keeps for life but touches a few rows at a time (the client's
+        embeddings), whose pages the kernel may then drop and read again (`unmap_pages`)."""
+        t = self.tensors[name]
+        with open(self.path, "rb") as f:
+            whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if t.kind in _FLOAT_TYPES:
+            dtype = _FLOAT_TYPES[t.kind]
+            count = t.nbytes // np.dtype(dtype).itemsize
+            arr = np.frombuffer(whole, dtype=dtype, count=count, offset=t.offset)
+            return arr.reshape(t.shape[::-1])
+        arr = np.frombuffer(whole, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        return arr.reshape(int(np.prod(t.shape[1:])), -1)
+
+
+def unmap_pages(data) -> None:
+    """Let go of the resident pages of a `mapped` array (after converting all of it once, say):
+    they stay in the page cache, off this process's RSS, and come back on the next touch."""
+    base = data
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    if isinstance(base, mmap.mmap):
+        base.madvise(mmap.MADV_DONTNEED)
 
 
 def _string(f) -> str:

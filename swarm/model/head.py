@@ -6,6 +6,7 @@ import torch
 
 from swarm.model.blocks import rms_norm
 from swarm.model.config import ModelConfig
+from swarm.model.gguf_file import unmap_pages
 from swarm.model.linear import Dense, Linear, RawTensor, make_linear, release_freed_memory
 
 RESCORED = 64  # the quantized head's top candidates whose logits are recomputed exactly
@@ -53,6 +54,8 @@ class Head:
             exact = embed if tied else lm_head
         norm = raw["norm"].float32() + source.config.norm_offset
         head = cls(source.config, embed, norm, linear, exact)
+        for table in (raw["embed"], lm_head):  # read whole once to convert; now a row a time
+            unmap_pages(table.data)
         release_freed_memory()
         return head
 

@@ -187,8 +187,14 @@ class GGUFSource:
         return OnDemand(_block_map(self._names, f"blk.{block}.", self._tensors), self.raw)
 
     def head_raw(self) -> dict[str, RawTensor]:
-        embed = self.raw("token_embd.weight")
-        lm_head = self.raw("output.weight") if "output.weight" in self._tensors else embed
+        """Embeddings and LM head mapped from the file: a client looks up a few rows of them
+        a token (a 262k-row table is 170 MB at Q8_0) and keeps them for its whole life."""
+
+        def mapped(name: str) -> RawTensor:
+            return RawTensor(name, self._tensors[name].kind, self.file.mapped(name))
+
+        embed = mapped("token_embd.weight")
+        lm_head = mapped("output.weight") if "output.weight" in self._tensors else embed
         return {"embed": embed, "norm": self.raw("output_norm.weight"), "lm_head": lm_head}
 
     def tokenizer(self):
