@@ -456,6 +456,8 @@ def main() -> None:
     if a.child_client:
         print(json.dumps(client_child(a.child_client)))
         return
+    # transformers' GGUF loader draws a progress bar with tqdm itself; tqdm reads this on import
+    os.environ.setdefault("TQDM_DISABLE", "1")
     path = a.model or gemma_path()
     cpu = next(
         (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line),
