@@ -47,9 +47,12 @@ def main() -> None:
         ).eval()
     texts = [tok(SAMPLE_TEXT)["input_ids"]]
     for prompt in PROMPTS:  # the reference's own greedy answers, read back teacher-forced
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True
-        )
+        if tok.chat_template is None:  # a base model's file (Gemma 3 270M's GGUF): plain text
+            ids = tok(prompt)["input_ids"]
+        else:
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True
+            )
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         out = model.generate(torch.tensor([ids]), max_new_tokens=a.new_tokens, do_sample=False)
         texts.append(out[0].tolist())
