@@ -21,7 +21,7 @@ def test_fused_projections_hold_each_matrix_as_it_would_be_held_alone(tiny_model
     block = Span.load(source, 0, 1, weights=weights).blocks[0]
     for fused, names in (
         (block.qkv, ("q", "k", "v")),
-        (block.gate_up, ("gate", "up")),
+        (block.mlp.gate_up, ("gate", "up")),
     ):
         assert len(fused.linears) == 1 and fused.linears[0].matrices == len(names)
         alone = torch.cat([make_linear(raw[n], weights).dequantized() for n in names])

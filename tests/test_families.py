@@ -114,7 +114,7 @@ def test_every_tensor_of_every_block_is_consumed(made, variant, fmt):
     source = open_model(str(folder if fmt == "safetensors" else gguf))
     for block in range(source.config.num_layers):
         raw = source.block_raw(block)
-        Block.load(source.config, raw, "float32", None)
+        Block.load(source.config, block, raw, "float32", None)
         assert not raw.unread() and len(raw) == len(file_tensors(source, block))
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from swarm.model.blocks import Block, KVCache, Span
+from swarm.model.experts import MLP
 from swarm.model.linear import Dense, Fused, Int4, Int8, Linear, RawTensor, make_linear
 from swarm.model.quant import gguf_int4, quantize_int4
 from swarm.model.source import default_model_path, open_model
@@ -162,8 +163,10 @@ def as_float32(span: Span) -> Span:
     blocks = []
     for b in span.blocks:
         qkv = Fused([dense(lin) for lin in b.qkv.linears], b.qkv.sizes)
-        gate_up = Fused([dense(lin) for lin in b.gate_up.linears], b.gate_up.sizes)
-        blocks.append(Block(span.config, b.norms, qkv, dense(b.o), gate_up, dense(b.down)))
+        m = b.mlp
+        gate_up = Fused([dense(lin) for lin in m.gate_up.linears], m.gate_up.sizes)
+        mlp = MLP(gate_up, dense(m.down), m.activate)
+        blocks.append(Block(span.config, b.norms, qkv, dense(b.o), mlp))
     return Span(span.config, span.start, span.end, blocks, "float32")
 
 

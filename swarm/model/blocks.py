@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.model.config import ModelConfig
+from swarm.model.experts import MLP, Experts
 from swarm.model.families import block_tensors
 from swarm.model.linear import (
     WEIGHT_FORMATS,
@@ -87,12 +88,11 @@ class Block:
         norms: dict[str, torch.Tensor],
         qkv: Fused,
         o: Linear,
-        gate_up: Fused,
-        down: Linear,
+        mlp: MLP | Experts,
     ):
         self.c = config
         self.norms = norms  # attn_norm, mlp_norm [, q_norm, k_norm, attn_post_norm, ...]
-        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.qkv, self.o, self.mlp = qkv, o, mlp
         if config.qk_norm:  # one weight row per head of q and of k, normed in one go
             c = config
             self.qk_norm = torch.cat(
@@ -100,9 +100,11 @@ class Block:
             )
 
     @classmethod
-    def load(cls, config: ModelConfig, raw, weights: str, usable) -> Block:
-        """The block from its tensors (blocks.py's names); a tensor left unused is an error."""
+    def load(cls, config: ModelConfig, layer: int, raw, weights: str, usable) -> Block:
+        """Block `layer` from its tensors (blocks.py's names); a tensor left unused is an
+        error."""
         c = config
+        activate = ACTIVATE[c.activation]
 
         def bias(name: str) -> torch.Tensor | None:
             return raw[name + ".bias"].float32() if name + ".bias" in raw else None
@@ -122,17 +124,18 @@ class Block:
             return out
 
         norms = {
-            n: raw[n].float32() + c.norm_offset for n in block_tensors(c) if n.endswith("norm")
+            n: raw[n].float32() + c.norm_offset
+            for n in block_tensors(c, layer)
+            if n.endswith("norm")
         }
         q, kv, ff = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.intermediate
-        block = cls(
-            c,
-            norms,
-            fused(("qkv",) if c.fused else ("q", "k", "v"), [q, kv, kv]),
-            linear("o"),
-            fused(("gate_up",) if c.fused else ("gate", "up"), [ff, ff]),
-            linear("down"),
-        )
+        qkv, o = fused(("qkv",) if c.fused else ("q", "k", "v"), [q, kv, kv]), linear("o")
+        if c.moe(layer):
+            mlp = Experts.load(c, raw, weights, usable, activate)
+        else:
+            gate_up = fused(("gate_up",) if c.fused else ("gate", "up"), [ff, ff])
+            mlp = MLP(gate_up, linear("down"), activate)
+        block = cls(c, norms, qkv, o, mlp)
         if unread := raw.unread():
             raise ValueError(f"{c.name}: tensors {sorted(unread)} were not used; refused")
         return block
@@ -140,7 +143,7 @@ class Block:
     @property
     def linears(self) -> tuple[Linear, ...]:
         """The matrices as held (fused ones count once; `Linear.matrices` says how many)."""
-        return (*self.qkv.linears, self.o, *self.gate_up.linears, self.down)
+        return (*self.qkv.linears, self.o, *self.mlp.linears)
 
     @property
     def nbytes(self) -> int:
@@ -168,8 +171,7 @@ class Block:
         if c.post_norms:
             out = rms_norm(out, norms["attn_post_norm"], c.rms_eps)
         h = h + out
-        gate, up = self.gate_up(rms_norm(h, norms["mlp_norm"], c.rms_eps)).chunk(2, dim=-1)
-        out = self.down(ACTIVATE[c.activation](gate) * up).float()
+        out = self.mlp(rms_norm(h, norms["mlp_norm"], c.rms_eps))
         if c.post_norms:
             out = rms_norm(out, norms["mlp_post_norm"], c.rms_eps)
         return h + out
@@ -282,7 +284,7 @@ class Span:
         source.config.check_span(start, end)
         blocks = []
         for i in range(start, end):
-            blocks.append(Block.load(source.config, source.block_raw(i), weights, usable))
+            blocks.append(Block.load(source.config, i, source.block_raw(i), weights, usable))
             if progress is not None:
                 progress(i - start + 1, end - start)
         return cls(source.config, start, end, blocks, weights)

@@ -59,6 +59,12 @@ class ModelConfig:
     final_softcap: float | None = None  # the same on the logits
     embed_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden))
     wire_dtype: str = "float16"  # activations between nodes; Gemma's overflow float16
+    experts: int = 0  # a mixture of experts' MLPs per layer (0: one dense MLP)
+    experts_used: int = 0  # chosen per token
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert (0: none)
+    topk_norm: bool = True  # the chosen experts' weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of a mixture model with a dense MLP
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -68,6 +74,9 @@ class ModelConfig:
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
+
+    def moe(self, layer: int) -> bool:
+        return self.experts > 0 and layer not in self.dense_layers
 
     def rope_of(self, layer: int) -> Rope:
         if self.local_rope is not None and self.window(layer) is not None:

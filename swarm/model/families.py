@@ -11,7 +11,7 @@ Anything that changes the math and is not built here is refused by name at load.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from swarm.model.config import Llama3Rope, ModelConfig, Rope
 
@@ -35,6 +35,16 @@ class Family:
     gguf_permuted: bool = False  # llama.cpp interleaved q/k rows for its RoPE
     sliding: bool = True  # config.json's sliding_window counts (transformers' Llama ignores it)
     wire_dtype: str = "float16"  # Gemma's residual stream passes float16's 65,504
+    moe: bool = False  # a mixture of experts (GGUF: told apart from a dense arch by expert_count)
+    topk_norm: bool = True  # renormalise the chosen experts' weights (config.json's default)
+    gguf_topk_norm: bool | None = None  # llama.cpp's, where it differs (Qwen3-MoE: it does)
+    # config.json names of a mixture layer's router and expert e's gate, up and down
+    hf_experts: tuple[str, ...] = (
+        "mlp.gate",
+        "mlp.experts.{e}.gate_proj",
+        "mlp.experts.{e}.up_proj",
+        "mlp.experts.{e}.down_proj",
+    )
 
 
 FAMILIES = {
@@ -45,6 +55,37 @@ FAMILIES = {
         Family("qwen2", ("qwen2",), ("qwen2",), window_opt_in=True),
         Family("qwen3", ("qwen3",), ("qwen3",), qk_norm=True, window_opt_in=True),
         Family("phi3", ("phi3",), ("phi3",), fused=True),
+        Family(
+            "mixtral",
+            ("mixtral",),
+            ("llama",),  # llama.cpp files Mixtral as llama with experts
+            gguf_permuted=True,
+            moe=True,
+            hf_experts=(
+                "block_sparse_moe.gate",
+                "block_sparse_moe.experts.{e}.w1",
+                "block_sparse_moe.experts.{e}.w3",
+                "block_sparse_moe.experts.{e}.w2",
+            ),
+        ),
+        Family(
+            "qwen2_moe",
+            ("qwen2_moe",),
+            ("qwen2moe",),
+            window_opt_in=True,
+            moe=True,
+            topk_norm=False,
+        ),
+        Family(
+            "qwen3_moe",
+            ("qwen3_moe",),
+            ("qwen3moe",),
+            qk_norm=True,
+            window_opt_in=True,
+            moe=True,
+            topk_norm=False,
+            gguf_topk_norm=True,
+        ),
         Family(
             "gemma2",
             ("gemma2",),
@@ -97,31 +138,54 @@ _NAMES = {
 }
 
 
-def block_tensors(c: ModelConfig) -> tuple[str, ...]:
-    """The tensors (blocks.py's names) every block of `c` must have; biases are optional."""
+def block_tensors(c: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The tensors (blocks.py's names) block `layer` of `c` must have, a mixture's experts
+    aside (`block_names` adds them); biases are optional."""
     names = ["attn_norm", *(["qkv"] if c.fused else ["q", "k", "v"]), "o", "mlp_norm"]
-    names += ["gate_up"] if c.fused else ["gate", "up"]
-    names += ["down"]
+    if not c.moe(layer):
+        names += ["gate_up", "down"] if c.fused else ["gate", "up", "down"]
     names += ["q_norm", "k_norm"] if c.qk_norm else []
     names += ["attn_post_norm", "mlp_post_norm"] if c.post_norms else []
     return tuple(names)
 
 
-def block_names(c: ModelConfig, gguf: bool) -> dict[str, str]:
-    """blocks.py's name -> the file's name within a block ("blk.N." / "model.layers.N." and
-    ".weight" left out), biases included for every linear."""
+def block_names(c: ModelConfig, gguf: bool, layer: int) -> dict[str, str]:
+    """blocks.py's name -> the file's name within block `layer` ("blk.N." / "model.layers.N."
+    and ".weight" left out)."""
     out = {}
-    for name in block_tensors(c):
+    for name in block_tensors(c, layer):
         hf, gg = _NAMES[name]
         if name == "mlp_norm" and c.post_norms:
             hf = "pre_feedforward_layernorm"  # Gemma: post_attention_layernorm is another norm
         out[name] = gg if gguf else hf
+    if c.moe(layer):
+        out |= _expert_names(c, gguf)
     return out
 
 
-def family_of(kind: str, gguf: bool, where: str) -> Family:
+def _expert_names(c: ModelConfig, gguf: bool) -> dict[str, str]:
+    """A mixture layer's router and experts: GGUF stacks each kind of expert matrix in one 3-D
+    tensor, config.json folders keep one per expert."""
+    if gguf:
+        out = {"router": "ffn_gate_inp"}
+        out |= {f"experts.{p}": f"ffn_{p}_exps" for p in ("gate", "up", "down")}
+        if c.shared_intermediate:
+            out |= {f"shared.{p}": f"ffn_{p}_shexp" for p in ("gate", "up", "down")}
+            out["shared_gate"] = "ffn_gate_inp_shexp"
+        return out
+    router, *parts = FAMILIES[c.family].hf_experts
+    out = {"router": router}
+    for e in range(c.experts):
+        out |= {f"expert.{e}.{p}": n.format(e=e) for p, n in zip(("gate", "up", "down"), parts)}
+    if c.shared_intermediate:
+        out |= {f"shared.{p}": f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")}
+        out["shared_gate"] = "mlp.shared_expert_gate"
+    return out
+
+
+def family_of(kind: str, gguf: bool, where: str, moe: bool = False) -> Family:
     for f in FAMILIES.values():
-        if kind in (f.gguf_archs if gguf else f.hf_types):
+        if kind in (f.gguf_archs if gguf else f.hf_types) and (not gguf or f.moe == moe):
             return f
     said = "architecture" if gguf else "model_type"
     known = sorted(a for f in FAMILIES.values() for a in (f.gguf_archs if gguf else f.hf_types))
@@ -240,7 +304,23 @@ def config_from_hf(cfg: dict, name: str, where: str) -> tuple[ModelConfig, bool]
         embed_scale=float(hidden) ** 0.5 if f.embed_scaled else None,
         wire_dtype=f.wire_dtype,
     )
+    if f.moe:
+        config = replace(config, **_hf_experts(f, cfg))
     return config, bool(cfg.get("tie_word_embeddings", f.tied))
+
+
+def _hf_experts(f: Family, cfg: dict) -> dict:
+    """A mixture's fields from config.json (transformers' names and defaults)."""
+    layers, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1)
+    only = set(cfg.get("mlp_only_layers") or ())
+    return dict(
+        experts=cfg.get("num_local_experts") or cfg["num_experts"],
+        experts_used=cfg["num_experts_per_tok"],
+        expert_intermediate=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        shared_intermediate=cfg.get("shared_expert_intermediate_size") or 0,
+        topk_norm=bool(cfg.get("norm_topk_prob", f.topk_norm)),
+        dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step),
+    )
 
 
 # ---- GGUF metadata ---------------------------------------------------------------------------
@@ -252,7 +332,7 @@ def config_from_gguf(
     """A GGUF file's ModelConfig from its metadata (`field(key, default)`; a missing key
     without a default raises) and tensor names; `freq_factors` reads rope_freqs.weight."""
     arch = field("general.architecture")
-    f = family_of(arch, gguf=True, where=name)
+    f = family_of(arch, gguf=True, where=name, moe=int(field(f"{arch}.expert_count", 0)) > 0)
     per_layer = [
         k
         for k in ("attention.head_count", "feed_forward_length")
@@ -285,7 +365,7 @@ def config_from_gguf(
         family=f.name,
         num_layers=layers,
         hidden=hidden,
-        intermediate=int(field(f"{arch}.feed_forward_length")),
+        intermediate=int(field(f"{arch}.feed_forward_length", 0)),
         heads=heads,
         kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -308,7 +388,27 @@ def config_from_gguf(
         embed_scale=float(hidden) ** 0.5 if f.embed_scaled else None,
         wire_dtype=f.wire_dtype,
     )
+    if f.moe:
+        config = replace(config, **_gguf_experts(f, field, arch, tensors, layers))
     return config, f
+
+
+def _gguf_experts(f: Family, field, arch: str, tensors, layers: int) -> dict:
+    """A mixture's fields from GGUF metadata; which layers are dense from their tensors."""
+    norm = f.topk_norm if f.gguf_topk_norm is None else f.gguf_topk_norm
+    width = field(f"{arch}.expert_feed_forward_length", None)
+    shared = 0
+    if "blk.0.ffn_up_shexp.weight" in tensors:
+        shared = int(field(f"{arch}.expert_shared_feed_forward_length"))
+    routed = {i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors}
+    return dict(
+        experts=int(field(f"{arch}.expert_count")),
+        experts_used=int(field(f"{arch}.expert_used_count")),
+        expert_intermediate=int(width or field(f"{arch}.feed_forward_length")),
+        shared_intermediate=shared,
+        topk_norm=bool(field(f"{arch}.expert_weights_norm", norm)),
+        dense_layers=tuple(i for i in range(layers) if i not in routed),
+    )
 
 
 def _gguf_rope(field, arch: str, name: str, tensors, freq_factors) -> Rope:

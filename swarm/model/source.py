@@ -28,13 +28,15 @@ CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
 TOKENIZER_CACHE = CACHE_HOME / "swarm" / "tokenizers"
 
 
-def _check_block_tensors(where: str, present: dict[int, set[str]], names: dict[str, str]):
-    """Every block must hold exactly the tensors its family computes (file names, ".weight"
-    and ".bias" kept): one with others (experts, norms of another architecture under this
-    label) or without some is refused, not computed wrong or failing with a KeyError mid-load."""
-    required = {f"{n}.weight" for n in names.values()}
-    known = required | {f"{names[n]}.bias" for n in LINEARS if n in names}
+def _check_block_tensors(where: str, present: dict[int, set[str]], names_of):
+    """Every block must hold exactly the tensors its family computes (`names_of(block)`: file
+    names, ".weight" and ".bias" kept): one with others (experts, norms of another
+    architecture under this label) or without some is refused, not computed wrong or failing
+    with a KeyError mid-load."""
     for block, have in sorted(present.items()):
+        names = names_of(block)
+        required = {f"{n}.weight" for n in names.values()}
+        known = required | {f"{names[n]}.bias" for n in LINEARS if n in names}
         missing, unknown = required - have, have - known
         if missing or unknown:
             said = [f"has {', '.join(sorted(unknown)[:4])}" if unknown else ""]
@@ -153,7 +155,6 @@ class GGUFSource:
         self.config, self.family = config_from_gguf(
             self._field, self._tensors, path.stem, self._freq_factors
         )
-        self._names = block_names(self.config, gguf=True)
         _check_block_tensors(path.name, _by_block(self._tensors, "blk."), self._names)
 
     def _freq_factors(self) -> tuple[float, ...]:
@@ -184,7 +185,11 @@ class GGUFSource:
         return RawTensor(name, self._tensors[name].kind, data)
 
     def block_raw(self, block: int) -> OnDemand:
-        return OnDemand(_block_map(self._names, f"blk.{block}.", self._tensors), self.raw)
+        names = _block_map(self._names(block), f"blk.{block}.", self._tensors)
+        return OnDemand(names, self.raw)
+
+    def _names(self, block: int) -> dict[str, str]:
+        return block_names(self.config, True, block)
 
     def head_raw(self) -> dict[str, RawTensor]:
         """Embeddings and LM head mapped from the file: a client looks up a few rows of them
@@ -234,7 +239,6 @@ class SafetensorsSource:
                     self._where[k] = f
         if not self._where:
             raise FileNotFoundError(f"{path} has no *.safetensors files")
-        self._names = block_names(self.config, gguf=False)
         _check_block_tensors(str(path), _by_block(self._where, "model.layers."), self._names)
 
     def fingerprint(self) -> str:
@@ -251,8 +255,11 @@ class SafetensorsSource:
             return RawTensor(name, "torch", st.get_tensor(name))
 
     def block_raw(self, block: int) -> OnDemand:
-        names = _block_map(self._names, f"model.layers.{block}.", self._where)
+        names = _block_map(self._names(block), f"model.layers.{block}.", self._where)
         return OnDemand(names, self.raw)
+
+    def _names(self, block: int) -> dict[str, str]:
+        return block_names(self.config, False, block)
 
     def head_raw(self) -> dict[str, RawTensor]:
         embed = self.raw("model.embed_tokens.weight")

@@ -1,0 +1,108 @@
+"""The MLPs of a block: the gated MLP, and a mixture of experts. In a mixture a router picks
+`experts_used` of `experts` gated MLPs per row and mixes their outputs by its softmax weights
+(renormalised over the chosen where the family does it); Qwen2-MoE adds a shared expert behind
+a sigmoid gate.
+
+Compute follows the rows: the rows of a pass (one session's prompt, or one token of each of
+several sessions) are grouped by the experts they chose, and each chosen expert multiplies its
+rows once; an expert no row chose is never touched. Experts stay in the file's formats, one
+Linear each, so a layer holds about the file's bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swarm.model.config import ModelConfig
+from swarm.model.linear import Fused, Linear, RawTensor, make_linear, release_freed_memory
+
+
+def expert_rows(raw: RawTensor, expert: int, experts: int) -> RawTensor:
+    """Expert `expert`'s matrix out of a GGUF 3-D tensor of `experts` stacked ones (quantized
+    ones come as [experts * rows, bytes per row], float ones as [experts, rows, cols])."""
+    data = raw.data
+    if data.ndim == 3:
+        return RawTensor(raw.name, raw.kind, data[expert])
+    rows = data.shape[0] // experts
+    return RawTensor(raw.name, raw.kind, data[expert * rows : (expert + 1) * rows])
+
+
+class MLP:
+    """The gated MLP: down(activation(gate(x)) * up(x)), gate and up one matrix."""
+
+    def __init__(self, gate_up: Fused, down: Linear, activate):
+        self.gate_up, self.down, self.activate = gate_up, down, activate
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return (*self.gate_up.linears, self.down)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, hidden] -> [rows, hidden] float32."""
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.activate(gate) * up).float()
+
+
+class Experts:
+    def __init__(
+        self,
+        config: ModelConfig,
+        router: Linear,
+        experts: list[MLP],
+        shared: tuple[MLP, Linear] | None,
+    ):
+        self.c = config
+        self.router, self.experts, self.shared = router, experts, shared
+
+    @classmethod
+    def load(cls, config: ModelConfig, raw, weights: str, usable, activate) -> Experts:
+        """From per-expert tensors ("expert.{e}.gate", ...: safetensors) or stacked ones
+        ("experts.gate", ...: GGUF's 3-D *_exps)."""
+        c, n = config, config.experts
+        stacked = "experts.gate" in raw
+        if stacked:
+            whole = {part: raw[f"experts.{part}"] for part in ("gate", "up", "down")}
+
+        def part(e: int, name: str) -> RawTensor:
+            return expert_rows(whole[name], e, n) if stacked else raw[f"expert.{e}.{name}"]
+
+        def mlp(gate: RawTensor, up: RawTensor, down: RawTensor) -> MLP:
+            gate_up = Fused.load([gate, up], weights, [None, None], usable)
+            return MLP(gate_up, make_linear(down, weights, None, usable), activate)
+
+        experts = [mlp(part(e, "gate"), part(e, "up"), part(e, "down")) for e in range(n)]
+        if stacked:
+            del whole
+        release_freed_memory()
+        shared = None
+        if c.shared_intermediate:
+            gate = make_linear(raw["shared_gate"], "float32", None, usable)
+            shared = mlp(raw["shared.gate"], raw["shared.up"], raw["shared.down"]), gate
+        router = make_linear(raw["router"], "float32", None, usable)  # routing decides all
+        return cls(c, router, experts, shared)
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        out = [self.router, *(lin for mlp in self.experts for lin in mlp.linears)]
+        if self.shared is not None:
+            out += [*self.shared[0].linears, self.shared[1]]
+        return tuple(out)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, hidden] (normed, float32) -> [rows, hidden] float32: transformers' steps
+        (softmax in float32, top-k, renormalised where the family does; experts added in
+        ascending order, so the float32 path stays token-exact)."""
+        c = self.c
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, c.experts_used, dim=-1)  # [rows, used]
+        if c.topk_norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in torch.unique(chosen).tolist():
+            rank, rows = torch.where(chosen.T == e)  # rows choosing e, and at which rank
+            y = self.experts[e](x[rows])
+            out.index_add_(0, rows, y * weights[rows, rank, None])
+        if self.shared is not None:
+            mlp, gate = self.shared
+            out = out + torch.sigmoid(gate(x).float()) * mlp(x)
+        return out
