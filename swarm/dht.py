@@ -161,9 +161,8 @@ def store_request(records: Sequence[NodeRecord], expiration: float, subkey: byte
         ([block_key(r.model, b) for b in range(r.start, r.end)], r.to_wire()) for r in records
     ]
     first = records[0]
-    groups.append(
-        ([MODELS_KEY], ModelRecord(first.model, first.num_layers, first.fingerprint).to_wire())
-    )
+    index = ModelRecord(first.model, first.num_layers, first.fingerprint, first.arch)
+    groups.append(([MODELS_KEY], index.to_wire()))
     return functools.partial(_store_records, groups=groups, expiration=expiration, subkey=subkey)
 
 

@@ -23,6 +23,7 @@ MAX_LAYERS = 4096
 MAX_NAME = 200
 MAX_MODELS = 32
 MAX_WEIGHTS_NAME = 32
+MAX_ARCH = 40  # characters of an arch description kept
 MAX_TTL_S = 300.0  # ten default TTLs: every DHT peer of a swarm refuses a record living longer
 MAX_REPORTED = 16  # nodes one reporter's record may name
 DEFAULT_WEIGHTS = "float32"  # what a record from before the field existed was serving
@@ -60,6 +61,7 @@ class NodeRecord:
     relay: str = ""  # peer id of the node relaying this one, which nobody can dial; then
     # `addr` is the relay's and a dialler asks it for this peer first (swarm.relay)
     reach: str = ""  # what its dial-back check found: "direct", "relayed", "unknown", "" (none)
+    arch: str = ""  # the model's family, and "experts/used" for a mixture ("qwen3_moe 128/8")
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,6 +116,7 @@ class NodeRecord:
                 tls=_typed(raw, "tls", str) if "tls" in raw else "",
                 relay=_typed(raw, "relay", str) if "relay" in raw else "",
                 reach=_typed(raw, "reach", str)[:16] if "reach" in raw else "",
+                arch=_typed(raw, "arch", str)[:MAX_ARCH] if "arch" in raw else "",
             )
         except KeyError as exc:
             raise ValueError(f"record lacks field {exc}") from None
@@ -143,6 +146,7 @@ class ModelRecord:
     model: str
     num_layers: int
     fingerprint: str
+    arch: str = ""  # as NodeRecord.arch
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -156,6 +160,7 @@ class ModelRecord:
                 model=_typed(raw, "model", str),
                 num_layers=_typed(raw, "num_layers", int),
                 fingerprint=_typed(raw, "fingerprint", str),
+                arch=_typed(raw, "arch", str)[:MAX_ARCH] if "arch" in raw else "",
             )
         except KeyError as exc:
             raise ValueError(f"model record lacks field {exc}") from None

@@ -176,7 +176,8 @@ def _model_section(m: ModelView) -> str:
     stat_html = "".join(f'<div class="stat"><span>{k}</span>{v}</div>' for k, v in stats)
     return (
         f'<section class="model" data-model="{name}">'
-        f"<h2>{name} <small>{m.model.num_layers} blocks · fingerprint "
+        f"<h2>{name} <small>{escape(m.model.arch) + ' · ' if m.model.arch else ''}"
+        f"{m.model.num_layers} blocks · fingerprint "
         f"<code>{escape(m.model.fingerprint[:16])}</code></small></h2>"
         f'<div class="stats">{stat_html}</div>'
         f"{_bar(m)}{_table(m)}</section>"

@@ -122,6 +122,7 @@ class ModelView:
             "model": self.model.model,
             "num_layers": self.model.num_layers,
             "fingerprint": self.model.fingerprint,
+            "arch": self.model.arch,
             "coverage": list(self.coverage),
             "gaps": [list(g) for g in self.gaps],
             "full_route": self.full_route,

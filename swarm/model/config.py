@@ -75,6 +75,11 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
 
+    @property
+    def arch(self) -> str:
+        """The family, with "experts/used" for a mixture: what a node's record says it serves."""
+        return f"{self.family} {self.experts}/{self.experts_used}" if self.experts else self.family
+
     def moe(self, layer: int) -> bool:
         return self.experts > 0 and layer not in self.dense_layers
 

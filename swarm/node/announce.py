@@ -30,12 +30,13 @@ class Announcer:
         end: int,
         ttl: float,
         tls: str = "",
+        arch: str = "",
     ):
         self.dht = dht
         self.peer, self.addr, self.model = peer, addr, model
         self.num_layers, self.fingerprint = num_layers, fingerprint
         self.start, self.end, self.ttl = start, end, ttl
-        self.tls = tls
+        self.tls, self.arch = tls, arch
         self.relay = ""  # the relay's peer id while nobody can dial this node directly
         self.reach = ""  # what the dial-back check found (swarm.records.NodeRecord.reach)
 
@@ -67,6 +68,7 @@ class Announcer:
             tls=self.tls,
             relay=self.relay,
             reach=self.reach,
+            arch=self.arch,
             updated=get_dht_time(),
         )
 

@@ -213,6 +213,7 @@ class Lifecycle:
             end,
             self.cfg.limits.announce_ttl_s,
             tls=self.identity.key_id if self.identity else "",
+            arch=config.arch,
         )
 
     async def _join(self, span_range: Blocks, settle: bool) -> tuple[Announcer, Blocks]:

@@ -32,7 +32,10 @@ def blocks_that_fit(
     say: Callable[[str], None],
 ) -> int:
     """Blocks whose weights and KV cache fit --max-memory, or 3/4 of the memory free now."""
-    probe = Span.load(source, 0, 1, weights=cfg.weights, usable=usable)
+    c = source.config
+    # the largest kind of block: a mixture's layer holds all its experts, many times a dense one
+    layer = next((i for i in range(c.num_layers) if c.moe(i)), 0)
+    probe = Span.load(source, layer, layer + 1, weights=cfg.weights, usable=usable)
     block_bytes = probe.nbytes
     cache = KVCache.bytes_per_token(source.config, 1, probe.cache_dtype)
     cache_bytes = cfg.limits.max_cache_tokens * cache
