@@ -8,7 +8,7 @@ import torch
 from devtools.launch import start_swarm, stop_all
 from swarm.model.tiny import reference_greedy, save_tiny_llama, save_tiny_tokenizer
 
-__all__ = ["reference_greedy", "swarm_greedy"]  # the tests import them from here
+__all__ = ["reference_greedy", "split_greedy", "swarm_greedy"]  # the tests import them from here
 
 
 @pytest.fixture(scope="session")
@@ -74,3 +74,28 @@ def tiny_client(tiny_swarm, tiny_model_dir):
     client = Client(tiny_swarm[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
     yield client
     client.close()
+
+
+def split_greedy(path, spans, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of several sessions through `spans` in this process, their decode steps
+    batched in one pass per span as a node batches them."""
+    from swarm.model.blocks import Span
+    from swarm.model.head import Head
+    from swarm.model.source import open_model
+
+    source = open_model(str(path))
+    head = Head.load(source, weights="float32")
+    parts = [Span.load(source, a, b, weights="float32") for a, b in spans]
+    caches = [[p.allocate_cache(p.start, p.end, 128) for p in parts] for _ in prompts]
+    h = [head.embed_tokens(ids) for ids in prompts]
+    for part, i in zip(parts, range(len(parts))):
+        h = [part.forward(x, c[i], 0, part.start, part.end) for x, c in zip(h, caches)]
+    out = [[int(head.logits(x[0, -1]).argmax())] for x in h]
+    for _ in range(new_tokens - 1):
+        x = torch.cat([head.embed_tokens([toks[-1]])[0] for toks in out])
+        positions = [c[0].length for c in caches]
+        for part, i in zip(parts, range(len(parts))):
+            x = part.decode(x, [c[i] for c in caches], positions, part.start, part.end)
+        for toks, row in zip(out, head.logits_rows(x)):
+            toks.append(int(row.argmax()))
+    return out

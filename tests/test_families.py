@@ -13,11 +13,10 @@ import torch
 from devtools.hf_to_gguf import write_gguf
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.model.blocks import Block, Span
-from swarm.model.head import Head
+from swarm.model.blocks import Block
 from swarm.model.source import open_model
 from swarm.model.tiny import FAMILIES, reference_greedy, save_tiny, save_tiny_tokenizer
-from tests.conftest import swarm_greedy
+from tests.conftest import split_greedy, swarm_greedy
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -54,27 +53,6 @@ def made(tmp_path_factory):
         return cache[variant]
 
     return get
-
-
-def split_greedy(path, spans, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy tokens of several sessions through `spans` in this process, their decode steps
-    batched in one pass per span as a node batches them."""
-    source = open_model(str(path))
-    head = Head.load(source, weights="float32")
-    parts = [Span.load(source, a, b, weights="float32") for a, b in spans]
-    caches = [[p.allocate_cache(p.start, p.end, 128) for p in parts] for _ in prompts]
-    h = [head.embed_tokens(ids) for ids in prompts]
-    for part, i in zip(parts, range(len(parts))):
-        h = [part.forward(x, c[i], 0, part.start, part.end) for x, c in zip(h, caches)]
-    out = [[int(head.logits(x[0, -1]).argmax())] for x in h]
-    for _ in range(new_tokens - 1):
-        x = torch.cat([head.embed_tokens([toks[-1]])[0] for toks in out])
-        positions = [c[0].length for c in caches]
-        for part, i in zip(parts, range(len(parts))):
-            x = part.decode(x, [c[i] for c in caches], positions, part.start, part.end)
-        for toks, row in zip(out, head.logits_rows(x)):
-            toks.append(int(row.argmax()))
-    return out
 
 
 @pytest.mark.parametrize("ways", [2, 3])

@@ -196,7 +196,10 @@ class GGUFSource:
         a token (a 262k-row table is 170 MB at Q8_0) and keeps them for its whole life."""
 
         def mapped(name: str) -> RawTensor:
-            return RawTensor(name, self._tensors[name].kind, self.file.mapped(name))
+            kind = self._tensors[name].kind
+            if not kind.startswith(("Q", "IQ")):  # float tables are converted whole anyway
+                return self.raw(name)
+            return RawTensor(name, kind, self.file.mapped(name))
 
         embed = mapped("token_embd.weight")
         lm_head = mapped("output.weight") if "output.weight" in self._tensors else embed
