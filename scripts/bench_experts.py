@@ -14,10 +14,12 @@ prompt tok/s at 512 tokens, resident MiB against the file's bytes.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import platform
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import checkout  # noqa: F401 (swarm/ from this checkout)
@@ -136,7 +138,9 @@ def median_ms(fn, repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def measure(path: Path, repeats: int, prompt: int) -> dict:
+def measure(path: Path, repeats: int, prompt: int, threads: int) -> dict:
+    """In a fresh process (see main), so its RSS is this layer's alone."""
+    torch.set_num_threads(threads)
     before = rss()
     span = Span.load(open_model(str(path)), 0, 1, weights="auto")
     held = rss() - before
@@ -182,7 +186,9 @@ def main() -> None:
         for moe in (True, False):
             path = a.dir / f"synthetic-{'moe' if moe else 'dense'}-{qtype}.gguf"
             block_bytes = write_layer(path, qtype, moe)
-            rows[moe] = r = measure(path, a.repeats, a.prompt)
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                r = pool.submit(measure, path, a.repeats, a.prompt, a.threads).result()
+            rows[moe] = r
             os.remove(path)
             print(
                 f"| {qtype} | {'MoE 128x768, top-8' if moe else 'dense 6144'} |"
