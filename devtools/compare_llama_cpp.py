@@ -4,16 +4,17 @@ Needs a llama.cpp checkout (convert_hf_to_gguf.py, conversion/, gguf-py/); not r
 since none is at hand there. llama.cpp's vocabulary step is stubbed out: it cannot convert the
 tiny tokenizer (no sentencepiece model, and a BPE pre-tokenizer it does not know), and the
 comparison leaves the tokenizer.* and general.* keys out. Prints, per family, the keys and
-tensors that differ; the only expected difference is Mistral's sliding window, which llama.cpp
-drops.
+tensors that differ; the only expected differences are Mistral's and Mixtral's sliding windows,
+which llama.cpp drops.
 
 With --llama-cpp-python PYTHON (an interpreter that has llama-cpp-python), it also runs each
 of our files in llama.cpp and prints the largest logit difference from transformers' over a
-70-token prompt, within the first 8 positions and over all; llama.cpp computes Mistral and Phi-3
-without their windows, so those differ past them.
+70-token prompt, within the first 8 positions and over all; llama.cpp computes Mistral, Mixtral
+and Phi-3 without their windows, so those differ past them. Past F32, the mixtures of experts
+differ by whole logits wherever rounding swaps an expert.
 
 Usage: python -m devtools.compare_llama_cpp LLAMA_CPP_DIR [--qtype F32|F16|Q8_0]
-                                            [--llama-cpp-python PYTHON]
+                                            [--llama-cpp-python PYTHON] [--families F ...]
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
 )
 
 
@@ -137,12 +141,13 @@ def main() -> None:
     parser.add_argument("llama_cpp", type=Path)
     parser.add_argument("--qtype", default="F32", choices=["F32", "F16", "BF16", "Q8_0"])
     parser.add_argument("--llama-cpp-python", help="an interpreter with llama-cpp-python")
+    parser.add_argument("--families", nargs="*", help="these of swarm.model.tiny's only")
     args = parser.parse_args()
 
     from devtools.hf_to_gguf import write_gguf
-    from swarm.model.tiny import FAMILIES, save_tiny, save_tiny_tokenizer
+    from swarm.model.tiny import FAMILIES, MOE_FAMILIES, save_tiny, save_tiny_tokenizer
 
-    for family in FAMILIES:
+    for family in args.families or FAMILIES + MOE_FAMILIES:
         with tempfile.TemporaryDirectory() as tmp:
             # llama.cpp looks Phi-3's special tokens up by the file's name, which is the folder's
             hf_dir = Path(tmp) / f"tiny-{family.replace('phi3', 'p3')}"

@@ -46,6 +46,39 @@ _PHI3 = {
 }
 
 
+# Mixture-of-experts: the router, and Qwen2-MoE's shared expert and its sigmoid gate
+_MIXTRAL_ROUTER = {"block_sparse_moe.gate": "ffn_gate_inp"}
+_QWEN_ROUTER = {"mlp.gate": "ffn_gate_inp"}
+_SHARED_EXPERT = {
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",  # [1, hidden]: one gate logit per token
+}
+# llama.cpp keeps these F32 whatever the file's type (as llama-quantize does)
+ALWAYS_F32 = frozenset({"ffn_gate_inp", "ffn_gate_inp_shexp"})
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A checkpoint's routed experts, one tensor per expert under `model.layers.{i}.{prefix}.
+    {x}.{w}.weight`, and the 3-D tensors llama.cpp stacks them into ([expert, rows, columns],
+    expert 0 first), in the order it writes them: once the block's last expert tensor is read."""
+
+    prefix: str
+    stacked: tuple[tuple[str, str], ...]  # (w, GGUF name)
+
+
+_MIXTRAL_EXPERTS = Experts(
+    "block_sparse_moe.experts",
+    (("w1", "ffn_gate_exps"), ("w2", "ffn_down_exps"), ("w3", "ffn_up_exps")),
+)
+_QWEN_EXPERTS = Experts(
+    "mlp.experts",
+    (("down_proj", "ffn_down_exps"), ("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps")),
+)
+
+
 @dataclass(frozen=True)
 class Family:
     arch: str  # general.architecture
@@ -59,6 +92,10 @@ class Family:
     must_tie: bool = False
     # which optional keys llama.cpp writes for this family (see hf_to_gguf.family_fields)
     fields: frozenset[str] = field(default_factory=frozenset)
+    experts: Experts | None = None
+    # whether llama.cpp rescales the top-k router weights to sum to 1; it stores no key for it
+    # but fixes it per architecture, so a checkpoint that differs is refused
+    renormalises: bool | None = None
 
 
 FAMILIES = {
@@ -96,6 +133,29 @@ FAMILIES = {
     "phi3": Family(
         "phi3", _PHI3, fields=frozenset({"rope_dims", "sliding_window", "rope_orig_ctx"})
     ),
+    # llama.cpp converts Mixtral as a Llama with experts (and drops its window, as Mistral's)
+    "mixtral": Family(
+        "llama",
+        _ATTENTION | _LLAMA_NORMS | _MIXTRAL_ROUTER,
+        permute_qk=True,
+        fields=frozenset({"head_dim", "rope_dims", "vocab_size", "sliding_window"}),
+        experts=_MIXTRAL_EXPERTS,
+        renormalises=True,
+    ),
+    "qwen3_moe": Family(
+        "qwen3moe",
+        _ATTENTION | _QK_NORMS | _LLAMA_NORMS | _QWEN_ROUTER,
+        fields=frozenset({"head_dim", "expert_widths"}),
+        experts=_QWEN_EXPERTS,
+        renormalises=True,
+    ),
+    "qwen2_moe": Family(
+        "qwen2moe",
+        _ATTENTION | _LLAMA_NORMS | _QWEN_ROUTER | _SHARED_EXPERT,
+        fields=frozenset({"head_dim", "expert_widths"}),
+        experts=_QWEN_EXPERTS,
+        renormalises=False,
+    ),
 }
 
 # a checkpoint's config.json `architectures[0]` -> family
@@ -107,6 +167,9 @@ HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 
 # llama.cpp fixes these and stores none of them; a checkpoint that differs is refused
@@ -125,3 +188,16 @@ def gguf_name(family: Family, hf_name: str) -> str:
     if prefix != "model" or not block.isdigit() or local not in family.block_names:
         raise KeyError(f"{hf_name}: no GGUF name for it in family {family.arch!r}")
     return f"blk.{block}.{family.block_names[local]}.{suffix}"
+
+
+def expert_slot(family: Family, hf_name: str) -> tuple[int, int, str] | None:
+    """(block, expert, w) of a per-expert checkpoint tensor of `family`, None for any other."""
+    if family.experts is None or not hf_name.startswith("model.layers."):
+        return None
+    block, _, local = hf_name.removeprefix("model.layers.").partition(".")
+    rest = local.removeprefix(family.experts.prefix + ".")
+    expert, _, w = rest.removesuffix(".weight").partition(".")
+    known = {w for w, _ in family.experts.stacked}
+    if rest == local or not (block.isdigit() and expert.isdigit()) or w not in known:
+        return None
+    return int(block), int(expert), w

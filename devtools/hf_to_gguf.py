@@ -5,9 +5,13 @@ small enough to hold in memory. The per-family conventions are data in gguf_tabl
 applies them. A checkpoint llama.cpp would convert into a different model (a layer pattern or an
 attention scale it does not store, a RoPE scaling this does not write) is refused, not converted.
 
-One deliberate difference: llama.cpp drops Mistral's sliding window (it converts Mistral as a
-Llama and computes it without one); this keeps it as `llama.attention.sliding_window`, so the
-file describes the model transformers computes.
+One deliberate difference: llama.cpp drops Mistral's and Mixtral's sliding window (it converts
+them as Llamas and computes them without one); this keeps it as `llama.attention.sliding_window`,
+so the file describes the model transformers computes.
+
+Mixture-of-experts checkpoints hold one tensor per expert; the file stacks each block's experts
+into 3-D tensors (`blk.N.ffn_{gate,up,down}_exps`, [expert, rows, columns], quantized row by row
+as any matrix) and keeps the router (`ffn_gate_inp`) F32.
 
 Usage: python -m devtools.hf_to_gguf HF_DIR OUT.gguf [--qtype F32|F16|BF16|Q8_0]
 """
@@ -24,12 +28,14 @@ import gguf
 import numpy as np
 
 from devtools.gguf_tables import (
+    ALWAYS_F32,
     FAMILIES,
     GEMMA2_ROPE_THETA,
     GEMMA3_LOCAL_ROPE_THETA,
     GEMMA_SWA_PATTERN,
     HF_ARCHITECTURES,
     Family,
+    expert_slot,
     gguf_name,
 )
 from swarm.model.tiny import gemma_layer_types
@@ -120,6 +126,29 @@ def check_convertible(name: str, config: dict) -> None:
             raise UnsupportedCheckpoint("gemma3: llama.cpp fixes the local RoPE base at 10000")
         if config.get("attn_logit_softcapping") is not None:
             raise UnsupportedCheckpoint("gemma3: llama.cpp has no attention softcap for it")
+    if FAMILIES[name].experts is not None:
+        check_experts_convertible(name, config)
+
+
+def check_experts_convertible(name: str, config: dict) -> None:
+    """The mixture-of-experts switches llama.cpp fixes per architecture, stores no key for, or
+    cannot convert: Qwen's top-k renormalisation (on for Qwen3-MoE, off for Qwen2-MoE), a
+    layer with a dense MLP, a sliding window."""
+    family = FAMILIES[name]
+    if name == "mixtral":
+        return  # Mixtral always renormalises, has no dense layers; its window: see above
+    if bool(config.get("norm_topk_prob")) != family.renormalises:
+        said = "renormalises" if family.renormalises else "does not renormalise"
+        raise UnsupportedCheckpoint(f"{name}: llama.cpp {said} the top-k router weights")
+    step, dense = config.get("decoder_sparse_step") or 1, config.get("mlp_only_layers") or []
+    if dense or step != 1:
+        raise UnsupportedCheckpoint(
+            f"{name}: a layer with a dense MLP (mlp_only_layers {dense}, decoder_sparse_step "
+            f"{step}): llama.cpp has no tensor name for it, and routes every layer"
+        )
+    types = config.get("layer_types") or []
+    if config.get("sliding_window") and (name == "qwen3_moe" or "sliding_attention" in types):
+        raise UnsupportedCheckpoint(f"{name}: llama.cpp has no sliding window for it")
 
 
 def family_fields(name: str, config: dict) -> dict[str, int | float]:
@@ -159,7 +188,32 @@ def family_fields(name: str, config: dict) -> dict[str, int | float]:
         fields[_K.Rope.FREQ_BASE_SWA] = float(_rope(config, "sliding_attention")["rope_theta"])
     if "rope_orig_ctx" in wanted:
         fields[_K.Rope.SCALING_ORIG_CTX_LEN] = config["original_max_position_embeddings"]
-    return {keys(key): value for key, value in fields.items()}
+    return {keys(key): value for key, value in (fields | expert_fields(name, config)).items()}
+
+
+def expert_fields(name: str, config: dict) -> dict[str, int]:
+    """The expert keys llama.cpp writes: the counts for any checkpoint that has experts, and
+    Qwen's expert widths (Mixtral's experts are `feed_forward_length` wide). None says whether
+    the top-k weights are renormalised: llama.cpp fixes that per architecture."""
+    experts = _find(config, "num_local_experts", "num_experts")
+    if experts is None:
+        return {}
+    fields = {_K.LLM.EXPERT_COUNT: experts}
+    if (used := config.get("num_experts_per_tok")) is not None:
+        fields[_K.LLM.EXPERT_USED_COUNT] = used
+    if "expert_widths" in FAMILIES[name].fields:
+        for key, field in (
+            (_K.LLM.EXPERT_FEED_FORWARD_LENGTH, "moe_intermediate_size"),
+            (_K.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, "shared_expert_intermediate_size"),
+        ):
+            if config.get(field) is not None:
+                fields[key] = config[field]
+    return fields
+
+
+def _find(config: dict, *names: str):
+    """The first of `names` the config has, as llama.cpp's find_hparam reads it."""
+    return next((config[n] for n in names if n in config), None)
 
 
 def tokenizer_fields(hf_dir: Path, config: dict) -> dict[str, object]:
@@ -221,8 +275,12 @@ def gguf_tensors(family: Family, config: dict, state: dict[str, np.ndarray]):
     the ones llama.cpp derives from the config (Llama 3's rope_freqs)."""
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
+    experts: dict[int, dict[tuple[int, str], np.ndarray]] = {}  # block -> its experts read so far
     for hf_name, array in state.items():
         if family.must_tie and hf_name == "lm_head.weight":
+            continue
+        if (slot := expert_slot(family, hf_name)) is not None:
+            yield from stack_experts(family, config, experts, slot, array)
             continue
         name = gguf_name(family, hf_name)
         if family.permute_qk and ".attn_q." in name:
@@ -234,6 +292,25 @@ def gguf_tensors(family: Family, config: dict, state: dict[str, np.ndarray]):
         yield name, np.ascontiguousarray(array, dtype=np.float32)
     if "llama3_rope" in family.fields and _rope(config).get("rope_type") == "llama3":
         yield "rope_freqs.weight", llama3_rope_factors(config)
+    if any(experts.values()):
+        left = {f"block {b} expert {x} {w}" for b, d in experts.items() for x, w in d}
+        raise UnsupportedCheckpoint(f"experts without the rest of their block: {sorted(left)[:4]}")
+
+
+def stack_experts(family: Family, config: dict, read: dict, slot: tuple, array: np.ndarray):
+    """Keep one expert tensor; once its block has all of them, yield the block's 3-D tensors
+    ([expert, rows, columns]) as llama.cpp does, and forget them."""
+    block, expert, w = slot
+    count = _find(config, "num_local_experts", "num_experts")
+    if expert >= count:
+        raise UnsupportedCheckpoint(f"block {block}: expert {expert} of {count}")
+    have = read.setdefault(block, {})
+    have[expert, w] = array
+    if len(have) < count * len(family.experts.stacked):
+        return
+    for w, name in family.experts.stacked:
+        stacked = np.stack([have.pop((x, w)) for x in range(count)])
+        yield f"blk.{block}.{name}.weight", np.ascontiguousarray(stacked, dtype=np.float32)
 
 
 def interleave_rope_rows(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -267,11 +344,17 @@ def llama3_rope_factors(config: dict) -> np.ndarray:
 def encode(
     name: str, array: np.ndarray, qtype: str
 ) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-    """The tensor's bytes in the file: F32 for 1-D tensors and norms, `qtype` for the rest."""
+    """The tensor's bytes in the file: F32 for 1-D tensors, norms and routers, `qtype` for the
+    rest (a 3-D tensor of experts too: its rows are quantized as any matrix's), F16 where the
+    rows do not split into `qtype`'s blocks."""
     kind = QTYPES[qtype][0]
-    if array.ndim <= 1 or name.endswith("_norm.weight"):
+    if array.ndim <= 1 or name.endswith("_norm.weight") or name.split(".")[-2] in ALWAYS_F32:
         kind = gguf.GGMLQuantizationType.F32
-    return gguf.quants.quantize(array, kind), kind
+    try:
+        return gguf.quants.quantize(array, kind), kind
+    except gguf.QuantError:  # rows not a whole number of blocks: F16, as llama.cpp falls back
+        kind = gguf.GGMLQuantizationType.F16
+        return gguf.quants.quantize(array, kind), kind
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 
 `save_tiny_llama` is the Llama every swarm test uses; `save_tiny` makes one of each family the
 node computes, each with the switches that set its family apart turned on (sliding windows that
-short prompts run past, softcaps, q/k norms, fused projections)."""
+short prompts run past, softcaps, q/k norms, fused projections), and one of each
+mixture-of-experts family (MOE_FAMILIES: 8 experts, routers that spread a prompt over them)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ def save_tiny_tokenizer(directory: str | PathLike, seed: int = 0) -> None:
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 
 # Shared by every family: TINY's shape, and the ids of save_tiny_tokenizer's <unk>, <s>, </s>.
 _SHAPE = dict(
@@ -164,7 +166,47 @@ def _family_config(family: str, layers: int) -> dict:
             rope_theta=10000.0,
             rms_norm_eps=1e-5,
         )
-    raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
+    if family in MOE_FAMILIES:
+        return _moe_config(family)
+    raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES + MOE_FAMILIES)}")
+
+
+def _moe_config(family: str) -> dict:
+    """Qwen's widths (routed experts, shared expert, dense `intermediate_size` 128) all
+    differ, so a reader that takes one for another fails on a shape; Mixtral's experts are
+    `intermediate_size` wide. Every layer routes, as in every such checkpoint on the Hub and as
+    llama.cpp computes them: `mlp_only_layers=[i]` makes a Qwen's layer i a dense MLP in
+    transformers (a checkpoint write_gguf refuses)."""
+    if family == "mixtral":
+        # top-2 of 8, renormalised; experts as wide as `intermediate_size`; a short window
+        return dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=16,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+        )
+    if family == "qwen3_moe":
+        # renormalised top-k as Qwen3-30B-A3B has it (transformers' default is not to)
+        return dict(
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=96,
+            norm_topk_prob=True,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+        )
+    # qwen2_moe: top-4 of 8 as Qwen1.5-MoE (4 of 60), not renormalised; a gated shared expert
+    return dict(
+        num_experts=8,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=False,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    )
 
 
 def _family_classes(family: str):
@@ -178,6 +220,9 @@ def _family_classes(family: str):
         "gemma2": (t.Gemma2Config, t.Gemma2ForCausalLM),
         "gemma3": (t.Gemma3TextConfig, t.Gemma3ForCausalLM),
         "phi3": (t.Phi3Config, t.Phi3ForCausalLM),
+        "mixtral": (t.MixtralConfig, t.MixtralForCausalLM),
+        "qwen3_moe": (t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM),
+        "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM),
     }[family]
 
 
@@ -192,10 +237,12 @@ def tiny_config(family: str, **config):
 
 
 def save_tiny(family: str, directory: str | PathLike, seed: int = 0, **config):
-    """Save a random tiny model of `family` (one of FAMILIES) as a Hugging Face safetensors
-    folder; returns it in eval mode, float32. `config` overrides any config field.
+    """Save a random tiny model of `family` (one of FAMILIES or MOE_FAMILIES) as a Hugging Face
+    safetensors folder; returns it in eval mode, float32. `config` overrides any config field.
 
-    As in save_tiny_llama, 2-D weights are scaled up 8x so greedy decoding is not near-ties.
+    As in save_tiny_llama, 2-D weights are scaled up 8x so greedy decoding is not near-ties, and
+    so are the experts, 3-D [expert, rows, columns] in the model (the folder holds one tensor
+    per expert, as transformers saves them and as Hub checkpoints have them).
     Norm weights and biases are random too (not 1 and 0), so a reader that drops one is caught."""
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     _, model_class = _family_classes(family)
@@ -204,7 +251,7 @@ def save_tiny(family: str, directory: str | PathLike, seed: int = 0, **config):
     gemma = family.startswith("gemma")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2 and not (gemma and "embed_tokens" in name):
+            if p.dim() >= 2 and not (gemma and "embed_tokens" in name):
                 p.mul_(8.0)
             elif name.endswith("norm.weight"):
                 p.copy_(_norm_weight(name, gemma) + 0.3 * torch.randn_like(p))
@@ -234,3 +281,16 @@ def min_greedy_margin(model, ids: list[int], new_tokens: int) -> float:
         logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
     top2 = logits.float().topk(2, dim=-1).values
     return float((top2[:, 0] - top2[:, 1]).min())
+
+
+def min_router_margin(model, ids: list[int], new_tokens: int) -> float:
+    """For a mixture of experts: the smallest gap, over every routed layer and every position
+    of the greedy continuation of `ids`, between the router logit of the k-th expert chosen
+    and of the best one left out. A rounding error larger than that swaps an expert, and the
+    logits jump (so, unlike a dense model's, they are not close at float16 or Q8_0)."""
+    tokens = reference_greedy(model, ids, new_tokens)
+    with torch.inference_mode():
+        out = model(torch.tensor([ids + tokens]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    tops = [logits.float().topk(k + 1, dim=-1).values for logits in out.router_logits]
+    return float(min((top[:, k - 1] - top[:, k]).min() for top in tops))
