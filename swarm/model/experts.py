@@ -76,7 +76,9 @@ class Experts:
         release_freed_memory()
         shared = None
         if c.shared_intermediate:
-            gate = make_linear(raw["shared_gate"], "float32", None, usable)
+            gate = raw["shared_gate"]  # [1, hidden]; older llama.cpp files hold it 1-D
+            gate = RawTensor(gate.name, gate.kind, gate.data.reshape(1, -1))
+            gate = make_linear(gate, "float32", None, usable)
             shared = mlp(raw["shared.gate"], raw["shared.up"], raw["shared.down"]), gate
         router = make_linear(raw["router"], "float32", None, usable)  # routing decides all
         return cls(c, router, experts, shared)
