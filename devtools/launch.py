@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from swarm.process import die_with_parent
+from swarm.process import PARENT_ENV
 
 _MADDR = re.compile(r"--initial-peers (/\S+)")
 _SERVING = re.compile(
@@ -118,7 +118,6 @@ def start_node(
     cmd += list(extra)
     proc = subprocess.Popen(
         cmd,
-        preexec_fn=die_with_parent,
         # its own process group, so stop() can reap its helpers; but not its own session: with
         # the kernel's autogroups each session gets an equal share of the CPU whatever the nice
         # values inside it, and a node's niced prompt passes must yield to other nodes' decode
@@ -126,7 +125,8 @@ def start_node(
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        # the node watches this process and stops when it exits (swarm.process.watch_parent)
+        env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid()), **(env or {})},
     )
     node = NodeProcess(proc, layers)
     threading.Thread(target=node._pump, daemon=True).start()

@@ -10,9 +10,13 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm.dht import id_of
 
 
-def stranger_dht(peers: list[str], key: RSAPrivateKey | None = None) -> hivemind.DHT:
-    """A DHT peer of the stranger's, joined to `peers`: stock hivemind, signing with `key`."""
-    validators = [RSASignatureValidator(key)] if key is not None else []
+def stranger_dht(
+    peers: list[str], key: RSAPrivateKey | None = None, validators: list | None = None
+) -> hivemind.DHT:
+    """A DHT peer of the stranger's, joined to `peers`: stock hivemind, signing with `key` (or
+    with what `validators` sign with)."""
+    if validators is None:
+        validators = [RSASignatureValidator(key)] if key is not None else []
     return hivemind.DHT(initial_peers=peers, record_validators=validators, start=True)
 
 

@@ -51,11 +51,13 @@ def start_dht(
 
     from swarm.dht_validator import SwarmValidator
 
+    parent = os.getpid()
+
     class DHT(hivemind.DHT):
         def run(self) -> None:  # in the forked DHT process
-            from swarm.process import die_with_parent
+            from swarm.process import watch_parent
 
-            die_with_parent()  # a node killed with -9 must not leave its DHT process serving
+            watch_parent(parent)  # a node killed with -9 must not leave its DHT process serving
             if nice:
                 os.nice(nice)
             super().run()

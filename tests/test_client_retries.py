@@ -38,7 +38,9 @@ def session(errors: list[Exception], max_retries: int = 2) -> InferenceSession:
     hop = SimpleNamespace(peer="p", addr="127.0.0.1:1", start=0, end=1)
     client = SimpleNamespace(
         config=SimpleNamespace(max_position=100, hidden=1),
-        route=lambda excluded: [hop],
+        hold_route=lambda excluded, max_length: ([hop], 0.0),
+        release_route=lambda route, token: None,
+        router=SimpleNamespace(failed=lambda peer: None),
         fingerprint="f",
         wire_dtype=None,
         step_timeout=1.0,

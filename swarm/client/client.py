@@ -7,13 +7,15 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 import torch
 import trio
 
 from swarm.client.head_batch import LogitsBatcher
-from swarm.client.routing import block_seconds, bounded, find_route, missing_blocks, usable
+from swarm.client.reply import ReplyStream, ReplyText, Sampler
+from swarm.client.router import Router
+from swarm.client.routing import find_route, missing_blocks, usable
 from swarm.client.runtime import TrioThread
 from swarm.client.session import PREFILL_CHUNK, RemoteSession
 from swarm.client.verify import Reports, Verdict, check_last_step
@@ -25,7 +27,6 @@ from swarm.errors import (
     SpanError,
     SwarmError,
 )
-from swarm.link.estimator import ewma
 from swarm.model.head import Head
 from swarm.model.source import open_model
 from swarm.protocol import Hop
@@ -33,8 +34,12 @@ from swarm.records import NodeRecord
 from swarm.transport import ping
 
 log = logging.getLogger("swarm.client")
-MEASURE_GAIN = 0.3  # EWMA gain of a node's measured seconds a block
 SHUN_S = 600.0  # how long a node that answered as no honest one would stays out of routes
+# reading the records takes 50 ms to over a second as the swarm grows; a route takes them as
+# read this recently, and up to RECORDS_MAX_AGE_S while a new read runs behind it (a node gone
+# since costs a retry; one joined since waits for the next read)
+RECORDS_FRESH_S = 2.0
+RECORDS_MAX_AGE_S = 15.0
 
 
 class Client:
@@ -69,8 +74,10 @@ class Client:
         self.dht = start_dht(initial_peers, client_mode=True)
         self.loop = TrioThread()
         self.logits = LogitsBatcher()  # sessions stepping together share the head's matmul
-        self._rtts: dict[str, float] = {}
-        self._block_seconds: dict[str, float] = {}  # peer -> seconds a block, as measured here
+        self.router = Router(self.loop.run)  # round trips, step times, our sessions by node
+        self._records: tuple[float, list[NodeRecord]] | None = None  # (when read, records)
+        self._records_lock = threading.Lock()  # one read at a time; routes wait for it
+        self._refreshing = False
         self.suspects: set[str] = set()  # nodes a check found computing wrongly (verify.py)
         self.reports = Reports()  # what those checks found, as this client keeps it in the DHT
         self.shunned: dict[str, float] = {}  # peer -> until when routes leave it out (monotonic)
@@ -89,14 +96,50 @@ class Client:
     # ---- routing ----------------------------------------------------------------------------
 
     def nodes(self) -> list[NodeRecord]:
+        """The model's node records in the DHT now (a read: 50 ms to seconds)."""
         records, _exp, _bad = read_nodes(self.dht, self.config.name, self.config.num_layers)
         return records
 
-    def route(self, exclude: set[str] = frozenset()) -> list[Hop]:
+    def recent_nodes(self) -> list[NodeRecord]:
+        """The records as read at most RECORDS_MAX_AGE_S ago; past RECORDS_FRESH_S a new read
+        starts behind the caller, which does not wait for it."""
+        with self._records_lock:
+            now = time.monotonic()
+            if self._records is None or now - self._records[0] >= RECORDS_MAX_AGE_S:
+                self._records = (now, self.nodes())
+            elif now - self._records[0] >= RECORDS_FRESH_S and not self._refreshing:
+                self._refreshing = True
+                self.loop.spawn(self._refresh)
+            return self._records[1]
+
+    async def _refresh(self) -> None:
+        try:
+            records = await trio.to_thread.run_sync(self.nodes, abandon_on_cancel=True)
+            with self._records_lock:
+                self._records = (time.monotonic(), records)
+        except SwarmError as exc:  # routes read for themselves once these are too old
+            log.warning("reading the records failed: %s", exc)
+        finally:
+            self._refreshing = False
+
+    def route(self, exclude: set[str] = frozenset(), max_length: int = 0) -> list[Hop]:
+        """A route for a new session (of `max_length` tokens: nodes announcing less free cache
+        are left out while others cover their blocks), through none of `exclude`."""
+        return self._route(exclude, max_length, hold=False)[0]
+
+    def hold_route(self, exclude: set[str], max_length: int) -> tuple[list[Hop], float]:
+        """route(), and a session of ours counted on it from now (the routes drawn next see
+        it): the token `release_route` takes when the session ends."""
+        return self._route(exclude, max_length, hold=True)
+
+    def release_route(self, route: list[Hop], token: float) -> None:
+        self.router.closed(route, token)
+
+    def _route(self, exclude: set[str], max_length: int, hold: bool) -> tuple[list[Hop], float]:
         now = time.monotonic()
         shunned = {peer for peer, until in self.shunned.items() if until > now}
         exclude = {*exclude, *self.suspects, *shunned}
-        every = self.nodes()
+        every = self.recent_nodes()
         records = usable(every, self.fingerprint, exclude, self.plaintext)
         if missing_blocks(records, self.config.num_layers):
             without_tls = len(usable(every, self.fingerprint, exclude, True)) - len(records)
@@ -104,29 +147,18 @@ class Client:
             if without_tls:
                 model += f" ({without_tls} nodes run without TLS: Client(plaintext=True) uses them)"
             find_route(records, self.config.num_layers, self.fingerprint, model=model)
-        records = bounded(records, self._rtts)
+        roomy = [r for r in records if r.free_cache_tokens >= max_length]
+        if not missing_blocks(roomy, self.config.num_layers):
+            records = roomy  # a full node says so in its record; else it may have room by now
         self._weights.update({r.peer: r.weights for r in records})
-        rtts = self.loop.run(ping_all, {r.peer: r.hop() for r in records}, 2.0)
-        self._rtts.update(rtts)
-        reachable = [r for r in records if r.peer in rtts]
-        return find_route(
-            reachable,
-            self.config.num_layers,
-            self.fingerprint,
-            self._rtts,
-            exclude,
-            model=self.config.name,
-            plaintext=self.plaintext,
-            measured=self._block_seconds,
+        name = self.config.name
+        return self.router.route(
+            records, self.config.num_layers, self.fingerprint, exclude, name, self.plaintext, hold
         )
 
     def observe_step(self, route: list[Hop], seconds: float) -> None:
-        """A one-token step through `route` took `seconds`: what each of its nodes really does
-        replaces what its record claims, in the routes chosen from now on."""
-        per_block = block_seconds(route, seconds, self._rtts)
-        for hop in route:
-            before = self._block_seconds.get(hop.peer)
-            self._block_seconds[hop.peer] = ewma(before, per_block, MEASURE_GAIN)
+        """A one-token step through `route` took `seconds` (see Router.observe_step)."""
+        self.router.observe_step(route, seconds)
 
     # ---- sessions ----------------------------------------------------------------------------
 
@@ -228,6 +260,7 @@ class InferenceSession:
         self.excluded: set[str] = set()
         self.recoveries: list[float] = []  # seconds each failure took to recover from
         self.last_hidden: torch.Tensor | None = None  # the final hidden state of the last token
+        self._held = 0.0  # the router's token for our session on the current route
 
     def __enter__(self) -> InferenceSession:
         return self
@@ -237,15 +270,19 @@ class InferenceSession:
 
     def close(self) -> None:
         if self.remote is not None:
+            self.client.release_route(self.remote.route, self._held)
             self.client.loop.run(self.remote.aclose)
             self.remote = None
 
     def _open(self) -> None:
-        route = self.client.route(self.excluded)
+        # counted on its nodes at once: load their records do not show yet, which sessions
+        # routed at the same moment must see
+        route, self._held = self.client.hold_route(self.excluded, self.max_length)
         remote = self.client.remote_session(route, self.max_length)
         try:
             self.client.loop.run(remote.open)
         except BaseException:
+            self.client.release_route(route, self._held)
             self.client.loop.run(remote.aclose)
             raise
         self.remote = remote
@@ -311,6 +348,7 @@ class InferenceSession:
         peer = getattr(exc, "peer", None)
         if peer:
             self.excluded.add(peer)
+            self.client.router.failed(peer)  # the client's other sessions wait for a pong too
             if _misbehaved(exc):  # every session of this client leaves it out for a while
                 self.client.shunned[peer] = time.monotonic() + SHUN_S
             return
@@ -319,7 +357,9 @@ class InferenceSession:
         # nobody named: a hop hung. Ping each; exclude the silent ones.
         hops = {h.peer: h for h in self.remote.route}
         alive = self.client.loop.run(ping_all, hops, 2.0)
-        self.excluded.update(p for p in hops if p not in alive)
+        for peer in hops.keys() - alive.keys():
+            self.excluded.add(peer)
+            self.client.router.failed(peer)
 
 
 def _misbehaved(exc: SwarmError) -> bool:
@@ -333,98 +373,6 @@ def _route_may_help(exc: SwarmError) -> bool:
     """Whether another route may succeed: the error says so (a busy or dead peer), or leaving
     out a hop that misbehaved may."""
     return exc.retry_elsewhere or _misbehaved(exc)
-
-
-class ReplyText:
-    """A reply's tokens turned into text as they come: pieces to emit, and whether the reply
-    ended (end-of-text token or a stop string; text from a stop string on is never emitted).
-    A tail that could be the start of a stop string is held back until the next token settles
-    it, or `flush()` at the end lets it out."""
-
-    def __init__(self, client: Client, stop: Sequence[str] = ()):
-        self.tokenizer, self.stop = client.tokenizer, [s for s in stop if s]
-        self.eos = set(client.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos.add(self.tokenizer.eos_token_id)
-        self.tokens: list[int] = []
-        self.emitted = ""
-        self._text = ""  # the reply so far, cut at a stop string
-
-    def add(self, token: int) -> tuple[str, bool]:
-        if token in self.eos:
-            return self.flush(), True
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        hit = [text.index(s) for s in self.stop if s in text]
-        if hit:
-            self._text = text[: min(hit)]
-            return self.flush(), True
-        self._text = text
-        ready = text[: len(text) - self._held(text)]
-        piece = ""
-        if len(ready) > len(self.emitted) and not ready.endswith("\ufffd"):
-            piece, self.emitted = ready[len(self.emitted) :], ready
-        return piece, False
-
-    def flush(self) -> str:
-        """The text not emitted yet: call once the reply is over."""
-        piece = self._text[len(self.emitted) :]
-        self.emitted = self._text
-        return piece
-
-    def _held(self, text: str) -> int:
-        """Length of the longest tail of `text` that begins some stop string."""
-        return max(
-            (n for s in self.stop for n in range(min(len(s) - 1, len(text)), 0, -1)
-             if text.endswith(s[:n])),
-            default=0,
-        )  # fmt: skip
-
-
-class ReplyStream(Iterator[str]):
-    """A reply being generated: iterate it for its text pieces as tokens arrive; `tokens` are
-    its token ids so far (an end-of-text token is not among them)."""
-
-    def __init__(self, pieces: Generator[str, None, None], text: ReplyText):
-        self._pieces, self._text = pieces, text
-
-    def __next__(self) -> str:
-        return next(self._pieces)
-
-    def close(self) -> None:
-        """Stop early: the reply's session on the nodes closes now."""
-        self._pieces.close()
-
-    @property
-    def tokens(self) -> list[int]:
-        return list(self._text.tokens)
-
-
-class Sampler:
-    def __init__(
-        self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None
-    ):
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
-        self.generator = torch.Generator().manual_seed(
-            seed if seed is not None else random.randrange(2**63)
-        )
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        if self.temperature <= 0:
-            return int(logits.argmax())
-        logits = logits / self.temperature
-        if self.top_k > 0:
-            kth = torch.topk(logits, min(self.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if self.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < self.top_p
-            mask = torch.zeros_like(probs, dtype=torch.bool)
-            mask[order[keep]] = True
-            probs = probs.masked_fill(~mask, 0.0)
-            probs = probs / probs.sum()
-        return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
 async def ping_all(hops: dict[str, Hop], timeout: float) -> dict[str, float]:

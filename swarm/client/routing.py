@@ -1,11 +1,14 @@
-"""Choosing a chain of nodes that covers every block, lowest estimated latency first."""
+"""Choosing a chain of nodes that covers every block: what each hop costs (its link, its blocks
+at the speed this client measured or the node claims, slowed by the sessions it serves), and a
+route drawn at random, weighted by spare capacity, among those within NEAR_BEST of the cheapest,
+so that clients choosing at once spread over replicas rather than all take the best one."""
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from swarm.errors import RouteUnavailable
 from swarm.protocol import Hop
@@ -18,6 +21,12 @@ DEFAULT_BLOCK_TIME = 0.005  # seconds per block per token, for nodes without a t
 # the 8 nodes it may relay for)
 MAX_PER_ADDRESS = 9
 MAX_PER_HOST = 16
+# a decode pass takes up to 4 steps (the node's --max-batch) in little more time than one, so
+# each other session stepping at a node delays a step there by about a quarter of a pass
+LOAD_PER_SESSION = 0.25
+# routes costing this much more than the cheapest are drawn among: a few percent, so that load
+# (LOAD_PER_SESSION) and round trips that differ by little do not pin every client to one route
+NEAR_BEST = 0.05
 
 
 def usable(
@@ -59,24 +68,47 @@ def missing_blocks(records: Iterable[NodeRecord], num_layers: int) -> list[tuple
     return coverage_gaps(block_coverage(records, num_layers))
 
 
-def hop_cost(
-    r: NodeRecord,
-    start: int,
-    end: int,
-    rtts: dict[str, float],
-    measured: dict[str, float] | None = None,
-) -> float:
-    """Estimated seconds one decode token spends on this hop: the link in, then the blocks, at
-    the seconds a block this client measured through the node if it has (`measured`), else at
-    the throughput its record announces (a claim anyone can inflate)."""
-    per_block = (measured or {}).get(r.peer)
-    if per_block is None:
+@dataclass(frozen=True)
+class Estimates:
+    """What a client knows of nodes beyond their records, by peer: round trips, seconds a block
+    it measured through them, and sessions each serves as far as it can tell (the record's,
+    plus those it opened there since)."""
+
+    rtts: Mapping[str, float] = field(default_factory=dict)
+    measured: Mapping[str, float] = field(default_factory=dict)
+    load: Mapping[str, float] = field(default_factory=dict)
+
+    def sessions(self, r: NodeRecord) -> float:
+        return self.load.get(r.peer, float(r.sessions))
+
+    def per_block(self, r: NodeRecord) -> float:
+        """Seconds a block of one decode step, unloaded: as measured here, or as the record
+        claims (a claim anyone can inflate, which measuring corrects)."""
+        measured = self.measured.get(r.peer)
+        if measured is not None:
+            return measured
         announced = r.throughput * (r.end - r.start)
-        per_block = 1.0 / announced if announced > 0 else DEFAULT_BLOCK_TIME
-    return rtts.get(r.peer, DEFAULT_RTT) / 2 + (end - start) * per_block
+        return 1.0 / announced if announced > 0 else DEFAULT_BLOCK_TIME
+
+    def link(self, r: NodeRecord) -> float:
+        return self.rtts.get(r.peer, DEFAULT_RTT) / 2
+
+    def block_cost(self, r: NodeRecord) -> float:
+        """Seconds a block costs on this node now, its load counted."""
+        return self.per_block(r) * (1.0 + LOAD_PER_SESSION * self.sessions(r))
+
+    def spare(self, r: NodeRecord) -> float:
+        """The weight of this node among near-best choices: fewer sessions, more weight."""
+        return 1.0 / (1.0 + self.sessions(r))
 
 
-def block_seconds(route: list[Hop], seconds: float, rtts: dict[str, float]) -> float:
+def hop_cost(r: NodeRecord, start: int, end: int, est: Estimates | None = None) -> float:
+    """Estimated seconds one decode token spends on this hop: the link in, then the blocks."""
+    est = est or Estimates()
+    return est.link(r) + (end - start) * est.block_cost(r)
+
+
+def block_seconds(route: list[Hop], seconds: float, rtts: Mapping[str, float]) -> float:
     """Seconds a block took in one decode step of `route` that took `seconds` from the client
     and back: what the links (half of each hop's round trip, and the last hop's way back) do
     not explain, spread over the route's blocks."""
@@ -89,40 +121,67 @@ def find_route(
     records: Iterable[NodeRecord],
     num_layers: int,
     fingerprint: str,
-    rtts: dict[str, float] | None = None,
+    est: Estimates | None = None,
     exclude: set[str] = frozenset(),
     model: str = "the model",
     plaintext: bool = False,
-    measured: dict[str, float] | None = None,
+    rng: random.Random | None = None,
+    near: float = NEAR_BEST,
 ) -> list[Hop]:
-    """Shortest path over block boundaries 0..num_layers; a hop may use part of a node's span.
-    `measured`: seconds a block, by peer, as this client found them (see hop_cost)."""
-    rtts = rtts or {}
+    """A chain of hops over block boundaries 0..num_layers costing at most `near` more than
+    the cheapest; a hop may use part of a node's span. Each hop is drawn among the nodes that
+    keep the route within that bound, weighted by their spare capacity."""
+    est = est or Estimates()
     nodes = usable(records, fingerprint, exclude, plaintext)
     gaps = missing_blocks(nodes, num_layers)
     if gaps:
         raise RouteUnavailable(f"no online node serves blocks {format_blocks(gaps)} of {model}")
-    best = {0: 0.0}
-    prev: dict[int, tuple[int, NodeRecord]] = {}
-    queue = [(0.0, 0)]
-    while queue:
-        cost, pos = heapq.heappop(queue)
-        if pos == num_layers:
-            break
-        if cost > best.get(pos, float("inf")):
-            continue
+    hops = _Hops(nodes, num_layers, est)
+    togo = hops.cost_to_go()
+    budget = togo[0] * (1.0 + near) + 1e-12
+    rng = rng or random
+    route: list[Hop] = []
+    pos, spent = 0, 0.0
+    while pos < num_layers:
+        # per node: its cheapest way on from here, if the route stays within the budget
+        best: dict[str, tuple[float, float, int, NodeRecord]] = {}
+        for r, stop, cost in hops.from_(pos):
+            total = cost + togo[stop]
+            if spent + total <= budget and total < best.get(r.peer, (float("inf"),))[0]:
+                best[r.peer] = (total, cost, stop, r)
+        options = list(best.values())
+        _, cost, stop, r = rng.choices(options, [est.spare(o[3]) for o in options])[0]
+        route.append(r.hop(pos, stop))
+        spent, pos = spent + cost, stop
+    return route
+
+
+class _Hops:
+    """The hops a route may take: from a block boundary, on a node covering it, to a later
+    boundary inside its span. Only boundaries where some span starts or ends matter (a hop's
+    cost is linear in its blocks, so the best place to change nodes is at one of them)."""
+
+    def __init__(self, nodes: list[NodeRecord], num_layers: int, est: Estimates):
+        self.num_layers = num_layers
+        marks = {0, num_layers}
         for r in nodes:
-            if not r.start <= pos < r.end:
-                continue
-            for stop in range(pos + 1, r.end + 1):
-                c = cost + hop_cost(r, pos, stop, rtts, measured)
-                if c < best.get(stop, float("inf")):
-                    best[stop] = c
-                    prev[stop] = (pos, r)
-                    heapq.heappush(queue, (c, stop))
-    route, pos = [], num_layers
-    while pos > 0:
-        start, r = prev[pos]
-        route.append(r.hop(start, pos))
-        pos = start
-    return route[::-1]
+            marks.update((r.start, r.end))
+        self.marks = sorted(marks)
+        self.nodes = [(r, est.link(r), est.block_cost(r)) for r in nodes]
+
+    def from_(self, pos: int):
+        for r, link, block in self.nodes:
+            if r.start <= pos < r.end:
+                for stop in self.marks:
+                    if pos < stop <= r.end:
+                        yield r, stop, link + (stop - pos) * block
+
+    def cost_to_go(self) -> dict[int, float]:
+        """The cheapest cost from each boundary to the last one."""
+        togo = {self.num_layers: 0.0}
+        for pos in reversed(self.marks[:-1]):
+            togo[pos] = min(
+                (cost + togo[stop] for _, stop, cost in self.from_(pos) if stop in togo),
+                default=float("inf"),
+            )
+        return togo

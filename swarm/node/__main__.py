@@ -12,10 +12,12 @@ from swarm.errors import SwarmError
 from swarm.node.config import parse_args
 from swarm.node.lifecycle import run
 from swarm.node.observer import StepObserver
+from swarm.process import watch_parent_env
 
 
 def main(argv: list[str] | None = None, observer: StepObserver | None = None) -> int:
     """Run a node until SIGINT or SIGTERM; `observer`: a benchmark's hook (see observer.py)."""
+    watch_parent_env()  # started by a launcher (devtools.launch): stop when it exits
     cfg = parse_args(argv)
     setup_logging()
     torch.set_num_threads(cfg.threads)

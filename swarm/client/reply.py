@@ -1,0 +1,105 @@
+"""A reply as it is generated: tokens turned into text piece by piece, stop strings, and the
+sampler that picks each token."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Generator, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from swarm.client.client import Client
+
+
+class ReplyText:
+    """A reply's tokens turned into text as they come: pieces to emit, and whether the reply
+    ended (end-of-text token or a stop string; text from a stop string on is never emitted).
+    A tail that could be the start of a stop string is held back until the next token settles
+    it, or `flush()` at the end lets it out."""
+
+    def __init__(self, client: Client, stop: Sequence[str] = ()):
+        self.tokenizer, self.stop = client.tokenizer, [s for s in stop if s]
+        self.eos = set(client.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos.add(self.tokenizer.eos_token_id)
+        self.tokens: list[int] = []
+        self.emitted = ""
+        self._text = ""  # the reply so far, cut at a stop string
+
+    def add(self, token: int) -> tuple[str, bool]:
+        if token in self.eos:
+            return self.flush(), True
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        hit = [text.index(s) for s in self.stop if s in text]
+        if hit:
+            self._text = text[: min(hit)]
+            return self.flush(), True
+        self._text = text
+        ready = text[: len(text) - self._held(text)]
+        piece = ""
+        if len(ready) > len(self.emitted) and not ready.endswith("\ufffd"):
+            piece, self.emitted = ready[len(self.emitted) :], ready
+        return piece, False
+
+    def flush(self) -> str:
+        """The text not emitted yet: call once the reply is over."""
+        piece = self._text[len(self.emitted) :]
+        self.emitted = self._text
+        return piece
+
+    def _held(self, text: str) -> int:
+        """Length of the longest tail of `text` that begins some stop string."""
+        return max(
+            (n for s in self.stop for n in range(min(len(s) - 1, len(text)), 0, -1)
+             if text.endswith(s[:n])),
+            default=0,
+        )  # fmt: skip
+
+
+class ReplyStream(Iterator[str]):
+    """A reply being generated: iterate it for its text pieces as tokens arrive; `tokens` are
+    its token ids so far (an end-of-text token is not among them)."""
+
+    def __init__(self, pieces: Generator[str, None, None], text: ReplyText):
+        self._pieces, self._text = pieces, text
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop early: the reply's session on the nodes closes now."""
+        self._pieces.close()
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._text.tokens)
+
+
+class Sampler:
+    def __init__(
+        self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None
+    ):
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.generator = torch.Generator().manual_seed(
+            seed if seed is not None else random.randrange(2**63)
+        )
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self.temperature <= 0:
+            return int(logits.argmax())
+        logits = logits / self.temperature
+        if self.top_k > 0:
+            kth = torch.topk(logits, min(self.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < self.top_p
+            mask = torch.zeros_like(probs, dtype=torch.bool)
+            mask[order[keep]] = True
+            probs = probs.masked_fill(~mask, 0.0)
+            probs = probs / probs.sum()
+        return int(torch.multinomial(probs, 1, generator=self.generator))

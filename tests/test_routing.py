@@ -1,0 +1,134 @@
+"""Route choice and probing as pure functions of records and what the client measured: which
+nodes a route pings, and how routes spread over replicas."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from swarm.client.probe import RoundTrips, pick_probes
+from swarm.client.routing import Estimates, find_route, hop_cost
+from swarm.errors import RouteUnavailable
+from swarm.records import NodeRecord
+
+LAYERS = 6
+SPANS = [(0, 2), (2, 4), (4, 6)]
+
+
+def rec(peer: str, start: int, end: int, sessions: int = 0, throughput: float = 100.0):
+    return NodeRecord(
+        peer, f"10.0.0.{len(peer)}:7000", "m", start, end, "online", "f", "v", LAYERS,
+        free_cache_tokens=4096, throughput=throughput, sessions=sessions, tls="a" * 64,
+    )  # fmt: skip
+
+
+def replicas(n: int) -> list[NodeRecord]:
+    return [rec(f"{s}-{e}-{i}", s, e) for s, e in SPANS for i in range(n)]
+
+
+def cost(route, records, est) -> float:
+    by_peer = {r.peer: r for r in records}
+    return sum(hop_cost(by_peer[h.peer], h.start, h.end, est) for h in route)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_routes_drawn_for_concurrent_sessions_spread_over_replicas(seed):
+    """Each drawn route's sessions count as load for the next draw, as a client counts its own
+    open sessions: 24 sessions over 4 replicas of each span, none holds 1.3 times its share."""
+    records, rng = replicas(4), random.Random(seed)
+    rtts = {r.peer: rng.uniform(0.0003, 0.001) for r in records}  # loopback's, noisy
+    load: Counter[str] = Counter()
+    for _ in range(24):
+        route = find_route(records, LAYERS, "f", Estimates(rtts, load=load), rng=rng)
+        load.update(h.peer for h in route)
+    assert len(load) == 12 and max(load.values()) / 6 <= 1.3
+
+
+def test_among_equal_replicas_a_route_is_drawn_at_random():
+    records, rng = replicas(4), random.Random(1)
+    firsts = Counter(find_route(records, LAYERS, "f", rng=rng)[0].peer for _ in range(400))
+    assert len(firsts) == 4 and min(firsts.values()) > 60
+
+
+def test_a_loaded_replica_is_chosen_less_often():
+    records = replicas(2)
+    busy = records[0].peer
+    est = Estimates(load={busy: 3})
+    rng = random.Random(3)
+    firsts = Counter(find_route(records, LAYERS, "f", est, rng=rng)[0].peer for _ in range(200))
+    assert firsts[busy] < firsts[records[1].peer] / 3
+
+
+def test_a_drawn_route_costs_at_most_near_best_more_than_the_cheapest():
+    rng = random.Random(5)
+    records = [
+        rec(f"n{i}", s, e, sessions=rng.randrange(4), throughput=rng.uniform(50, 200))
+        for i, (s, e) in enumerate(SPANS * 5 + [(0, 6), (1, 5), (3, 6)])
+    ]
+    est = Estimates(rtts={r.peer: rng.uniform(0.001, 0.02) for r in records})
+    best = cost(find_route(records, LAYERS, "f", est, near=0.0), records, est)
+    for _ in range(50):
+        route = find_route(records, LAYERS, "f", est, rng=rng, near=0.1)
+        assert [(h.start, h.end) for h in route][0][0] == 0 and route[-1].end == LAYERS
+        assert all(a.end == b.start for a, b in zip(route, route[1:]))
+        assert cost(route, records, est) <= best * 1.1 + 1e-12
+
+
+def test_a_route_uses_part_of_a_span_to_chain_overlapping_ones():
+    records = [rec("a", 0, 4), rec("b", 3, 6)]
+    route = find_route(records, LAYERS, "f")
+    assert [(h.peer, h.start, h.end) for h in route] in (
+        [("a", 0, 3), ("b", 3, 6)],
+        [("a", 0, 4), ("b", 4, 6)],
+    )
+
+
+def test_a_node_measured_slow_loses_to_one_whose_claim_is_modest():
+    liar, honest = rec("liar", 0, 6, throughput=1e9), rec("honest", 0, 6, throughput=50.0)
+    est = Estimates(measured={"liar": 0.05})
+    routes = {find_route([liar, honest], LAYERS, "f", est)[0].peer for _ in range(20)}
+    assert routes == {"honest"}
+
+
+def test_missing_blocks_are_named():
+    with pytest.raises(RouteUnavailable, match="4:6"):
+        find_route([rec("a", 0, 4)], LAYERS, "f")
+
+
+def by_cost(r: NodeRecord) -> float:
+    return 1.0 / r.throughput
+
+
+def test_probes_ask_a_few_nodes_per_block_of_hundreds():
+    records = [rec(f"n{i:03d}", *SPANS[i % 3]) for i in range(200)]
+    picks = pick_probes(records, LAYERS, RoundTrips(), 0.0, by_cost, per_block=3, budget=32)
+    assert len(picks) == 9
+    assert Counter((r.start, r.end) for r in picks) == {span: 3 for span in SPANS}
+
+
+def test_probes_take_every_blocks_first_node_before_any_blocks_second():
+    records = [rec(f"w{i}", 0, 6, throughput=10.0) for i in range(3)]
+    records += [rec(f"n{i:03d}", *SPANS[i % 3], throughput=1e3) for i in range(60)]
+    picks = pick_probes(records, LAYERS, RoundTrips(), 0.0, by_cost, per_block=3, budget=4)
+    assert {(r.start, r.end) for r in picks[:3]} == set(SPANS)
+
+
+def test_nodes_measured_recently_are_not_pinged_again():
+    records = replicas(4)
+    trips = RoundTrips(max_age=60.0)
+    for r in records[::4]:  # one node of each span answered 10 s ago
+        trips.answered(r.peer, 0.001, now=90.0)
+    picks = pick_probes(records, LAYERS, trips, 100.0, by_cost, per_block=3)
+    assert len(picks) == 6 and not {r.peer for r in picks} & {r.peer for r in records[::4]}
+    assert len(pick_probes(records, LAYERS, trips, 151.0, by_cost, per_block=3)) == 9
+
+
+def test_nodes_that_failed_a_ping_lately_are_skipped_unless_nothing_else_is_left():
+    records = replicas(1)
+    trips = RoundTrips(failed_for=10.0)
+    trips.silent(records[0].peer, now=95.0)
+    assert records[0] not in pick_probes(records, LAYERS, trips, 100.0, by_cost)
+    assert records[0] in pick_probes(records, LAYERS, trips, 100.0, by_cost, retry_failed=True)
+    assert records[0] in pick_probes(records, LAYERS, trips, 106.0, by_cost)
