@@ -8,7 +8,12 @@ import torch
 from devtools.launch import start_swarm, stop_all
 from swarm.model.tiny import reference_greedy, save_tiny_llama, save_tiny_tokenizer
 
-__all__ = ["reference_greedy", "split_greedy", "swarm_greedy"]  # the tests import them from here
+__all__ = [
+    "reference_greedy",
+    "split_greedy",
+    "swarm_greedy",
+    "nodes_greedy",
+]  # the tests import them from here
 
 
 @pytest.fixture(scope="session")
@@ -99,3 +104,48 @@ def split_greedy(path, spans, prompts: list[list[int]], new_tokens: int) -> list
         for toks, row in zip(out, head.logits_rows(x)):
             toks.append(int(row.argmax()))
     return out
+
+
+# the family tests' shared prompt (past every tiny model's window of 8 or 16) and splits
+FAMILY_PROMPT = [(7 * i + 3) % 500 + 5 for i in range(30)]
+FAMILY_NEW_TOKENS = 40
+SPLITS = {2: [(0, 3), (3, 6)], 3: [(0, 2), (2, 4), (4, 6)]}
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """(family, **config) -> (transformers model, safetensors folder, F32 GGUF written as
+    llama.cpp writes it, the model's greedy tokens after FAMILY_PROMPT), made on first use."""
+    from devtools.hf_to_gguf import write_gguf
+    from swarm.model.tiny import save_tiny, save_tiny_tokenizer
+
+    cache = {}
+
+    def get(family: str, **config):
+        key = (family, repr(sorted(config.items())))
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(family)
+            model = save_tiny(family, folder, **config)
+            save_tiny_tokenizer(folder)
+            gguf = write_gguf(folder, tmp_path_factory.mktemp("gguf") / f"{family}.gguf")
+            want = reference_greedy(model, FAMILY_PROMPT, FAMILY_NEW_TOKENS)
+            cache[key] = model, folder, gguf, want
+        return cache[key]
+
+    return get
+
+
+def nodes_greedy(path, spans, ids: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens after `ids` through real nodes serving `spans` of `path` at float32."""
+    from swarm.client.client import Client
+
+    flags = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+    nodes = start_swarm(spans, model=str(path), extra=flags)
+    try:
+        client = Client(nodes[0].maddrs[:1], model=str(path), wire_dtype="float32")
+        try:
+            return swarm_greedy(client, ids, new_tokens)
+        finally:
+            client.close()
+    finally:
+        stop_all(nodes)

@@ -10,13 +10,16 @@ import json
 import pytest
 import torch
 
-from devtools.hf_to_gguf import write_gguf
-from devtools.launch import start_swarm, stop_all
-from swarm.client.client import Client
 from swarm.model.blocks import Block
 from swarm.model.source import open_model
-from swarm.model.tiny import FAMILIES, reference_greedy, save_tiny, save_tiny_tokenizer
-from tests.conftest import split_greedy, swarm_greedy
+from swarm.model.tiny import FAMILIES, reference_greedy
+from tests.conftest import (
+    FAMILY_NEW_TOKENS,
+    FAMILY_PROMPT,
+    SPLITS,
+    nodes_greedy,
+    split_greedy,
+)
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -31,28 +34,13 @@ VARIANTS = {
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
 }
-PROMPT = [(7 * i + 3) % 500 + 5 for i in range(30)]  # past every window (8 or 16)
-NEW_TOKENS = 40
-SPLITS = {2: [(0, 3), (3, 6)], 3: [(0, 2), (2, 4), (4, 6)]}
-FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+PROMPT, NEW_TOKENS = FAMILY_PROMPT, FAMILY_NEW_TOKENS
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
-    """variant -> (reference model, safetensors folder, GGUF path), each made on first use."""
-    cache = {}
-
-    def get(variant: str):
-        if variant not in cache:
-            family, config = VARIANTS[variant]
-            folder = tmp_path_factory.mktemp(variant)
-            model = save_tiny(family, folder, **config)
-            save_tiny_tokenizer(folder)
-            gguf = write_gguf(folder, tmp_path_factory.mktemp("gguf") / f"{variant}.gguf")
-            cache[variant] = model, folder, gguf, reference_greedy(model, PROMPT, NEW_TOKENS)
-        return cache[variant]
-
-    return get
+def made(tiny_family):
+    """variant -> (reference model, safetensors folder, GGUF path, reference tokens)."""
+    return lambda variant: tiny_family(VARIANTS[variant][0], **VARIANTS[variant][1])
 
 
 @pytest.mark.parametrize("ways", [2, 3])
@@ -133,12 +121,4 @@ def test_what_changes_the_math_and_is_not_built_is_refused_by_name(made, tmp_pat
 def test_nodes_of_each_family_give_transformers_tokens(made, variant, fmt, ways):
     _, folder, gguf, want = made(variant)
     path = str(folder if fmt == "safetensors" else gguf)
-    nodes = start_swarm(SPLITS[ways], model=path, extra=FLAGS)
-    try:
-        client = Client(nodes[0].maddrs[:1], model=path, wire_dtype="float32")
-        try:
-            assert swarm_greedy(client, PROMPT, NEW_TOKENS) == want
-        finally:
-            client.close()
-    finally:
-        stop_all(nodes)
+    assert nodes_greedy(path, SPLITS[ways], PROMPT, NEW_TOKENS) == want

@@ -47,6 +47,17 @@ class Family:
     )
 
 
+# what Gemma 2 and 3 share: 1 + w norms, norms after attention and the MLP too, GeGLU, scaled
+# and tied embeddings, activations too large for float16 on the wire
+_GEMMA = dict(
+    post_norms=True,
+    gemma_norms=True,
+    embed_scaled=True,
+    activation="gelu_tanh",
+    tied=True,
+    wire_dtype="bfloat16",
+)
+
 FAMILIES = {
     f.name: f
     for f in (
@@ -87,29 +98,14 @@ FAMILIES = {
             gguf_topk_norm=True,
         ),
         Family(
-            "gemma2",
-            ("gemma2",),
-            ("gemma2",),
-            post_norms=True,
-            gemma_norms=True,
-            embed_scaled=True,
-            activation="gelu_tanh",
-            tied=True,
-            wire_dtype="bfloat16",
-            window_period=2,
-            softcaps=(50.0, 30.0),
+            "gemma2", ("gemma2",), ("gemma2",), **_GEMMA, window_period=2, softcaps=(50.0, 30.0)
         ),
         Family(
             "gemma3",
             ("gemma3_text",),
             ("gemma3",),
+            **_GEMMA,
             qk_norm=True,
-            post_norms=True,
-            gemma_norms=True,
-            embed_scaled=True,
-            activation="gelu_tanh",
-            tied=True,
-            wire_dtype="bfloat16",
             window_period=6,
             local_theta=10_000.0,
         ),
