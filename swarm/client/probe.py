@@ -28,6 +28,7 @@ FAILED_FOR_S = 10.0  # a dead node's record expires within a TTL (30 s); a busy 
 PER_BLOCK = 3  # measured nodes a route wants on each block
 MAX_DIALS = 32  # pings one route may send (a 30-block model of 1-block spans still routes)
 MAX_ROUNDS = 3  # after the first, only blocks with no answering node are pinged for
+PING_ROUNDS = 2  # the best of two: a first round trip can include the node waking a task up
 PING_TIMEOUT_S = 2.0  # a node just started, on a busy host, can take over 1 s to answer first
 MAX_REMEMBERED = 4096  # round trips kept; the oldest go first beyond this
 
@@ -182,7 +183,7 @@ class Prober:
 
     async def _one(self, peer: str, hop: Hop) -> None:
         try:
-            reach = await ping(hop, timeout=self.timeout)
+            reach = await ping(hop, timeout=self.timeout, rounds=PING_ROUNDS)
             now = time.monotonic()
             if reach.rtt_s is None:
                 self.trips.silent(peer, now)

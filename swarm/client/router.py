@@ -77,7 +77,8 @@ class Router:
                 r.peer: r.sessions + sum(1 for t in self._mine.get(r.peer, ()) if t > r.updated)
                 for r in records
             }
-        return Estimates(self.trips.all(), measured, load)
+            own = {peer: len(times) for peer, times in self._mine.items()}
+        return Estimates(self.trips.all(), measured, load, own)
 
     def observe_step(self, route: list[Hop], seconds: float) -> None:
         """A one-token step through `route` took `seconds`: what each of its nodes really does

@@ -1,7 +1,11 @@
 """Choosing a chain of nodes that covers every block: what each hop costs (its link, its blocks
 at the speed this client measured or the node claims, slowed by the sessions it serves), and a
-route drawn at random, weighted by spare capacity, among those within NEAR_BEST of the cheapest,
-so that clients choosing at once spread over replicas rather than all take the best one."""
+route drawn among those near the cheapest (within NEAR_BEST, or NEAR_BEST_S on a fast path), so
+that sessions spread over replicas rather than all take the best one. Each hop goes to a node
+holding the fewest of this client's own sessions (it knows those exactly), drawn at random
+among them weighted by spare capacity as other clients' sessions leave it (records announce
+those a few seconds late: drawing at random keeps clients that read the same records from all
+taking the same node)."""
 
 from __future__ import annotations
 
@@ -27,6 +31,9 @@ LOAD_PER_SESSION = 0.25
 # routes costing this much more than the cheapest are drawn among: a few percent, so that load
 # (LOAD_PER_SESSION) and round trips that differ by little do not pin every client to one route
 NEAR_BEST = 0.05
+# ... or this many seconds more: one ping's round trip on a busy host varies by a millisecond
+# or two, which on loopback or a LAN is more than the few percent
+NEAR_BEST_S = 0.002
 
 
 def usable(
@@ -71,12 +78,13 @@ def missing_blocks(records: Iterable[NodeRecord], num_layers: int) -> list[tuple
 @dataclass(frozen=True)
 class Estimates:
     """What a client knows of nodes beyond their records, by peer: round trips, seconds a block
-    it measured through them, and sessions each serves as far as it can tell (the record's,
-    plus those it opened there since)."""
+    it measured through them, sessions each serves as far as it can tell (the record's, plus
+    those the client opened there since) and, of those, the client's own."""
 
     rtts: Mapping[str, float] = field(default_factory=dict)
     measured: Mapping[str, float] = field(default_factory=dict)
     load: Mapping[str, float] = field(default_factory=dict)
+    own: Mapping[str, int] = field(default_factory=dict)
 
     def sessions(self, r: NodeRecord) -> float:
         return self.load.get(r.peer, float(r.sessions))
@@ -97,9 +105,13 @@ class Estimates:
         """Seconds a block costs on this node now, its load counted."""
         return self.per_block(r) * (1.0 + LOAD_PER_SESSION * self.sessions(r))
 
+    def mine(self, r: NodeRecord) -> int:
+        return self.own.get(r.peer, 0)
+
     def spare(self, r: NodeRecord) -> float:
-        """The weight of this node among near-best choices: fewer sessions, more weight."""
-        return 1.0 / (1.0 + self.sessions(r))
+        """The weight of this node among near-best choices: fewer sessions of other clients,
+        more weight."""
+        return 1.0 / (1.0 + max(0.0, self.sessions(r) - self.mine(r)))
 
 
 def hop_cost(r: NodeRecord, start: int, end: int, est: Estimates | None = None) -> float:
@@ -127,10 +139,12 @@ def find_route(
     plaintext: bool = False,
     rng: random.Random | None = None,
     near: float = NEAR_BEST,
+    near_s: float = NEAR_BEST_S,
 ) -> list[Hop]:
     """A chain of hops over block boundaries 0..num_layers costing at most `near` more than
     the cheapest; a hop may use part of a node's span. Each hop is drawn among the nodes that
-    keep the route within that bound, weighted by their spare capacity."""
+    keep the route within that bound: among those holding the fewest of this client's own
+    sessions, at random weighted by their spare capacity."""
     est = est or Estimates()
     nodes = usable(records, fingerprint, exclude, plaintext)
     gaps = missing_blocks(nodes, num_layers)
@@ -138,7 +152,7 @@ def find_route(
         raise RouteUnavailable(f"no online node serves blocks {format_blocks(gaps)} of {model}")
     hops = _Hops(nodes, num_layers, est)
     togo = hops.cost_to_go()
-    budget = togo[0] * (1.0 + near) + 1e-12
+    budget = togo[0] + max(togo[0] * near, near_s) + 1e-12
     rng = rng or random
     route: list[Hop] = []
     pos, spent = 0, 0.0
@@ -149,7 +163,8 @@ def find_route(
             total = cost + togo[stop]
             if spent + total <= budget and total < best.get(r.peer, (float("inf"),))[0]:
                 best[r.peer] = (total, cost, stop, r)
-        options = list(best.values())
+        fewest = min(est.mine(o[3]) for o in best.values())
+        options = [o for o in best.values() if est.mine(o[3]) == fewest]
         _, cost, stop, r = rng.choices(options, [est.spare(o[3]) for o in options])[0]
         route.append(r.hop(pos, stop))
         spent, pos = spent + cost, stop
