@@ -1,6 +1,7 @@
 """A node that lies in its records, for tests of what a lie costs the swarm: it serves its
 --layers as any node does, but announces LIE_END as the end of its span and LIE_THROUGHPUT
-tokens/s, spends LIE_SLOW_S more on every pass and scales what it computes by LIE_SCALE
+tokens/s, spends LIE_SLOW_S more on every pass and scales what it computes by LIE_SCALE; with
+SLOW_LOAD_S it stays joining that much longer, as a node loading a big span from a slow disk
 (environment variables). Run as a script: `python devtools/liar_node.py --layers 0:3 ...`,
 or `start_liar(...)` below."""
 
@@ -43,7 +44,17 @@ def start_liar(layers, peers, model: str, extra, **lies):
     return start_node(layers, peers, model=model, extra=extra, program=(__file__,), env=env)
 
 
+def slow_load(load):
+    @functools.wraps(load)
+    def slow(*args, **kwargs):
+        time.sleep(float(os.environ.get("SLOW_LOAD_S", 0)))
+        return load(*args, **kwargs)
+
+    return slow
+
+
 if __name__ == "__main__":
     announce.Announcer.record = lying_record
     Span.forward, Span.decode = lying(Span.forward), lying(Span.decode)
+    Span.load = classmethod(slow_load(Span.load.__func__))
     sys.exit(main())

@@ -52,6 +52,9 @@ class Open:
     wire_dtype: str
     max_length: int
     sink_token: str
+    # the user's host as the first node saw it, forwarded as is: a next hop gives each user
+    # behind a forwarding node a share of its own (swarm.node.admission.share_of)
+    origin: str = ""
     t: str = field(default="open", init=False)
 
 
@@ -230,6 +233,7 @@ def parse_message(d: dict[str, Any]) -> Message:
             wire_dtype=_str(d, "wire_dtype", 16),
             max_length=_int(d, "max_length", 1, 1 << 20),
             sink_token=_str(d, "sink_token", 64),
+            origin=_str(d, "origin", 64) if "origin" in d else "",
         )
     if kind == "step":
         phase = d.get("phase")

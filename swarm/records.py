@@ -230,20 +230,23 @@ class Reported:
 
 @dataclass(frozen=True)
 class Block:
-    """One block as a set of records covers it: how many serve it, and their summed tokens/s."""
+    """One block as a set of records covers it: how many serve it, their summed tokens/s, and
+    the sessions they announce (the demand on it)."""
 
     nodes: int = 0
     throughput: float = 0.0
+    sessions: int = 0
 
 
 def coverage(records: Iterable[NodeRecord], num_layers: int) -> tuple[Block, ...]:
     """Each block 0..num_layers-1 as `records` cover it (a span past the end is cut)."""
-    nodes, speed = [0] * num_layers, [0.0] * num_layers
+    nodes, speed, demand = [0] * num_layers, [0.0] * num_layers, [0] * num_layers
     for r in records:
         for b in range(r.start, min(r.end, num_layers)):
             nodes[b] += 1
             speed[b] += r.throughput
-    return tuple(Block(n, t) for n, t in zip(nodes, speed))
+            demand[b] += r.sessions
+    return tuple(Block(n, t, d) for n, t, d in zip(nodes, speed, demand))
 
 
 def block_coverage(records: Iterable[NodeRecord], num_layers: int) -> tuple[int, ...]:

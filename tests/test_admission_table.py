@@ -4,19 +4,26 @@ on sessions whose protocol state is the node's own SessionState."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
 from swarm.errors import NodeBusy
 from swarm.health.render import render_page
 from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
-from swarm.node.admission import ConnectionTable, Inbound, Throttle, source_host
+from swarm.node.admission import (
+    ConnectionTable,
+    Inbound,
+    Share,
+    Throttle,
+    share_of,
+    source_host,
+)
 from swarm.node.config import Limits
 from swarm.node.session_state import SessionState, StepIn
 from swarm.node.session_table import SessionTable
 from swarm.node.status import Status, status_line
-from swarm.protocol import Opened
+from swarm.protocol import Hop, Open, Opened
 from swarm.records import ModelRecord, NodeRecord
 
 LIMITS = Limits(
@@ -37,6 +44,7 @@ class Held:
     host: str
     max_length: int = 100
     opened: float = 0.0
+    via: str = ""  # the node forwarding it, if one does
     pieces: list = field(default_factory=list)  # prompt pieces waiting for a pass
     state: SessionState = field(init=False)
 
@@ -88,6 +96,52 @@ def test_an_address_at_its_share_makes_room_among_its_own_idle_sessions_only():
     assert t.make_room(Held("n", "A"), now=10.0) == [own_idle]
     with pytest.raises(NodeBusy, match="A holds 2 sessions"):
         table(Held("a1", "A").step(9.0), own_busy).make_room(Held("n", "A"), now=10.0)
+
+
+def forwarded(sid: str, user: str, now: float = 9.0) -> Held:
+    return Held(sid, f"{user} via F", via="F").step(now)
+
+
+def test_sessions_a_node_forwards_count_in_their_users_shares():
+    t = SessionTable(replace(LIMITS, max_sessions=8, max_cache_tokens=2000))
+    for i, user in enumerate(["u1", "u1", "u2", "u3"]):
+        t._sessions[f"s{i}"] = forwarded(f"s{i}", user)
+    assert t.make_room(forwarded("n", "u4"), now=10.0) == []
+    with pytest.raises(NodeBusy, match="u1 via F holds 2 sessions"):
+        t.make_room(forwarded("n", "u1"), now=10.0)
+
+
+def test_what_a_node_forwards_is_capped_all_users_together():
+    limits = replace(LIMITS, max_sessions=8, max_cache_tokens=2000, max_forwarded_sessions=3)
+    t = SessionTable(limits)
+    for i in range(3):
+        t._sessions[f"s{i}"] = forwarded(f"s{i}", f"u{i}")
+    with pytest.raises(NodeBusy, match=r"F \(forwarding its users' sessions\) holds 3"):
+        t.make_room(forwarded("n", "u9"), now=10.0)
+    assert t.make_room(Held("n", "u9"), now=10.0) == []  # the same user, directly: its own share
+
+
+def hops(*hosts: str) -> tuple[Hop, ...]:
+    return tuple(Hop(h, 7000 + i, i, i + 1, f"p{i}") for i, h in enumerate(hosts))
+
+
+def opening(hop: int, origin: str = "") -> Open:
+    route = hops("10.0.0.1", "10.0.0.2", "10.0.0.3")
+    return Open("s", route, hop, "f", "", 16, "t", origin=origin)
+
+
+@pytest.mark.parametrize(
+    "source, msg, share",
+    [
+        ("1.2.3.4", opening(0), Share("1.2.3.4", "", "1.2.3.4")),
+        ("10.0.0.1", opening(1, "1.2.3.4"), Share("1.2.3.4 via 10.0.0.1", "10.0.0.1", "1.2.3.4")),
+        ("10.0.0.9", opening(1, "1.2.3.4"), Share("10.0.0.9", "", "10.0.0.9")),
+        ("10.0.0.2", opening(1, "1.2.3.4"), Share("10.0.0.2", "", "10.0.0.2")),
+    ],
+    ids=["first-hop", "from-the-previous-node", "from-elsewhere", "from-itself"],
+)
+def test_a_session_counts_for_its_user_only_when_the_previous_node_forwards_it(source, msg, share):
+    assert share_of(source, msg) == share
 
 
 def test_free_cache_tokens_counts_idle_sessions_as_free():

@@ -19,7 +19,9 @@ from swarm.records import NodeRecord
 LAYERS = 12
 
 
-def rec(peer: str, start: int, end: int, state: str = "online", tps: float = 10.0):
+def rec(
+    peer: str, start: int, end: int, state: str = "online", tps: float = 10.0, sessions: int = 0
+):
     return NodeRecord(
         peer=peer,
         addr="127.0.0.1:1",
@@ -31,6 +33,7 @@ def rec(peer: str, start: int, end: int, state: str = "online", tps: float = 10.
         version="v",
         num_layers=LAYERS,
         throughput=tps,
+        sessions=sessions,
     )
 
 
@@ -43,6 +46,16 @@ def test_with_every_block_served_it_takes_the_fewest_nodes_then_the_least_throug
     records = [rec("a", 0, 12, tps=5), rec("b", 0, 6, tps=5), rec("c", 6, 12, tps=50)]
     assert choose_span(coverage(records, LAYERS), 6) == (0, 6)
     records.append(rec("d", 0, 6))
+    assert choose_span(coverage(records, LAYERS), 6) == (6, 12)
+
+
+def test_with_every_block_served_it_takes_the_blocks_with_most_sessions_per_throughput():
+    """Two nodes on 0:6 serve 8 sessions at 10 tokens/s each; one on 6:12 serves 2 at 10: a
+    new node goes where users wait longest, though 0:6 has more nodes."""
+    records = [rec("a", 0, 6, sessions=4), rec("b", 0, 6, sessions=4)]
+    records.append(rec("c", 6, 12, sessions=2))
+    assert choose_span(coverage(records, LAYERS), 6) == (0, 6)
+    records[2] = rec("c", 6, 12, sessions=9)
     assert choose_span(coverage(records, LAYERS), 6) == (6, 12)
 
 

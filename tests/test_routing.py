@@ -33,17 +33,34 @@ def cost(route, records, est) -> float:
     return sum(hop_cost(by_peer[h.peer], h.start, h.end, est) for h in route)
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_routes_drawn_for_concurrent_sessions_spread_over_replicas(seed):
-    """Each drawn route's sessions count as load for the next draw, as a client counts its own
-    open sessions: 24 sessions over 4 replicas of each span, none holds 1.3 times its share."""
-    records, rng = replicas(4), random.Random(seed)
-    rtts = {r.peer: rng.uniform(0.0003, 0.001) for r in records}  # loopback's, noisy
-    load: Counter[str] = Counter()
+def test_a_clients_own_sessions_spread_evenly_over_replicas():
+    """Each drawn route's sessions count as the client's own for the next draw, as a client
+    counts the sessions it holds: 24 over 4 replicas of each span give each replica 6."""
+    records, rng = replicas(4), random.Random(7)
+    rtts = {r.peer: rng.uniform(0.0003, 0.002) for r in records}  # loopback's, noisy
+    own: Counter[str] = Counter()
     for _ in range(24):
-        route = find_route(records, LAYERS, "f", Estimates(rtts, load=load), rng=rng)
-        load.update(h.peer for h in route)
-    assert len(load) == 12 and max(load.values()) / 6 <= 1.3
+        route = find_route(records, LAYERS, "f", Estimates(rtts, load=own), rng=rng)
+        own.update(h.peer for h in route)
+    assert sorted(own.values()) == [6] * 12
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_routes_drawn_by_clients_that_see_each_other_late_spread_over_replicas(seed):
+    """Four clients of 6 sessions each see the others' sessions only once a record announces
+    them (here: each client's before the next one starts): no replica holds 1.3 times its
+    share of the 24."""
+    records, rng = replicas(4), random.Random(seed)
+    rtts = {r.peer: rng.uniform(0.0003, 0.002) for r in records}
+    announced: Counter[str] = Counter()
+    for _ in range(4):
+        own: Counter[str] = Counter()
+        for _ in range(6):
+            load = announced + own
+            route = find_route(records, LAYERS, "f", Estimates(rtts, load=load), rng=rng)
+            own.update(h.peer for h in route)
+        announced += own
+    assert len(announced) == 12 and max(announced.values()) / 6 <= 1.3
 
 
 def test_among_equal_replicas_a_route_is_drawn_at_random():
@@ -52,13 +69,13 @@ def test_among_equal_replicas_a_route_is_drawn_at_random():
     assert len(firsts) == 4 and min(firsts.values()) > 60
 
 
-def test_a_loaded_replica_is_chosen_less_often():
+def test_a_replica_serving_more_sessions_is_not_chosen_while_another_serves_fewer():
     records = replicas(2)
     busy = records[0].peer
     est = Estimates(load={busy: 3})
     rng = random.Random(3)
-    firsts = Counter(find_route(records, LAYERS, "f", est, rng=rng)[0].peer for _ in range(200))
-    assert firsts[busy] < firsts[records[1].peer] / 3
+    firsts = Counter(find_route(records, LAYERS, "f", est, rng=rng)[0].peer for _ in range(50))
+    assert firsts == {records[1].peer: 50}
 
 
 def test_a_drawn_route_costs_at_most_near_best_more_than_the_cheapest():
@@ -68,9 +85,9 @@ def test_a_drawn_route_costs_at_most_near_best_more_than_the_cheapest():
         for i, (s, e) in enumerate(SPANS * 5 + [(0, 6), (1, 5), (3, 6)])
     ]
     est = Estimates(rtts={r.peer: rng.uniform(0.001, 0.02) for r in records})
-    best = cost(find_route(records, LAYERS, "f", est, near=0.0), records, est)
+    best = cost(find_route(records, LAYERS, "f", est, near=0.0, near_s=0.0), records, est)
     for _ in range(50):
-        route = find_route(records, LAYERS, "f", est, rng=rng, near=0.1)
+        route = find_route(records, LAYERS, "f", est, rng=rng, near=0.1, near_s=0.0)
         assert [(h.start, h.end) for h in route][0][0] == 0 and route[-1].end == LAYERS
         assert all(a.end == b.start for a, b in zip(route, route[1:]))
         assert cost(route, records, est) <= best * 1.1 + 1e-12
@@ -83,6 +100,17 @@ def test_a_route_uses_part_of_a_span_to_chain_overlapping_ones():
         [("a", 0, 3), ("b", 3, 6)],
         [("a", 0, 4), ("b", 4, 6)],
     )
+
+
+def test_a_route_never_goes_through_one_node_twice():
+    """Overlapping spans offer a hop to stop part-way on a node and go on from there on the same
+    one, at one round trip more: near the cheapest, but a session opens once a node."""
+    records = [rec("a", 0, 2), rec("b", 1, 5), rec("c", 4, 6)]
+    est = Estimates(rtts={"a": 0.001, "b": 0.001, "c": 0.001})
+    rng = random.Random(2)
+    for _ in range(200):
+        peers = [h.peer for h in find_route(records, LAYERS, "f", est, rng=rng)]
+        assert len(peers) == len(set(peers))
 
 
 def test_a_node_measured_slow_loses_to_one_whose_claim_is_modest():
@@ -123,6 +151,13 @@ def test_nodes_measured_recently_are_not_pinged_again():
     picks = pick_probes(records, LAYERS, trips, 100.0, by_cost, per_block=3)
     assert len(picks) == 6 and not {r.peer for r in picks} & {r.peer for r in records[::4]}
     assert len(pick_probes(records, LAYERS, trips, 151.0, by_cost, per_block=3)) == 9
+
+
+def test_exploring_probes_pick_nodes_beyond_those_already_picked():
+    records = [rec(f"n{i:03d}", *SPANS[i % 3]) for i in range(30)]
+    first = pick_probes(records, LAYERS, RoundTrips(), 0.0, by_cost, per_block=3)
+    more = pick_probes(records, LAYERS, RoundTrips(), 0.0, by_cost, 8, budget=3, already=first)
+    assert len(more) == 3 and not {r.peer for r in more} & {r.peer for r in first}
 
 
 def test_nodes_that_failed_a_ping_lately_are_skipped_unless_nothing_else_is_left():

@@ -9,7 +9,7 @@ import pytest
 from devtools.crowd import Crowd
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.client.probe import PER_BLOCK
+from swarm.client.probe import EXPLORE, PER_BLOCK
 
 FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--threads", "1"]
 SPANS = [(0, 2), (2, 4), (4, 6)]
@@ -45,20 +45,20 @@ def test_a_route_among_hundreds_of_nodes_opens_a_few_connections_per_span(crowde
         route = client.route()
         assert [h.end for h in route][-1] == 6
         opened = crowd.forwarders.total - before
-        assert 0 < opened <= client.router.dials <= PER_BLOCK * len(SPANS)
+        assert 0 < opened <= client.router.dials <= PER_BLOCK * len(SPANS) + EXPLORE
     finally:
         client.close()
 
 
 @pytest.mark.slow
-def test_a_second_route_soon_after_pings_nobody(crowded):
+def test_later_routes_ping_a_few_more_nodes_each_at_most(crowded):
     peers, model, crowd = crowded
     client = Client(peers, model=model, wire_dtype="float32")
     try:
         client.route()
-        before, dials = crowd.forwarders.total, client.router.dials
         for _ in range(3):
+            before, dials = crowd.forwarders.total, client.router.dials
             client.route()
-        assert (crowd.forwarders.total, client.router.dials) == (before, dials)
+            assert client.router.dials - dials == crowd.forwarders.total - before <= EXPLORE
     finally:
         client.close()

@@ -30,16 +30,16 @@ from swarm.errors import (
 from swarm.model.head import Head
 from swarm.model.source import open_model
 from swarm.protocol import Hop
-from swarm.records import NodeRecord
+from swarm.records import JOINING, NodeRecord, format_blocks
 from swarm.transport import ping
 
 log = logging.getLogger("swarm.client")
 SHUN_S = 600.0  # how long a node that answered as no honest one would stays out of routes
-# reading the records takes 50 ms to over a second as the swarm grows; a route takes them as
-# read this recently, and up to RECORDS_MAX_AGE_S while a new read runs behind it (a node gone
-# since costs a retry; one joined since waits for the next read)
-RECORDS_FRESH_S = 2.0
-RECORDS_MAX_AGE_S = 15.0
+# reading the records takes 50 ms to over a second as the swarm grows: routes drawn within this
+# long of a read share it (a node that left since costs a retry; one joined since, a wait)
+RECORDS_FRESH_S = 1.0
+JOIN_WAIT_S = 60.0  # how long a route waits for joining nodes to serve blocks nobody serves
+JOIN_POLL_S = 1.0
 
 
 class Client:
@@ -77,7 +77,6 @@ class Client:
         self.router = Router(self.loop.run)  # round trips, step times, our sessions by node
         self._records: tuple[float, list[NodeRecord]] | None = None  # (when read, records)
         self._records_lock = threading.Lock()  # one read at a time; routes wait for it
-        self._refreshing = False
         self.suspects: set[str] = set()  # nodes a check found computing wrongly (verify.py)
         self.reports = Reports()  # what those checks found, as this client keeps it in the DHT
         self.shunned: dict[str, float] = {}  # peer -> until when routes leave it out (monotonic)
@@ -100,27 +99,13 @@ class Client:
         records, _exp, _bad = read_nodes(self.dht, self.config.name, self.config.num_layers)
         return records
 
-    def recent_nodes(self) -> list[NodeRecord]:
-        """The records as read at most RECORDS_MAX_AGE_S ago; past RECORDS_FRESH_S a new read
-        starts behind the caller, which does not wait for it."""
+    def recent_nodes(self, max_age: float = RECORDS_FRESH_S) -> list[NodeRecord]:
+        """The records as read at most `max_age` ago: routes drawn at once share one read."""
         with self._records_lock:
             now = time.monotonic()
-            if self._records is None or now - self._records[0] >= RECORDS_MAX_AGE_S:
+            if self._records is None or now - self._records[0] >= max_age:
                 self._records = (now, self.nodes())
-            elif now - self._records[0] >= RECORDS_FRESH_S and not self._refreshing:
-                self._refreshing = True
-                self.loop.spawn(self._refresh)
             return self._records[1]
-
-    async def _refresh(self) -> None:
-        try:
-            records = await trio.to_thread.run_sync(self.nodes, abandon_on_cancel=True)
-            with self._records_lock:
-                self._records = (time.monotonic(), records)
-        except SwarmError as exc:  # routes read for themselves once these are too old
-            log.warning("reading the records failed: %s", exc)
-        finally:
-            self._refreshing = False
 
     def route(self, exclude: set[str] = frozenset(), max_length: int = 0) -> list[Hop]:
         """A route for a new session (of `max_length` tokens: nodes announcing less free cache
@@ -142,6 +127,9 @@ class Client:
         every = self.recent_nodes()
         records = usable(every, self.fingerprint, exclude, self.plaintext)
         if missing_blocks(records, self.config.num_layers):
+            # a node may have joined since, or a read under load missed a key: read again
+            every, records = self._await_cover(exclude)
+        if missing_blocks(records, self.config.num_layers):
             without_tls = len(usable(every, self.fingerprint, exclude, True)) - len(records)
             model = self.config.name
             if without_tls:
@@ -155,6 +143,32 @@ class Client:
         return self.router.route(
             records, self.config.num_layers, self.fingerprint, exclude, name, self.plaintext, hold
         )
+
+    def _await_cover(self, exclude: set[str]) -> tuple[list[NodeRecord], list[NodeRecord]]:
+        """The records read anew, and the usable ones; while nodes announcing themselves
+        joining would serve the blocks missing, read again each JOIN_POLL_S until they do, up
+        to JOIN_WAIT_S (a replacement loads its span in seconds to a minute)."""
+        deadline, said = time.monotonic() + JOIN_WAIT_S, False
+        while True:
+            every = self.recent_nodes(max_age=JOIN_POLL_S / 2)
+            records = usable(every, self.fingerprint, exclude, self.plaintext)
+            gaps = missing_blocks(records, self.config.num_layers)
+            joining = [
+                r for r in every
+                if r.state == JOINING and r.fingerprint == self.fingerprint
+                and r.peer not in exclude
+            ]  # fmt: skip
+            if not gaps or missing_blocks(records + joining, self.config.num_layers):
+                return every, records
+            if time.monotonic() >= deadline:
+                return every, records
+            if not said:
+                log.warning(
+                    "no online node serves blocks %s; waiting up to %.0f s for %d joining",
+                    format_blocks(gaps), JOIN_WAIT_S, len(joining),
+                )  # fmt: skip
+                said = True
+            time.sleep(JOIN_POLL_S)
 
     def observe_step(self, route: list[Hop], seconds: float) -> None:
         """A one-token step through `route` took `seconds` (see Router.observe_step)."""

@@ -4,9 +4,11 @@ costs a bounded number of dials however many nodes the swarm holds.
 A round trip stays good for RTT_MAX_AGE_S; a node that did not answer a ping is left alone
 for FAILED_FOR_S. A route wants PER_BLOCK measured nodes on every block (choice for spreading
 load, spares for failures): it pings, in parallel, the best-looking nodes not measured recently
-until each block has them, at most MAX_DIALS in all. Only if some block then has no node that
-answered does it ping again, the next best of those blocks' nodes; in the last round, nodes
-that failed lately too (a ping lost on a busy host must not cost the only replica for long).
+until each block has them, at most MAX_DIALS in all, and EXPLORE more towards KNOWN_PER_BLOCK,
+so that a busy client comes to know the replicas it spreads its sessions over a few per route
+(knowing 3 of 4, a client would leave the fourth idle). Only if some block then has no node
+that answered does it ping again, the next best of those blocks' nodes; in the last round,
+nodes that failed lately too (a ping lost on a busy host must not cost the only replica long).
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ from swarm.transport import ping
 RTT_MAX_AGE_S = 120.0  # a path's round trip changes slowly; a node's load is in its record
 FAILED_FOR_S = 10.0  # a dead node's record expires within a TTL (30 s); a busy one recovers
 PER_BLOCK = 3  # measured nodes a route wants on each block
+KNOWN_PER_BLOCK = 8  # ... and a client comes to know, EXPLORE more a route
+EXPLORE = 3
 MAX_DIALS = 32  # pings one route may send (a 30-block model of 1-block spans still routes)
 MAX_ROUNDS = 3  # after the first, only blocks with no answering node are pinged for
+PING_ROUNDS = 2  # the best of two: a first round trip can include the node waking a task up
 PING_TIMEOUT_S = 2.0  # a node just started, on a busy host, can take over 1 s to answer first
 MAX_REMEMBERED = 4096  # round trips kept; the oldest go first beyond this
 
@@ -94,20 +99,25 @@ def pick_probes(
     per_block: int = PER_BLOCK,
     budget: int = MAX_DIALS,
     retry_failed: bool = False,
+    already: Sequence[NodeRecord] = (),
 ) -> list[NodeRecord]:
     """The records to ping so that every block has `per_block` nodes measured recently: the
     best by `rank` (lower first) first, every block's first node before any block's second.
-    Nodes whose ping failed lately are left out unless `retry_failed`."""
+    Nodes whose ping failed lately are left out unless `retry_failed`; `already`: picked for
+    pinging before (counted as measured, not picked again)."""
     have = [0] * num_layers
+    picked = {r.peer for r in already}
     for r in records:
-        if trips.good(r.peer, now):
+        if r.peer in picked or trips.good(r.peer, now):
             for b in range(r.start, r.end):
                 have[b] += 1
     order = sorted(
         (
             r
             for r in records
-            if not trips.fresh(r.peer, now) and (retry_failed or not trips.failed(r.peer, now))
+            if not trips.fresh(r.peer, now)
+            and (retry_failed or not trips.failed(r.peer, now))
+            and r.peer not in picked
         ),
         key=rank,
     )
@@ -160,6 +170,12 @@ class Prober:
             want, last = (PER_BLOCK if round_ == 0 else 1), round_ == MAX_ROUNDS - 1
             left = budget - sent
             picks = pick_probes(records, num_layers, self.trips, now, rank, want, left, last)
+            if round_ == 0:
+                more = min(EXPLORE, left - len(picks))
+                picks += pick_probes(
+                    records, num_layers, self.trips, now, rank, KNOWN_PER_BLOCK, more,
+                    already=picks,
+                )  # fmt: skip
             if not picks:
                 break
             sent += await self.ping_all({r.peer: r.hop() for r in picks})
@@ -182,7 +198,7 @@ class Prober:
 
     async def _one(self, peer: str, hop: Hop) -> None:
         try:
-            reach = await ping(hop, timeout=self.timeout)
+            reach = await ping(hop, timeout=self.timeout, rounds=PING_ROUNDS)
             now = time.monotonic()
             if reach.rtt_s is None:
                 self.trips.silent(peer, now)
@@ -193,6 +209,7 @@ class Prober:
 
 
 def jittered(cost: Callable[[NodeRecord], float], rng: random.Random) -> Callable:
-    """`cost` times a random factor in [1, 1.25): nodes that look alike are pinged in a
-    different order by each client, so every replica gets measured by some of them."""
-    return lambda r: cost(r) * (1.0 + 0.25 * rng.random())
+    """`cost` times a random factor in [1, 2): nodes that look alike (throughputs measured at
+    start on a busy host differ by that much) are pinged in a different order by each client,
+    so every replica gets measured, and used, by some of them."""
+    return lambda r: cost(r) * (1.0 + rng.random())

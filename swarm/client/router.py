@@ -10,15 +10,22 @@ import time
 from collections.abc import Sequence
 
 from swarm.client.probe import MAX_DIALS, Prober, RoundTrips, jittered
-from swarm.client.routing import Estimates, block_seconds, bounded, find_route
+from swarm.client.routing import (
+    LOAD_PER_SESSION,
+    Estimates,
+    block_seconds,
+    bounded,
+    find_route,
+)
 from swarm.link.estimator import ewma
 from swarm.protocol import Hop
 from swarm.records import NodeRecord
 
 MEASURE_GAIN = 0.3  # EWMA gain of a node's measured seconds a block
-# a node measured slow long ago may have been slow from load that has gone; after this its
-# record speaks for it again (a node that lied about its speed costs one session this often)
-MEASURED_MAX_AGE_S = 300.0
+# a node measured slow may have been slow from load that has gone, and routes that avoid it do
+# not measure it again: after this its record speaks for it again (a node that lied about its
+# speed costs a client one session this often)
+MEASURED_MAX_AGE_S = 60.0
 
 
 class Router:
@@ -32,6 +39,7 @@ class Router:
         self._lock = threading.RLock()  # route() holds it around estimates() and opened()
         self._measured: dict[str, tuple[float, float]] = {}  # peer -> (seconds a block, when)
         self._mine: dict[str, list[float]] = {}  # peer -> wall times of our sessions open there
+        self._load: dict[str, float] = {}  # peer -> sessions there when last routed through
 
     @property
     def dials(self) -> int:
@@ -77,6 +85,9 @@ class Router:
                 r.peer: r.sessions + sum(1 for t in self._mine.get(r.peer, ()) if t > r.updated)
                 for r in records
             }
+            self._load.update(load)
+            if len(self._load) > 4 * len(load) + 1024:  # peers long gone
+                self._load = dict(load)
         return Estimates(self.trips.all(), measured, load)
 
     def observe_step(self, route: list[Hop], seconds: float) -> None:
@@ -86,8 +97,12 @@ class Router:
         now = time.monotonic()
         with self._lock:
             for hop in route:
+                # kept as if unloaded (routes multiply in the load of their time): a node
+                # measured while busy is not avoided once it no longer is
+                others = max(0.0, self._load.get(hop.peer, 0.0) - 1.0)
+                unloaded = per_block / (1.0 + LOAD_PER_SESSION * others)
                 before = self._measured.get(hop.peer, (None, 0.0))[0]
-                self._measured[hop.peer] = (ewma(before, per_block, MEASURE_GAIN), now)
+                self._measured[hop.peer] = (ewma(before, unloaded, MEASURE_GAIN), now)
 
     def opened(self, route: list[Hop]) -> float:
         """A session of ours on `route`; returns the token `closed` takes."""

@@ -1,7 +1,12 @@
 """Choosing a chain of nodes that covers every block: what each hop costs (its link, its blocks
 at the speed this client measured or the node claims, slowed by the sessions it serves), and a
-route drawn at random, weighted by spare capacity, among those within NEAR_BEST of the cheapest,
-so that clients choosing at once spread over replicas rather than all take the best one."""
+route drawn among those near the cheapest (within NEAR_BEST, or NEAR_BEST_S on a fast path), so
+that sessions spread over replicas rather than all take the best one. Each hop goes to a node
+serving the fewest sessions as the client knows them (its records' count plus the client's own
+opened since), at random among equals. Not a draw weighted by spare capacity: that leaves even
+one client's own sessions uneven (2 clients of 6 sessions over 3 replicas: one replica above 5
+in 27% of draws, simulated), while clients that read the same record at once can pile onto its
+node only until each counts its own sessions there, which it does as it routes them."""
 
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ LOAD_PER_SESSION = 0.25
 # routes costing this much more than the cheapest are drawn among: a few percent, so that load
 # (LOAD_PER_SESSION) and round trips that differ by little do not pin every client to one route
 NEAR_BEST = 0.05
+# ... or this many seconds more: the best of two pings to a node on a busy host varies by a few
+# milliseconds (loopback, 12 nodes on 2 cores), which on a LAN is more than the few percent
+NEAR_BEST_S = 0.005
 
 
 def usable(
@@ -72,7 +80,7 @@ def missing_blocks(records: Iterable[NodeRecord], num_layers: int) -> list[tuple
 class Estimates:
     """What a client knows of nodes beyond their records, by peer: round trips, seconds a block
     it measured through them, and sessions each serves as far as it can tell (the record's,
-    plus those it opened there since)."""
+    plus those the client opened there since)."""
 
     rtts: Mapping[str, float] = field(default_factory=dict)
     measured: Mapping[str, float] = field(default_factory=dict)
@@ -96,10 +104,6 @@ class Estimates:
     def block_cost(self, r: NodeRecord) -> float:
         """Seconds a block costs on this node now, its load counted."""
         return self.per_block(r) * (1.0 + LOAD_PER_SESSION * self.sessions(r))
-
-    def spare(self, r: NodeRecord) -> float:
-        """The weight of this node among near-best choices: fewer sessions, more weight."""
-        return 1.0 / (1.0 + self.sessions(r))
 
 
 def hop_cost(r: NodeRecord, start: int, end: int, est: Estimates | None = None) -> float:
@@ -127,10 +131,11 @@ def find_route(
     plaintext: bool = False,
     rng: random.Random | None = None,
     near: float = NEAR_BEST,
+    near_s: float = NEAR_BEST_S,
 ) -> list[Hop]:
     """A chain of hops over block boundaries 0..num_layers costing at most `near` more than
     the cheapest; a hop may use part of a node's span. Each hop is drawn among the nodes that
-    keep the route within that bound, weighted by their spare capacity."""
+    keep the route within that bound: of those serving the fewest sessions, one at random."""
     est = est or Estimates()
     nodes = usable(records, fingerprint, exclude, plaintext)
     gaps = missing_blocks(nodes, num_layers)
@@ -138,7 +143,7 @@ def find_route(
         raise RouteUnavailable(f"no online node serves blocks {format_blocks(gaps)} of {model}")
     hops = _Hops(nodes, num_layers, est)
     togo = hops.cost_to_go()
-    budget = togo[0] * (1.0 + near) + 1e-12
+    budget = togo[0] + max(togo[0] * near, near_s) + 1e-12
     rng = rng or random
     route: list[Hop] = []
     pos, spent = 0, 0.0
@@ -149,9 +154,16 @@ def find_route(
             total = cost + togo[stop]
             if spent + total <= budget and total < best.get(r.peer, (float("inf"),))[0]:
                 best[r.peer] = (total, cost, stop, r)
-        options = list(best.values())
-        _, cost, stop, r = rng.choices(options, [est.spare(o[3]) for o in options])[0]
-        route.append(r.hop(pos, stop))
+        # a node already on the route would be opened twice for one session: only if no other
+        # node goes on from here (then its hops merge below)
+        fresh = {p: o for p, o in best.items() if p not in {h.peer for h in route}}
+        options = list((fresh or best).values())
+        fewest = min(est.sessions(o[3]) for o in options)
+        _, cost, stop, r = rng.choice([o for o in options if est.sessions(o[3]) == fewest])
+        if route and route[-1].peer == r.peer:
+            route[-1] = r.hop(route[-1].start, stop)
+        else:
+            route.append(r.hop(pos, stop))
         spent, pos = spent + cost, stop
     return route
 

@@ -22,19 +22,12 @@ class TrioThread:
     async def _serve(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
         self._stop = trio.Event()
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery  # tasks nobody waits for live here, until close()
-            self._ready.set()
-            await self._stop.wait()
-            nursery.cancel_scope.cancel()
+        self._ready.set()
+        await self._stop.wait()
 
     def run(self, afn, *args):
         """Run `await afn(*args)` on the loop thread and return its result here."""
         return trio.from_thread.run(afn, *args, trio_token=self._token)
-
-    def spawn(self, afn, *args) -> None:
-        """Start `afn(*args)` on the loop without waiting for it; close() cancels it."""
-        trio.from_thread.run_sync(self._nursery.start_soon, afn, *args, trio_token=self._token)
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -13,6 +13,7 @@ from swarm.records import MAX_TTL_S, Reported, format_blocks
 
 # numbers inside the bar's cells stop fitting beyond this many blocks; the tooltip keeps them
 MAX_LABELLED_BLOCKS = 48
+GROUP_FROM = 24  # more nodes than this: one collapsed table per span, so the page stays short
 
 CSS = """
 :root{color-scheme:light dark;--ok:#188038;--warn:#b06000;--bad:#d93025;--muted:#5f6368;
@@ -46,6 +47,7 @@ font-style:normal;font-size:.75rem;font-weight:600;border-right:1px solid var(--
 margin-right:4px}
 .gaps{font-weight:600}
 .tablewrap{overflow-x:auto;margin-top:8px}
+details.group{font-size:inherit;color:inherit;margin-top:6px}details.group>summary{padding:4px 0}
 table{border-collapse:collapse;width:100%;font-size:.86rem}
 th,td{text-align:left;padding:6px 8px;border-bottom:1px solid var(--line);vertical-align:top}
 th{color:var(--muted);font-weight:600;white-space:nowrap}
@@ -206,11 +208,43 @@ def _bar(m: ModelView) -> str:
 def _table(m: ModelView) -> str:
     if not m.nodes:
         return '<p class="muted">No node records.</p>'
+    if len(m.nodes) <= GROUP_FROM:
+        return _node_table(m.nodes, m.model.num_layers)
+    return "".join(_group(nodes, m.model.num_layers) for nodes in _by_span(m.nodes))
+
+
+def _node_table(nodes, num_layers: int) -> str:
     head = "".join(f"<th>{c}</th>" for c in COLUMNS)
-    rows = "".join(_row(n, m.model.num_layers) for n in m.nodes)
+    rows = "".join(_row(n, num_layers) for n in nodes)
     return (
         f'<div class="tablewrap"><table><thead><tr>{head}</tr></thead>'
         f"<tbody>{rows}</tbody></table></div>"
+    )
+
+
+def _by_span(nodes) -> list[list[NodeView]]:
+    """The nodes in runs of one span each, in the view's order (sorted by span)."""
+    groups: dict[tuple[int, int], list[NodeView]] = {}
+    for n in nodes:
+        groups.setdefault((n.record.start, n.record.end), []).append(n)
+    return list(groups.values())
+
+
+def _group(nodes: list[NodeView], num_layers: int) -> str:
+    """One span's nodes under a line that sums them up; the rows open on demand (no script),
+    and open already where a node is not usable, so trouble shows at a glance."""
+    r = nodes[0].record
+    usable = sum(1 for n in nodes if n.usable)
+    throughput = sum(n.record.throughput for n in nodes if n.usable)
+    sessions = sum(n.record.sessions for n in nodes if n.usable)
+    trouble = usable < len(nodes)
+    summary = (
+        f'<span class="spantext">blocks {r.start}:{r.end}</span> · {len(nodes)} nodes'
+        f" ({usable} usable) · {_num(throughput)} tok/s · {sessions} sessions"
+    )
+    return (
+        f'<details class="group" data-span="{r.start}:{r.end}"{" open" if trouble else ""}>'
+        f"<summary>{summary}</summary>{_node_table(nodes, num_layers)}</details>"
     )
 
 

@@ -7,6 +7,14 @@ address may hold a bounded share of the node; when the node is full, a newcomer 
 holding less than its share may take the place of a connection that does nothing (no session)
 from the address holding the most. The session table (session_table.py) applies the same idea to
 sessions and cache tokens.
+
+A session forwarded by the previous node of its route comes from that node's address, whoever
+the user is; counted as that address's own, a busy upstream node would fill its share with many
+users' sessions and be refused. So a connection from the address the route names for the
+previous hop counts as forwarding: each of its sessions counts in the share of the user's host
+(`origin`, as the first node saw it) behind that node, and all it forwards together in a larger
+share of its own (`--max-forwarded-sessions`), which bounds what anyone claiming to forward can
+take.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from dataclasses import dataclass, field
 
 from swarm.address import source_host
 from swarm.errors import NodeBusy
+from swarm.protocol import Open
 
 log = logging.getLogger("swarm.node")
 
@@ -33,6 +42,25 @@ def peer_host(stream) -> str:
         return source_host(stream.socket.getpeername())
     except (OSError, AttributeError):
         return "?"
+
+
+@dataclass(frozen=True)
+class Share:
+    """Whose shares a session counts in: `host`'s, and `via`'s if a node forwards it ("" if
+    not); `origin`, the user's host, goes on to the next hop."""
+
+    host: str
+    via: str
+    origin: str
+
+
+def share_of(source: str, msg: Open) -> Share:
+    """The shares of a session `msg` opens on a connection from `source`."""
+    if msg.hop > 0 and msg.origin:
+        prev = msg.route[msg.hop - 1]
+        if source == source_host((prev.host, 0)):
+            return Share(f"{msg.origin} via {source}", source, msg.origin)
+    return Share(source, "", source)  # a first hop, or not from the node the route names
 
 
 @dataclass(eq=False)

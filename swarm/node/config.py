@@ -48,11 +48,22 @@ class Limits:
     max_session_tokens: int = option(8192, "longest sequence one session may reserve")
     max_frame: int = option(DEFAULT_MAX_FRAME, "largest frame accepted, in bytes")
     # one source address (a host, or everyone behind one NAT) gets at most these shares, so a
-    # flood from one host leaves room for the others (an upstream node relaying many users
-    # counts as one host too: a quarter keeps it useful)
+    # flood from one host leaves room for the others
     max_host_sessions: int = option(16, "sessions one source address may hold", type=positive_int)
     max_host_cache_tokens: int = option(
         8192, "KV-cache tokens one source address may reserve", type=positive_int
+    )
+    # the node before this one on a route forwards many users' sessions, each in its user's
+    # share (swarm.node.admission); all of them together get at most half the node
+    max_forwarded_sessions: int = option(
+        32,
+        "sessions the previous node of their routes may forward here, all users together",
+        type=positive_int,
+    )
+    max_forwarded_cache_tokens: int = option(
+        16384,
+        "KV-cache tokens the previous node of their routes may reserve here",
+        type=positive_int,
     )
     max_connections: int = option(256, "inbound connections at once", type=positive_int)
     max_host_connections: int = option(

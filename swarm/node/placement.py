@@ -2,8 +2,10 @@
 
 Pure functions over the DHT's records. A block's coverage is how many nodes serve it (online,
 or joining: a node announces its choice before it loads, so the next one sees it) and their
-summed throughput. A new node takes the window of its size with the most uncovered blocks,
-then the fewest nodes, then the least throughput, then the lowest start.
+summed throughput, against the sessions its nodes announce (the demand on it). A new node
+takes the window of its size with the most uncovered blocks, then the most sessions per token/s
+of throughput (where users wait longest), then the fewest nodes, then the least throughput,
+then the lowest start.
 
 A running node moves only when that fills a gap without opening one: its own blocks stay
 covered by others, some other window has blocks nobody serves, and among the nodes that could
@@ -19,6 +21,7 @@ from swarm.records import JOINING, ONLINE, Block, NodeRecord, coverage_gaps
 from swarm.records import coverage as covered_by
 
 COUNTED_STATES = (ONLINE, JOINING)
+MIN_THROUGHPUT = 1.0  # tokens/s a block's nodes are counted at when they announce less
 
 
 def coverage(
@@ -38,6 +41,7 @@ def _window_key(blocks: tuple[Block, ...], start: int, size: int):
     window = blocks[start : start + size]
     return (
         -sum(1 for b in window if b.nodes == 0),
+        -sum(b.sessions / max(b.throughput, MIN_THROUGHPUT) for b in window),
         sum(b.nodes for b in window),
         sum(b.throughput for b in window),
         start,

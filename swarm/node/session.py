@@ -26,7 +26,7 @@ import torch
 import trio
 
 from swarm.errors import PeerFailed, ProtocolError, SessionNotFound, SwarmError
-from swarm.node.admission import peer_host
+from swarm.node.admission import peer_host, share_of
 from swarm.node.passes import DecodeItem, decode_pass, forward_pass
 from swarm.node.prompt import PromptPieces
 from swarm.node.session_state import Fail, SessionState, SinkGone, StepIn
@@ -90,7 +90,10 @@ class Session:
         self.wire_dtype = msg.wire_dtype or ctx.config.wire_dtype or ctx.span.config.wire_dtype
         self.max_length = msg.max_length
         self.owner = owner  # only it may send steps
-        self.host = peer_host(owner)  # whose share it counts in
+        share = share_of(peer_host(owner), msg)
+        self.host = share.host  # whose share it counts in
+        self.via = share.via  # the node forwarding it here, if one does (its share too)
+        self.origin = share.origin  # the user's host, for the next hop
         self.sink: FramedStream | None = None  # the client's connection, on the last hop
         self.downstream: str | None = None  # "host:port" of the next hop
         self.state = SessionState(msg.sid, msg.max_length, last=self.is_last, now=now)
@@ -240,7 +243,7 @@ class Session:
             await self.fail(Error.of(exc, sid=self.sid, hop=self.hop + 1))
             return False
         self.downstream = nxt.link
-        self.ctx.uplink.send_control(ds, _forwarded(self.open_msg))
+        self.ctx.uplink.send_control(ds, _forwarded(self.open_msg, self.origin))
         with trio.move_on_after(self.ctx.config.limits.open_timeout_s):
             while self.state.opening:
                 await self._woken()
@@ -384,7 +387,7 @@ class Session:
         return True
 
 
-def _forwarded(msg: Open) -> Open:
+def _forwarded(msg: Open, origin: str) -> Open:
     """The open for the next hop."""
     return Open(
         sid=msg.sid,
@@ -394,4 +397,5 @@ def _forwarded(msg: Open) -> Open:
         wire_dtype=msg.wire_dtype,
         max_length=msg.max_length,
         sink_token=msg.sink_token,
+        origin=origin,
     )

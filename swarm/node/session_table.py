@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from swarm.errors import CacheFull, NodeBusy, SessionNotFound
@@ -86,17 +86,21 @@ class SessionTable:
             left.remove(victim)
             gone.append(victim)
 
-        while True:  # the address's own share: its own idle sessions go first
-            count, tokens = _held(left, host)
-            if count < lim.max_host_sessions and tokens + want <= lim.max_host_cache_tokens:
-                break
-            own = [s for s in left if s.host == host and self._idle(s, now)]
-            if not own:
-                raise NodeBusy(
-                    f"{host} holds {count} sessions and {tokens} cache tokens here, its share"
-                    f" is {lim.max_host_sessions} and {lim.max_host_cache_tokens}; close one"
+        shares = [  # the address's own share, and that of the node forwarding it here
+            (lambda s: s.host == host, lim.max_host_sessions, lim.max_host_cache_tokens, host),
+        ]
+        if session.via:
+            via = session.via
+            shares.append(
+                (
+                    lambda s: s.via == via,
+                    lim.max_forwarded_sessions,
+                    lim.max_forwarded_cache_tokens,
+                    f"{via} (forwarding its users' sessions)",
                 )
-            take(max(own, key=lambda s: s.state.idle_for(now)))
+            )
+        for mine, max_count, max_tokens, who in shares:
+            self._fit(left, take, now, want, mine, max_count, max_tokens, who)
         while len(left) >= lim.max_sessions or sum(s.max_length for s in left) + want > (
             lim.max_cache_tokens
         ):
@@ -108,6 +112,22 @@ class SessionTable:
                 raise NodeBusy(f"node has {free} free cache tokens, session wants {want}")
             take(victim)
         return gone
+
+    def _fit(self, left, take, now, want, mine, max_count, max_tokens, who) -> None:
+        """Within one share (sessions `mine` picks): its own idle sessions go first, longest
+        idle first, until the newcomer fits; NodeBusy if it cannot."""
+        while True:
+            held = [s for s in left if mine(s)]
+            count, tokens = len(held), sum(s.max_length for s in held)
+            if count < max_count and tokens + want <= max_tokens:
+                return
+            idle = [s for s in held if self._idle(s, now)]
+            if not idle:
+                raise NodeBusy(
+                    f"{who} holds {count} sessions and {tokens} cache tokens here, its share"
+                    f" is {max_count} and {max_tokens}; close one"
+                )
+            take(max(idle, key=lambda s: s.state.idle_for(now)))
 
     def _idle(self, s: Session, now: float) -> bool:
         return s.state.idle_for(now) >= self.limits.evict_idle_s
@@ -148,8 +168,3 @@ class SessionTable:
             return False
         del self._sessions[session.sid]
         return True
-
-
-def _held(sessions: Iterable[Session], host: str) -> tuple[int, int]:
-    mine = [s for s in sessions if s.host == host]
-    return len(mine), sum(s.max_length for s in mine)

@@ -1,0 +1,45 @@
+"""A route whose blocks nobody serves yet, but a node announcing itself joining will, waits for
+it (up to swarm.client.client.JOIN_WAIT_S) and says so, rather than fail at once: in churn, a
+replacement is often on its way."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from devtools.launch import start_node, stop_all
+from devtools.liar_node import start_liar
+from swarm.client.client import Client
+from swarm.records import JOINING
+
+FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--threads", "1"]
+
+
+@pytest.mark.slow
+def test_a_route_waits_for_a_joining_node_to_serve_the_missing_blocks(tiny_model_dir, caplog):
+    model = str(tiny_model_dir)
+    first = start_node((0, 3), model=model, extra=FLAGS)
+    nodes = [first]
+    try:
+        first.wait_serving()
+        peers = first.maddrs[:1]
+        nodes.append(start_liar((3, 6), peers, model, FLAGS, SLOW_LOAD_S=10))
+        client = Client(peers, model=model, wire_dtype="float32")
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                states = {r.peer: r.state for r in client.nodes()}
+                if len(states) == 2:
+                    break
+                time.sleep(0.2)
+            assert JOINING in states.values()  # blocks 3:6 are on their way, not served yet
+            with caplog.at_level(logging.WARNING, logger="swarm.client"):
+                route = client.route()
+            assert [(h.start, h.end) for h in route] == [(0, 3), (3, 6)]
+            assert "waiting up to 60 s for 1 joining" in caplog.text
+        finally:
+            client.close()
+    finally:
+        stop_all(nodes)
