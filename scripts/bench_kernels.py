@@ -7,13 +7,21 @@ count (1, 2), every round:
             path before issue 36) and on swarm's kernels (the file's blocks), and times them in
             turn: decode (Span.decode, one session) at 0 and 500 tokens of context, one step of
             8 sessions at once, prompt passes of 128 and 512 tokens (Span.forward).
-  llama.cpp llama-bench on the 1- and 4-layer files (per layer = the difference / 3, which takes
-            the embedding and output head out): tg32 at depth 0 and 500, pp8 (its 8-row pass),
-            pp128, pp512. Only with --llama-bench: a yardstick built in a scratch folder from
-            the package index's sdist, never a dependency.
-Each figure is the fastest of its calls (llama-bench: of its 5 samples), the median of that over
---repeats rounds: on cores shared with other work, the least disturbed run. The CPU's flags that
-pick the kernels and the kernels the node uses are printed first.
+  llama.cpp llama-bench on the 1- and 4-layer files, per layer = the difference / 3 (which
+            takes the embedding and output head out): tg32 at depth 0 and 500, pp8 (its 8-row
+            pass), pp128, pp512. Only with --llama-bench: a yardstick built in a scratch folder
+            from the package index's sdist, never a dependency.
+
+Clocks. The cores are shared with other work (load averages of 10-40 while this was written),
+which stretches wall-clock figures by whatever else ran. At 1 thread every figure is CPU time,
+which the others' work does not stretch: swarm's the calling thread's (the kernels run on it),
+llama.cpp's from getrusage around llama-bench runs without warm-up: prompts, runs of 1 and 3
+repetitions (the difference is 2); decode, runs of 32 and 64 tokens (the difference is 32, the
+model's load and a depth's prompt cancel out). At 2 threads the
+figures are wall-clock, the fastest of each call's repeats, and only as good as the machine's
+quiet; llama.cpp's threads spin while waiting, so their CPU time would overstate. Each figure is
+the median over --repeats rounds. The CPU's flags that pick the kernels and the kernels the
+node uses are printed first.
 
 Example: nice .venv/bin/python scripts/bench_kernels.py --files /tmp/l8b \\
              --llama-bench /tmp/lcpp/build/bin/llama-bench --repeats 3
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,16 +56,17 @@ VARIANTS = ("torch", "swarm", "llama.cpp")
 # swarm: one child per (file, threads), both variants loaded, timed in turn
 
 
-def _fastest_seconds(fn, calls: int) -> float:
-    """The fastest of `calls` calls after a warm-up: on cores shared with other work, the call
-    least disturbed by it (llama-bench's figures are taken the same way, see run_llama)."""
+def _seconds(fn, calls: int, threads: int) -> float:
+    """After a warm-up: at 1 thread the median CPU time of `calls` calls (see Clocks above), at
+    more the fastest wall-clock call."""
     fn()
-    fastest = float("inf")
+    times = []
     for _ in range(calls):
-        start = time.perf_counter()
+        clock = time.thread_time if threads == 1 else time.perf_counter
+        start = clock()
         fn()
-        fastest = min(fastest, time.perf_counter() - start)
-    return fastest
+        times.append(clock() - start)
+    return statistics.median(times) if threads == 1 else min(times)
 
 
 def swarm_child(path: str, threads: int, decode_calls: int) -> dict:
@@ -79,11 +89,11 @@ def swarm_child(path: str, threads: int, decode_calls: int) -> dict:
     torch.manual_seed(0)
     with torch.inference_mode():
         for name, span in spans.items():
-            out[name] = _layer_figures(span, hidden, decode_calls)
+            out[name] = _layer_figures(span, hidden, decode_calls, threads)
     return out
 
 
-def _layer_figures(span, hidden: int, decode_calls: int) -> dict:
+def _layer_figures(span, hidden: int, decode_calls: int, threads: int) -> dict:
     fig = {}
     cache = span.allocate_cache(0, 1, CONTEXT + 8)
     x1 = torch.randn(1, hidden)
@@ -91,18 +101,18 @@ def _layer_figures(span, hidden: int, decode_calls: int) -> dict:
     def step(pos: int) -> None:
         span.decode(x1, [cache], [pos], 0, 1)
 
-    fig["decode_ms"] = 1e3 * _fastest_seconds(lambda: step(0), decode_calls)
+    fig["decode_ms"] = 1e3 * _seconds(lambda: step(0), decode_calls, threads)
     span.forward(torch.randn(1, CONTEXT, hidden), cache, 0, 0, 1)
-    fig[f"decode_{CONTEXT}_ms"] = 1e3 * _fastest_seconds(lambda: step(CONTEXT), decode_calls)
+    fig[f"decode_{CONTEXT}_ms"] = 1e3 * _seconds(lambda: step(CONTEXT), decode_calls, threads)
     caches = [span.allocate_cache(0, 1, 8) for _ in range(BATCH)]
     x8 = torch.randn(BATCH, hidden)
-    fig[f"decode_x{BATCH}_ms"] = 1e3 * _fastest_seconds(
-        lambda: span.decode(x8, caches, [0] * BATCH, 0, 1), max(2, decode_calls // 4)
+    fig[f"decode_x{BATCH}_ms"] = 1e3 * _seconds(
+        lambda: span.decode(x8, caches, [0] * BATCH, 0, 1), max(3, decode_calls // 4), threads
     )
     for n in PROMPTS:
         prompt = torch.randn(1, n, hidden)
         long_cache = span.allocate_cache(0, 1, n)
-        seconds = _fastest_seconds(lambda p=prompt, c=long_cache: span.forward(p, c, 0, 0, 1), 3)
+        seconds = _seconds(lambda p=prompt, c=long_cache: span.forward(p, c, 0, 0, 1), 3, threads)
         fig[f"prompt_{n}_tok_s"] = n / seconds
     return fig
 
@@ -126,32 +136,44 @@ def run_swarm(path: Path, threads: int, decode_calls: int) -> dict:
 # llama.cpp: llama-bench on the 1- and 4-layer files
 
 
-def _llama_bench(binary: str, path: Path, threads: int, args: list[str]) -> list[dict]:
-    cmd = [binary, "-m", str(path), "-t", str(threads), "-r", "5", "-o", "json", *args]
+def _llama_bench(binary: str, path: Path, threads: int, args: list[str], reps: int) -> tuple:
+    """(its JSON, the CPU seconds the run took)."""
+    cmd = [binary, "-m", str(path), "-t", str(threads), "-r", str(reps), "-o", "json", *args]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return json.loads(done.stdout), cpu
+
+
+def _llama_seconds(binary: str, path: Path, threads: int, args: list[str], gen: int = 0) -> float:
+    """Seconds of the prompt test `args`, or of one generated token if `gen`: CPU time at 1
+    thread (see Clocks), else the fastest sample."""
+    if threads == 1:
+        args = [*args, "--no-warmup"]
+        if gen:  # runs of gen and 2 gen tokens: the model's load and any depth cancel out
+            long = _llama_bench(binary, path, 1, [*args, "-n", str(2 * gen)], 1)[1]
+            return (long - _llama_bench(binary, path, 1, [*args, "-n", str(gen)], 1)[1]) / gen
+        return (
+            _llama_bench(binary, path, 1, args, 3)[1] - _llama_bench(binary, path, 1, args, 1)[1]
+        ) / 2
+    (run,), _cpu = _llama_bench(binary, path, threads, [*args, "-n", str(gen)], 5)
+    return min(run["samples_ns"]) * 1e-9 / max(gen, 1)
 
 
 def run_llama(binary: str, one: Path, four: Path, threads: int) -> dict:
     """Per-layer figures: (4-layer time - 1-layer time) / 3 for each test."""
-    tests = [
-        ["-p", f"{BATCH},{','.join(map(str, PROMPTS))}", "-n", "32", "-d", "0"],
-        ["-p", "0", "-n", "32", "-d", str(CONTEXT)],
-    ]
-    times: dict[tuple, list[float]] = {}
-    for path in (one, four):
-        for args in tests:
-            for r in _llama_bench(binary, path, threads, args):
-                key = (r["n_prompt"], r["n_gen"], r["n_depth"])
-                times.setdefault(key, []).append(min(r["samples_ns"]) * 1e-9)
-    per_layer = {key: (t4 - t1) / 3 for key, (t1, t4) in times.items()}
-    fig = {
-        "decode_ms": 1e3 * per_layer[(0, 32, 0)] / 32,
-        f"decode_{CONTEXT}_ms": 1e3 * per_layer[(0, 32, CONTEXT)] / 32,
-        f"decode_x{BATCH}_ms": 1e3 * per_layer[(BATCH, 0, 0)],
+    tests = {
+        "decode_ms": (["-p", "0"], 32),
+        f"decode_{CONTEXT}_ms": (["-p", "0", "-d", str(CONTEXT)], 32),
+        f"decode_x{BATCH}_ms": (["-p", str(BATCH), "-n", "0"], 0),
+        **{f"prompt_{n}_tok_s": (["-p", str(n), "-n", "0"], 0) for n in PROMPTS},
     }
-    for n in PROMPTS:
-        fig[f"prompt_{n}_tok_s"] = n / per_layer[(n, 0, 0)]
+    fig = {}
+    for name, (args, gen) in tests.items():
+        t1, t4 = (_llama_seconds(binary, path, threads, args, gen) for path in (one, four))
+        seconds = (t4 - t1) / 3
+        fig[name] = int(name.split("_")[1]) / seconds if "tok_s" in name else 1e3 * seconds
     return fig
 
 

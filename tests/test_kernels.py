@@ -216,3 +216,16 @@ def test_a_gguf_span_on_the_kernels_computes_what_its_weights_give_in_float32(tm
         outs.append(torch.cat([hidden, *steps], dim=1))
     cos = torch.nn.functional.cosine_similarity(*outs, dim=-1)
     assert cos.min() > 0.99, f"{qtype}: cosine to float32 as low as {cos.min():.4f}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind):
+    """Batched decode gives each session what it would get alone, to the bit."""
+    lib = lib_for(ISAS[0])
+    blocks = random_blocks(kind, 64, 512, seed=5)
+    packed = lib.pack(kind, blocks, 512)
+    x = torch.randn(13, 512)
+    together = lib.matmul(kind, packed, 64, 512, x, 1)
+    for i in (0, 5, 12):
+        assert torch.equal(lib.matmul(kind, packed, 64, 512, x[i : i + 1], 1)[0], together[i])
