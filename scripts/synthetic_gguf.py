@@ -1,10 +1,13 @@
-"""Write a random-weight Llama GGUF file with a big model's layer shapes, quantized as Q4_1 or Q8_0.
+"""Write a random-weight Llama GGUF file with a big model's layer shapes, in one quantized type.
 
 Benchmarks need 8B-sized layers without an 8B download: by default this writes Llama-3-8B's
 shapes (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, head_dim 128) with a small
 vocabulary, so a 2-layer file is ~0.3 GB as Q4_1. It carries the llama metadata GGUFSource reads
-and no tokenizer. Tensors are generated, quantized and written one at a time (rows in chunks), so
-writing never holds more than one quantized tensor in memory.
+and a placeholder vocabulary (llama.cpp loads no file without one), no real tokenizer. Tensors
+are generated, quantized and written one at a time (rows in chunks), so writing never holds more
+than one quantized tensor in memory. Q4_0, Q4_1 and Q8_0 are gguf's own
+quantizers; Q4_K and Q6_K (gguf has none) are plain ones here: per sub-block min/max or absmax
+scales rounded to the format's 6/8-bit grid, no search, valid blocks of the real layout.
 
 Example: .venv/bin/python scripts/synthetic_gguf.py /tmp/llama8b-2.Q4_1.gguf --layers 2 --qtype Q4_1
 """
@@ -19,7 +22,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-QTYPES = {"Q4_1": gguf.GGMLQuantizationType.Q4_1, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
+QTYPES = {n: gguf.GGMLQuantizationType[n] for n in ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")}
+FILE_TYPES = {n: gguf.LlamaFileType[f"MOSTLY_{n}" + ("_M" if n == "Q4_K" else "")] for n in QTYPES}
 _CHUNK_ROWS = 512  # rows generated and quantized at once: bounds the float32 temporaries
 
 
@@ -87,11 +91,95 @@ def _quantized(name: str, shape: tuple[int, ...], qtype, seed: int) -> np.ndarra
     out = None
     for r0 in range(0, rows, _CHUNK_ROWS):
         r1 = min(r0 + _CHUNK_ROWS, rows)
-        q = gguf.quants.quantize(synthetic_rows(name, shape, seed, r0, r1), qtype)
+        q = quantize(synthetic_rows(name, shape, seed, r0, r1), qtype.name)
         if out is None:
             out = np.empty((rows, q.shape[1]), dtype=np.uint8)
         out[r0:r1] = q
     return out
+
+
+def quantize(w: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 [rows, cols] -> the GGUF blocks of `qtype`, uint8 [rows, bytes per row]."""
+    if qtype == "Q4_K":
+        return _q4_k(w)
+    if qtype == "Q6_K":
+        return _q6_k(w)
+    return gguf.quants.quantize(w, QTYPES[qtype])
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.astype(np.float16)[..., None]).view(np.uint8)
+
+
+def _q4_k(w: np.ndarray) -> np.ndarray:
+    # super-blocks of 256: w = d * sc[j] * q - dmin * m[j] over eight sub-blocks j of 32, with
+    # 6-bit sc and m, 4-bit q (layout as swarm/model/quant.py reads it)
+    rows = w.shape[0]
+    g = w.reshape(rows, -1, 8, 32)
+    lo = np.minimum(g.min(-1), 0.0)
+    scale = np.maximum(g.max(-1) - lo, 1e-12) / 15.0
+    d = scale.max(-1) / 63.0
+    dmin = np.maximum((-lo).max(-1) / 63.0, 1e-12)
+    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale / d[..., None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.rint(-lo / dmin[..., None]), 0, 63).astype(np.uint8)
+    step = (d[..., None] * sc)[..., None]
+    q = np.clip(np.rint((g + (dmin[..., None] * m)[..., None]) / step), 0, 15).astype(np.uint8)
+    packed = np.empty((*d.shape, 12), dtype=np.uint8)
+    packed[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)
+    runs = q.reshape(*d.shape, 4, 2, 32)  # four runs of 64: low nibbles, then high
+    qs = (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(*d.shape, 128)
+    blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, qs], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def _q6_k(w: np.ndarray) -> np.ndarray:
+    # super-blocks of 256: w = d * sc[k] * (q - 32) over sixteen sub-blocks k of 16, int8 sc,
+    # 6-bit q split in low nibbles (ql) and high pairs (qh); d (float16) last
+    rows = w.shape[0]
+    g = w.reshape(rows, -1, 16, 16)
+    scale = np.maximum(np.abs(g).max(-1), 1e-12) / 31.0
+    d = (scale.max(-1) / 127.0).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale / d[..., None]), 1, 127)
+    q = np.clip(np.rint(g / (d[..., None] * sc)[..., None]), -32, 31) + 32
+    q = q.astype(np.uint8).reshape(*d.shape, 2, 4, 32)  # [half, quarter, l]: element 128h+32k+l
+    ql = np.concatenate(
+        [
+            q[..., 0, :] & 0xF | (q[..., 2, :] & 0xF) << 4,
+            q[..., 1, :] & 0xF | (q[..., 3, :] & 0xF) << 4,
+        ],
+        axis=-1,
+    )  # [.., half, 64]
+    qh = (
+        (q[..., 0, :] >> 4)
+        | (q[..., 1, :] >> 4) << 2
+        | (q[..., 2, :] >> 4) << 4
+        | (q[..., 3, :] >> 4) << 6
+    )
+    blocks = np.concatenate(
+        [
+            ql.reshape(*d.shape, 128),
+            qh.reshape(*d.shape, 64),
+            sc.astype(np.int8).view(np.uint8),
+            _f16_bytes(d),
+        ],
+        axis=-1,
+    )
+    return blocks.reshape(rows, -1)
+
+
+def _add_vocab(w: gguf.GGUFWriter, size: int) -> None:
+    """A placeholder SentencePiece vocabulary (unk, bos, eos, 256 byte tokens, then "t<i>"): no
+    real tokenizer, but llama.cpp's loader (llama-bench, the yardstick) requires one."""
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    tokens += [f"t{i}" for i in range(size - len(tokens))]
+    types = [2, 3, 3, *([6] * 256)] + [1] * (size - 259)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[:size])
+    w.add_token_scores([0.0] * size)
+    w.add_token_types(types[:size])
 
 
 def write_synthetic_gguf(
@@ -114,9 +202,8 @@ def write_synthetic_gguf(
     w.add_rope_freq_base(s.rope_theta)
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_vocab_size(s.vocab)
-    w.add_file_type(
-        {"Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
-    )
+    w.add_file_type(FILE_TYPES[qtype])
+    _add_vocab(w, s.vocab)
     plan = tensor_plan(s)
     for name, shape in plan:
         if len(shape) == 1:

@@ -1,5 +1,5 @@
 """Weights as a node keeps them: GGUF 4-bit blocks repacked for torch's int4 kernel, int8 rows,
-bfloat16, and the float32 exact mode."""
+bfloat16, and the float32 exact mode (swarm's own kernels on the file's blocks: test_kernels.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,22 @@ import torch
 
 from swarm.model.blocks import Block, KVCache, Span
 from swarm.model.experts import MLP
-from swarm.model.linear import Dense, Fused, Int4, Int8, Linear, RawTensor, make_linear
+from swarm.model.linear import (
+    BLOCKS,
+    Blocks,
+    Dense,
+    Fused,
+    Int4,
+    Int8,
+    Linear,
+    RawTensor,
+    make_linear,
+)
 from swarm.model.quant import gguf_int4, quantize_int4
 from swarm.model.source import default_model_path, open_model
 
 BF16_STEP = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value by <= 2^-8 of it
+TORCH_KERNELS = ("float32", "bfloat16", "int8", "int4")  # `usable` without swarm's kernels
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -68,10 +79,19 @@ def test_the_default_models_q4_1_projection_repacks_into_its_float32_rows():
     source = open_model(default_model_path())
     raw = source.raw("blk.3.attn_q.weight")
     assert raw.kind == "Q4_1"
-    int4 = make_linear(raw, "int4")
+    int4 = make_linear(raw, "int4", usable=TORCH_KERNELS)
     assert isinstance(int4, Int4)
     exact = raw.float32()
     assert (int4.dequantized() - exact).abs().max() < exact.abs().max() * BF16_STEP
+
+
+def test_the_default_models_q4_1_projection_keeps_its_blocks_under_swarms_kernels():
+    source = open_model(default_model_path())
+    raw = source.raw("blk.3.attn_q.weight")
+    linear = make_linear(raw, "int4", usable=(*TORCH_KERNELS, BLOCKS))
+    if not isinstance(linear, Blocks):
+        pytest.skip("swarm's kernels do not load here")
+    assert torch.equal(linear.dequantized(), raw.float32())
 
 
 def test_quantizing_float_weights_to_int4_errs_by_at_most_half_a_step():

@@ -1,5 +1,11 @@
 """A model's matrices as a node keeps them: float32, bfloat16, int8 or packed int4.
 
+Where swarm's own kernels load (swarm/model/kernels: AVX2 or AVX-512 VNNI CPUs, built with a
+C compiler at setup), a GGUF matrix in its native format keeps the file's blocks (`Blocks`:
+Q4_0, Q4_1, Q4_K as int4; Q8_0, Q6_K as int8) and they multiply it at every row count: decode
+memory-bound, prompts in integers faster than torch's bfloat16 GEMM (figures in
+docs/benchmarks.md, issue 36). Elsewhere, and for other types, torch's kernels below.
+
 The int8 and int4 kernels are weight-only: they read quantized weights and take bfloat16
 activations (given float32 they fall back to a loop 20-50x slower), so quantized matmuls run
 in bfloat16 activations and hand back bfloat16. A CPU without avx512_bf16 multiplies bfloat16
@@ -23,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from swarm.model import kernels
 from swarm.model.quant import (
     GROUP,
     INT4_NATIVE,
@@ -35,6 +42,7 @@ from swarm.model.quant import (
 log = logging.getLogger("swarm.model")
 
 WEIGHT_FORMATS = ("auto", "int4", "int8", "bfloat16", "float32")
+BLOCKS = "blocks"  # in `usable`: swarm's kernels may multiply the file's own blocks
 _CHUNK_ROWS = 256  # rows converted at a time: bounds a load's temporaries (peak RSS)
 
 
@@ -245,6 +253,40 @@ class Int4(Linear):
         return rows % 32 == 0 and cols % GROUP == 0
 
 
+class Blocks(Linear):
+    """A GGUF matrix in the file's own blocks, multiplied by swarm's kernels (see kernels/):
+    the codes and scales are the file's, moved so that the kernels' vectors hold 8 or 16 rows.
+    Outputs are float32."""
+
+    def __init__(
+        self, kind: str, data: np.ndarray, k: int, bias: torch.Tensor | None, lib: kernels.Kernels
+    ):
+        super().__init__(data.shape[0], k, bias)
+        self.kind, self.lib = kind, lib
+        self.format = native_format(kind)
+        self.packed = lib.pack(kind, data, k)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        threads = torch.get_num_threads()  # the node's --threads
+        return self.lib.matmul(
+            self.kind, self.packed, self.out_features, self.in_features, x2d, threads
+        )
+
+    def blocks(self) -> np.ndarray:
+        """The file's bytes back, uint8 [out, bytes per row]."""
+        return self.lib.unpack(self.kind, self.packed, self.out_features, self.in_features)
+
+    def dequantized(self) -> torch.Tensor:
+        import gguf
+
+        w = gguf.dequantize(self.blocks(), gguf.GGMLQuantizationType[self.kind])
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
 class Fused:
     """Matrices that read the same input (q, k, v; gate, up), held stacked by rows as one
     Linear where they share a format: one pass over the input and one kernel call instead of
@@ -258,7 +300,7 @@ class Fused:
         cls, raws: list[RawTensor], weights: str, biases: list[torch.Tensor | None], usable=None
     ) -> Fused:
         sizes = [raw.shape[0] for raw in raws]
-        if len({resolve_format(raw, weights, usable) for raw in raws}) == 1:
+        if len({_holding(raw, weights, usable) for raw in raws}) == 1:
             return cls([make_linear(raws, weights, biases, usable)], sizes)
         return cls([make_linear(r, weights, b, usable) for r, b in zip(raws, biases)], sizes)
 
@@ -283,12 +325,30 @@ def resolve_format(raw: RawTensor, weights: str, usable=None) -> str:
     stepping down to int8 and then bfloat16 where a format is not `usable` here or the shape
     does not fit it."""
     fmt = native_format(raw.kind) if weights == "auto" else weights
+    if _blocks_kernels(raw, fmt, usable) is not None:
+        return fmt  # the file's blocks, whatever their shape and torch's kernels
     usable = usable if usable is not None else WEIGHT_FORMATS
     if fmt == "int4" and not (Int4.fits(*raw.shape) and "int4" in usable):
         fmt = "int8"
     if fmt == "int8" and "int8" not in usable:
         fmt = "bfloat16"
     return fmt
+
+
+def _blocks_kernels(raw: RawTensor, fmt: str, usable=None) -> kernels.Kernels | None:
+    """swarm's kernels where `raw` keeps its file's blocks in format `fmt` (its native one, of a
+    type they multiply, BLOCKS being usable), else None."""
+    if raw.kind not in kernels.FORMATS or fmt != native_format(raw.kind):
+        return None
+    if usable is not None and BLOCKS not in usable:
+        return None
+    return kernels.load()
+
+
+def _holding(raw: RawTensor, weights: str, usable=None) -> tuple[str, str | None]:
+    """What `raw` becomes: its format, and its GGUF type where it keeps the file's blocks."""
+    fmt = resolve_format(raw, weights, usable)
+    return fmt, raw.kind if _blocks_kernels(raw, fmt, usable) is not None else None
 
 
 def make_linear(
@@ -298,7 +358,9 @@ def make_linear(
     usable=None,
 ) -> Linear:
     """`raw` as a Linear in format `weights` (see `resolve_format`). Given several tensors of
-    the same width (and bias for each), one Linear holding them stacked by rows."""
+    the same width (and bias for each), one Linear holding them stacked by rows. A GGUF tensor
+    in its native format keeps its blocks (`Blocks`) where swarm's kernels load and `usable`
+    (None: everything) has BLOCKS."""
     raws = raw if isinstance(raw, list) else [raw]
     biases = bias if isinstance(bias, list) else [bias]
     fmt = resolve_format(raws[0], weights, usable)
@@ -309,7 +371,11 @@ def make_linear(
         )
     else:
         bias = None
-    if fmt == "int4":
+    lib = _blocks_kernels(raws[0], fmt, usable)
+    if lib is not None and len({r.kind for r in raws}) == 1:
+        data = raws[0].data if len(raws) == 1 else np.concatenate([r.data for r in raws])
+        linear = Blocks(raws[0].kind, data, cols, bias, lib)
+    elif fmt == "int4":
         linear = Int4(_regrouped(_int4_chunks(r) for r in raws), bias, (rows, cols))
     elif fmt == "int8":
         codes, scales = torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows)
@@ -381,9 +447,11 @@ def release_freed_memory() -> None:
 
 
 def usable_formats(say: Callable[[str], None] = log.warning) -> tuple[str, ...]:
-    """The formats whose kernels run, and run fast, on this CPU: each weight-only kernel is
-    tried on a small matrix and timed against a bfloat16 matmul of the same shape; one that
-    fails or is more than 4x slower is left out (and `say` is told why)."""
+    """The formats whose kernels run, and run fast, on this CPU: each of torch's weight-only
+    kernels is tried on a small matrix and timed against a bfloat16 matmul of the same shape;
+    one that fails or is more than 4x slower is left out (and `say` is told why). BLOCKS is in
+    where swarm's kernels load and multiply a Q4_0 and a Q8_0 matrix right; `say` is told
+    which kernels the node's quantized matmuls use."""
     rows, cols = 256, 1024
     w = torch.randn(rows, cols) * 0.02
     x = torch.randn(4, cols)
@@ -395,10 +463,7 @@ def usable_formats(say: Callable[[str], None] = log.warning) -> tuple[str, ...]:
     ):
         try:
             linear = make()
-            want = x @ linear.dequantized().T  # what the weights it holds give in float32
-            err = (linear(x).float() - want).abs().max().item() / want.abs().max().item()
-            if not err < 0.02:
-                raise RuntimeError(f"wrong results (relative error {err:.3g})")
+            _check(linear, x)
             ratio = _seconds(linear, x) / _seconds(reference, x)
         except Exception as exc:  # a kernel missing from this build or CPU
             say(f"{name} weights unavailable on this CPU ({type(exc).__name__}: {exc})")
@@ -407,7 +472,31 @@ def usable_formats(say: Callable[[str], None] = log.warning) -> tuple[str, ...]:
             say(f"{name} weights left out: its kernel runs {ratio:.1f}x slower than bfloat16 here")
             continue
         usable.append(name)
-    return tuple(usable)
+    lib = kernels.load()
+    if lib is None:
+        say("quantized matmuls: torch's int4/int8 kernels (swarm's kernels did not load)")
+        return tuple(usable)
+    try:
+        import gguf
+
+        for kind in ("Q4_0", "Q8_0"):
+            blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
+            _check(Blocks(kind, blocks, cols, None, lib), x)
+    except Exception as exc:
+        say(f"swarm's {lib.isa} kernels left out ({type(exc).__name__}: {exc})")
+        return tuple(usable)
+    say(
+        f"quantized matmuls: swarm's {lib.isa} kernels on the file's blocks"
+        f" ({', '.join(kernels.FORMATS)}), {torch.get_num_threads()} thread(s)"
+    )
+    return (*usable, BLOCKS)
+
+
+def _check(linear: Linear, x: torch.Tensor) -> None:
+    want = x @ linear.dequantized().T  # what the weights it holds give in float32
+    err = (linear(x).float() - want).abs().max().item() / want.abs().max().item()
+    if not err < 0.02:
+        raise RuntimeError(f"wrong results (relative error {err:.3g})")
 
 
 def _seconds(linear: Linear, x: torch.Tensor, repeats: int = 20) -> float:

@@ -1,0 +1,307 @@
+"""Per Llama-3-8B-shaped layer: swarm on torch's kernels, on its own, and llama.cpp (issue 36).
+
+Files: synthetic 1- and 4-layer GGUF files of 8B shapes (scripts/synthetic_gguf.py; written into
+--files when missing, ~1.9 GB for the three types). For each type (Q4_0, Q4_K, Q8_0) and thread
+count (1, 2), every round:
+  swarm     one child process loads the 1-layer file twice, on torch's int4/int8 kernels (the
+            path before issue 36) and on swarm's kernels (the file's blocks), and times them in
+            turn: decode (Span.decode, one session) at 0 and 500 tokens of context, one step of
+            8 sessions at once, prompt passes of 128 and 512 tokens (Span.forward).
+  llama.cpp llama-bench on the 1- and 4-layer files, per layer = the difference / 3 (which
+            takes the embedding and output head out): tg32 at depth 0 and 500, pp8 (its 8-row
+            pass), pp128, pp512. Only with --llama-bench: a yardstick built in a scratch folder
+            from the package index's sdist, never a dependency.
+
+Clocks. The cores are shared with other work (load averages of 10-40 while this was written),
+which stretches wall-clock figures by whatever else ran. At 1 thread every figure is CPU time,
+which the others' work does not stretch: swarm's the calling thread's (the kernels run on it),
+llama.cpp's from getrusage around llama-bench runs without warm-up: prompts, runs of 1 and 3
+repetitions (the difference is 2); decode, runs of 32 and 64 tokens (the difference is 32, the
+model's load and a depth's prompt cancel out). At 2 threads the
+figures are wall-clock, the fastest of each call's repeats, and only as good as the machine's
+quiet; llama.cpp's threads spin while waiting, so their CPU time would overstate. Each figure is
+the median over --repeats rounds. The CPU's flags that pick the kernels and the kernels the
+node uses are printed first.
+
+Example: nice .venv/bin/python scripts/bench_kernels.py --files /tmp/l8b \\
+             --llama-bench /tmp/lcpp/build/bin/llama-bench --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import checkout  # noqa: F401 (devtools/ from this checkout)
+import torch
+
+QTYPES = ["Q4_0", "Q4_K", "Q8_0"]
+TORCH_KERNELS = ("float32", "bfloat16", "int8", "int4")
+FLAGS = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"]
+CONTEXT = 500
+PROMPTS = (128, 512)
+BATCH = 8
+GOAL_DECODE = 1.15  # decode within 1.15x of llama.cpp's time per layer
+VARIANTS = ("torch", "swarm", "llama.cpp")
+
+
+# ---------------------------------------------------------------------------------------------
+# swarm: one child per (file, threads), both variants loaded, timed in turn
+
+
+def _seconds(fn, calls: int, threads: int) -> float:
+    """After a warm-up: at 1 thread the median CPU time of `calls` calls (see Clocks above), at
+    more the fastest wall-clock call."""
+    fn()
+    times = []
+    for _ in range(calls):
+        clock = time.thread_time if threads == 1 else time.perf_counter
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return statistics.median(times) if threads == 1 else min(times)
+
+
+def swarm_child(path: str, threads: int, decode_calls: int) -> dict:
+    from swarm.model.blocks import Span
+    from swarm.model.linear import BLOCKS
+    from swarm.model.source import open_model
+
+    torch.set_num_threads(threads)
+    source = open_model(path)
+    hidden = source.config.hidden
+    spans = {
+        "torch": Span.load(source, 0, 1, weights="auto", usable=TORCH_KERNELS),
+        "swarm": Span.load(source, 0, 1, weights="auto", usable=(*TORCH_KERNELS, BLOCKS)),
+    }
+    out: dict = {v: {} for v in spans}
+    out["formats"] = {
+        v: sorted({type(lin).__name__ for b in s.blocks for lin in b.linears})
+        for v, s in spans.items()
+    }
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for name, span in spans.items():
+            out[name] = _layer_figures(span, hidden, decode_calls, threads)
+    return out
+
+
+def _layer_figures(span, hidden: int, decode_calls: int, threads: int) -> dict:
+    fig = {}
+    cache = span.allocate_cache(0, 1, CONTEXT + 8)
+    x1 = torch.randn(1, hidden)
+
+    def step(pos: int) -> None:
+        span.decode(x1, [cache], [pos], 0, 1)
+
+    fig["decode_ms"] = 1e3 * _seconds(lambda: step(0), decode_calls, threads)
+    span.forward(torch.randn(1, CONTEXT, hidden), cache, 0, 0, 1)
+    fig[f"decode_{CONTEXT}_ms"] = 1e3 * _seconds(lambda: step(CONTEXT), decode_calls, threads)
+    caches = [span.allocate_cache(0, 1, 8) for _ in range(BATCH)]
+    x8 = torch.randn(BATCH, hidden)
+    fig[f"decode_x{BATCH}_ms"] = 1e3 * _seconds(
+        lambda: span.decode(x8, caches, [0] * BATCH, 0, 1), max(3, decode_calls // 4), threads
+    )
+    for n in PROMPTS:
+        prompt = torch.randn(1, n, hidden)
+        long_cache = span.allocate_cache(0, 1, n)
+        seconds = _seconds(lambda p=prompt, c=long_cache: span.forward(p, c, 0, 0, 1), 3, threads)
+        fig[f"prompt_{n}_tok_s"] = n / seconds
+    return fig
+
+
+def run_swarm(path: Path, threads: int, decode_calls: int) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        str(path),
+        "--threads",
+        str(threads),
+        "--decode-calls",
+        str(decode_calls),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp: llama-bench on the 1- and 4-layer files
+
+
+def _llama_bench(binary: str, path: Path, threads: int, args: list[str], reps: int) -> tuple:
+    """(its JSON, the CPU seconds the run took)."""
+    cmd = [binary, "-m", str(path), "-t", str(threads), "-r", str(reps), "-o", "json", *args]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return json.loads(done.stdout), cpu
+
+
+def _llama_seconds(binary: str, path: Path, threads: int, args: list[str], gen: int = 0) -> float:
+    """Seconds of the prompt test `args`, or of one generated token if `gen`: CPU time at 1
+    thread (see Clocks), else the fastest sample."""
+    if threads == 1:
+        args = [*args, "--no-warmup"]
+        if gen:  # runs of gen and 2 gen tokens: the model's load and any depth cancel out
+            long = _llama_bench(binary, path, 1, [*args, "-n", str(2 * gen)], 1)[1]
+            return (long - _llama_bench(binary, path, 1, [*args, "-n", str(gen)], 1)[1]) / gen
+        return (
+            _llama_bench(binary, path, 1, args, 3)[1] - _llama_bench(binary, path, 1, args, 1)[1]
+        ) / 2
+    (run,), _cpu = _llama_bench(binary, path, threads, [*args, "-n", str(gen)], 5)
+    return min(run["samples_ns"]) * 1e-9 / max(gen, 1)
+
+
+def run_llama(binary: str, one: Path, four: Path, threads: int) -> dict:
+    """Per-layer figures: (4-layer time - 1-layer time) / 3 for each test."""
+    tests = {
+        "decode_ms": (["-p", "0"], 32),
+        f"decode_{CONTEXT}_ms": (["-p", "0", "-d", str(CONTEXT)], 32),
+        f"decode_x{BATCH}_ms": (["-p", str(BATCH), "-n", "0"], 0),
+        **{f"prompt_{n}_tok_s": (["-p", str(n), "-n", "0"], 0) for n in PROMPTS},
+    }
+    fig = {}
+    for name, (args, gen) in tests.items():
+        t1, t4 = (_llama_seconds(binary, path, threads, args, gen) for path in (one, four))
+        seconds = (t4 - t1) / 3
+        fig[name] = int(name.split("_")[1]) / seconds if "tok_s" in name else 1e3 * seconds
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def cpu_summary() -> str:
+    from swarm.model import kernels
+
+    flags = kernels.cpu_flags()
+    model = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    have = " ".join(f for f in FLAGS if f in flags)
+    lib = kernels.load()
+    using = f"swarm's {lib.isa} kernels ({lib.rows} rows a vector)" if lib else "torch's kernels"
+    return f"CPU: {model}, {os.cpu_count()} cores; flags: {have}\nquantized matmuls: {using}"
+
+
+def ensure_files(folder: Path, qtypes: list[str]) -> dict[str, tuple[Path, Path]]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from synthetic_gguf import Shapes, write_synthetic_gguf
+
+    files = {}
+    for q in qtypes:
+        pair = []
+        for layers in (1, 4):
+            path = folder / f"l8b-{layers}.{q}.gguf"
+            if not path.exists():
+                print(f"writing {path} ...", file=sys.stderr, flush=True)
+                write_synthetic_gguf(path, Shapes(layers=layers), q)
+            pair.append(path)
+        files[q] = tuple(pair)
+    return files
+
+
+ROWS = [
+    ("decode_ms", "decode, ms", False),
+    (f"decode_{CONTEXT}_ms", f"decode at {CONTEXT} context, ms", False),
+    (f"decode_x{BATCH}_ms", f"{BATCH} rows (llama.cpp: pp{BATCH}), ms", False),
+    *((f"prompt_{n}_tok_s", f"prompt {n}, tok/s", True) for n in PROMPTS),
+]
+
+
+def _speedup(ours: float, theirs: float, higher_better: bool) -> float:
+    """> 1 where `ours` is the faster"""
+    return ours / theirs if higher_better else theirs / ours
+
+
+def table(results: dict, qtypes: list[str], threads: list[int]) -> str:
+    have_llama = any("llama.cpp" in r for r in results.values())
+    head = "| per 8B-shaped layer | torch kernels | swarm kernels | swarm / torch |"
+    rule = "|---|---|---|---|"
+    if have_llama:
+        head += " llama.cpp | swarm vs llama.cpp |"
+        rule += "---|---|"
+    lines = [head, rule]
+    for q in qtypes:
+        for t in threads:
+            runs = results[(q, t)]
+            for key, label, higher_better in ROWS:
+                med = {v: statistics.median(r[key] for r in runs[v]) for v in runs}
+                row = (
+                    f"| {q}, {t} thr, {label} | {med['torch']:.2f} | {med['swarm']:.2f} |"
+                    f" {_speedup(med['swarm'], med['torch'], higher_better):.2f}x |"
+                )
+                if have_llama:
+                    ratio = _speedup(med["swarm"], med["llama.cpp"], higher_better)
+                    row += f" {med['llama.cpp']:.2f} | {ratio:.2f}x |"
+                lines.append(row)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--files", type=Path, default=Path("/tmp/swarm-l8b"))
+    p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"))
+    p.add_argument("--qtypes", default=",".join(QTYPES))
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode-calls", type=int, default=20)
+    p.add_argument("--json", type=Path, help="also write every round's figures here")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        print(json.dumps(swarm_child(a.child, int(a.threads), a.decode_calls)))
+        return
+    qtypes, threads = a.qtypes.split(","), [int(t) for t in a.threads.split(",")]
+    a.files.mkdir(parents=True, exist_ok=True)
+    files = ensure_files(a.files, qtypes)
+    print(cpu_summary(), flush=True)
+    results: dict = {
+        (q, t): {v: [] for v in VARIANTS[: 3 if a.llama_bench else 2]}
+        for q in qtypes
+        for t in threads
+    }
+    formats = {}
+    for rnd in range(a.repeats):
+        for q in qtypes:
+            for t in threads:
+                fig = run_swarm(files[q][0], t, a.decode_calls)
+                formats[q] = fig.pop("formats")
+                for v in ("torch", "swarm"):
+                    results[(q, t)][v].append(fig[v])
+                if a.llama_bench:
+                    results[(q, t)]["llama.cpp"].append(run_llama(a.llama_bench, *files[q], t))
+                print(
+                    f"round {rnd + 1}/{a.repeats} {q} {t} thread(s): "
+                    + json.dumps({v: r[-1] for v, r in results[(q, t)].items()}),
+                    file=sys.stderr,
+                    flush=True,
+                )
+    for q, f in formats.items():
+        print(f"{q}: torch path holds {', '.join(f['torch'])}; swarm path {', '.join(f['swarm'])}")
+    print(f"medians of {a.repeats} rounds; load average at the end: {os.getloadavg()[0]:.1f}")
+    print(table(results, qtypes, threads))
+    if a.llama_bench:
+        worst = max(
+            statistics.median(r["decode_ms"] for r in results[k]["swarm"])
+            / statistics.median(r["decode_ms"] for r in results[k]["llama.cpp"])
+            for k in results
+        )
+        print(f"decode goal: within {GOAL_DECODE}x of llama.cpp; worst here {worst:.2f}x")
+    if a.json:
+        a.json.write_text(json.dumps({f"{q} {t}": r for (q, t), r in results.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Quantized matmuls on the blocks GGUF files keep (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K).
+
+quantmm.c is swarm's own C: at load a matrix's blocks are moved (not converted) so that 8 or 16
+output rows share each vector, and a matmul quantizes its input rows to int8 and multiplies in
+integers, vpdpbusd on AVX-512 VNNI CPUs, vpmaddubsw on AVX2 ones. `load()` picks the best library
+this CPU runs, building it with the C compiler if setup did not; where it cannot (no compiler, a
+CPU without AVX2) it returns None and the caller keeps torch's int4/int8 kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from swarm.model.kernels.build import ISA_CPU_FLAGS, ISA_FLAGS, BuildError, build
+
+log = logging.getLogger("swarm.model")
+
+# GGUF type name -> the kernels' format number; elements and bytes per block
+FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4}
+BLOCKS = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q8_0": (32, 34),
+    "Q4_K": (256, 144),
+    "Q6_K": (256, 210),
+}
+
+
+class KernelError(RuntimeError):
+    """A kernel refused its arguments (a shape its format cannot hold) or ran out of memory."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One loaded library: `isa` is its instruction set, `rows` the output rows per vector."""
+
+    lib: ctypes.CDLL
+    isa: str
+    rows: int
+
+    @classmethod
+    def open(cls, path: Path) -> Kernels:
+        lib = ctypes.CDLL(str(path))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.swq_isa.restype = ctypes.c_char_p
+        lib.swq_rows.restype = ctypes.c_int
+        lib.swq_packed_bytes.argtypes = [ctypes.c_int, i64, i64]
+        lib.swq_packed_bytes.restype = i64
+        lib.swq_pack.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+        lib.swq_unpack.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
+        lib.swq_matmul.argtypes = [
+            ctypes.c_int,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            i64,
+            ptr,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
+        return cls(lib, lib.swq_isa().decode(), lib.swq_rows())
+
+    def pack(self, kind: str, blocks: np.ndarray, k: int) -> torch.Tensor:
+        """A matrix's blocks as the file keeps them (uint8 [n, bytes per row]) -> the kernels'
+        layout (uint8, 1-D): the same codes and scales, rows interleaved."""
+        blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
+        n = blocks.shape[0]
+        size = self.lib.swq_packed_bytes(FORMATS[kind], n, k)
+        if size < 0 or blocks.shape[1] != k // BLOCKS[kind][0] * BLOCKS[kind][1]:
+            raise KernelError(f"{kind}: a matrix of {n} x {k} does not fit {blocks.shape} bytes")
+        out = torch.empty(size, dtype=torch.uint8)
+        self._check(self.lib.swq_pack(FORMATS[kind], blocks.ctypes.data, n, k, out.data_ptr()))
+        return out
+
+    def unpack(self, kind: str, packed: torch.Tensor, n: int, k: int) -> np.ndarray:
+        """The inverse of `pack`: the file's bytes, uint8 [n, bytes per row]."""
+        out = np.empty((n, k // BLOCKS[kind][0] * BLOCKS[kind][1]), dtype=np.uint8)
+        self._check(self.lib.swq_unpack(FORMATS[kind], packed.data_ptr(), k, 0, n, out.ctypes.data))
+        return out
+
+    def matmul(
+        self,
+        kind: str,
+        packed: torch.Tensor,
+        n: int,
+        k: int,
+        x: torch.Tensor,
+        threads: int,
+        terms: int = 2,
+    ) -> torch.Tensor:
+        """x [rows, k] float32 -> x W^T [rows, n] float32, W packed by `pack`. x is taken as
+        `terms` int8 terms: 1 rounds each input by up to half a step of its group's largest
+        (llama.cpp's precision), 2 adds that rounding's own int8 (within 2^-16 of the largest)
+        for ~1.5x the arithmetic."""
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        self._check(
+            self.lib.swq_matmul(
+                FORMATS[kind],
+                packed.data_ptr(),
+                n,
+                k,
+                x.data_ptr(),
+                x.shape[0],
+                y.data_ptr(),
+                terms,
+                threads,
+            )
+        )
+        return y
+
+    @staticmethod
+    def _check(rc: int) -> None:
+        if rc == -2:
+            raise MemoryError("swarm kernels: no memory for the input's int8 copy")
+        if rc != 0:
+            raise KernelError(f"swarm kernels refused the call (code {rc})")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def runnable_isas(flags: set[str] | None = None) -> list[str]:
+    """The instruction sets of ISA_FLAGS this CPU runs, best first."""
+    flags = cpu_flags() if flags is None else flags
+    return [isa for isa in ISA_FLAGS if ISA_CPU_FLAGS[isa] <= flags]
+
+
+@functools.cache
+def load(isa: str | None = None) -> Kernels | None:
+    """The kernels for `isa` (default: the best this CPU runs), built if need be; None where
+    there are none (the reason is logged once)."""
+    isas = runnable_isas()
+    if isa is not None:
+        if isa not in isas:
+            return None
+        isas = [isa]
+    if not isas:
+        log.info("swarm kernels: this CPU has no AVX2; torch's int4/int8 kernels instead")
+        return None
+    try:
+        return Kernels.open(build(isas[0]))
+    except (BuildError, OSError) as exc:
+        log.warning("swarm kernels unavailable (%s); torch's int4/int8 kernels instead", exc)
+        return None

@@ -1,0 +1,231 @@
+"""swarm's own quantized matmuls (swarm/model/kernels) on GGUF's blocks, for every instruction set
+this CPU runs: what they compute against the dequantized weights, and what they keep."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from swarm.model import kernels
+from swarm.model.blocks import Span
+from swarm.model.linear import BLOCKS, Blocks, Fused, Int4, Int8, RawTensor, make_linear
+from swarm.model.source import open_model
+from tests.test_weights import as_float32
+
+_SPEC = importlib.util.spec_from_file_location(
+    "synthetic_gguf", Path(__file__).parent.parent / "scripts" / "synthetic_gguf.py"
+)
+synthetic_gguf = importlib.util.module_from_spec(_SPEC)
+sys.modules["synthetic_gguf"] = synthetic_gguf
+_SPEC.loader.exec_module(synthetic_gguf)
+
+ISAS = kernels.runnable_isas()
+KINDS = list(kernels.FORMATS)
+TORCH_KERNELS = ("float32", "bfloat16", "int8", "int4")
+# where each block's float16 scales sit: (offset, count)
+_HALVES = {"Q4_0": (0, 1), "Q4_1": (0, 2), "Q8_0": (0, 1), "Q4_K": (0, 2), "Q6_K": (208, 1)}
+
+needs_kernels = pytest.mark.skipif(not ISAS, reason="this CPU runs none of swarm's kernels")
+
+
+def lib_for(isa: str) -> kernels.Kernels:
+    lib = kernels.load(isa)
+    if lib is None:
+        pytest.skip(f"swarm's {isa} kernels do not build here (no C compiler?)")
+    return lib
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Any bytes for codes, scales and mins (every bit pattern the format allows), with sane
+    float16 scales."""
+    rng = np.random.default_rng(seed)
+    block, nbytes = kernels.BLOCKS[kind]
+    raw = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
+    at, count = _HALVES[kind]
+    halves = rng.uniform(0.001, 0.05, size=(rows, cols // block, count)).astype(np.float16)
+    raw[..., at : at + 2 * count] = halves.view(np.uint8).reshape(rows, cols // block, 2 * count)
+    return raw.reshape(rows, -1)
+
+
+def dequantized(blocks: np.ndarray, kind: str) -> np.ndarray:
+    return gguf.dequantize(blocks, gguf.GGMLQuantizationType[kind]).astype(np.float64)
+
+
+def rounding_bound(x: np.ndarray, w: np.ndarray, kind: str, terms: int) -> np.ndarray:
+    """How far x W^T may be from the kernels' result [rows, n]: they round x to int8 with one
+    scale per group of inputs (32, or 256 for the K formats), each input by at most half a step
+    (amax / 254), or with a second int8 term for that error, half of its step (a 254th of the
+    first's), and add in float32 (a relative 1e-5 is ample for these widths)."""
+    group = 256 if kind.endswith("_K") else 32
+    rows, cols = x.shape
+    amax = np.abs(x).reshape(rows, cols // group, group).max(-1)
+    half_step = amax / 254.0 if terms == 1 else amax / 127.0 / 254.0 / 2.0
+    step = np.repeat(half_step, group, axis=1)  # [rows, cols]
+    return step @ np.abs(w).T * (1 + 1e-5) + np.abs(x) @ np.abs(w).T * 1e-5 + 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_packing_keeps_the_files_bytes(isa, kind):
+    lib = lib_for(isa)
+    blocks = random_blocks(kind, 40, 512, seed=1)  # 40 rows: a partial last group of rows
+    packed = lib.pack(kind, blocks, 512)
+    assert packed.numel() >= blocks.nbytes
+    assert np.array_equal(lib.unpack(kind, packed, 40, 512), blocks)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 64])
+@pytest.mark.parametrize("terms", [1, 2])
+def test_kernels_multiply_by_the_dequantized_weights_within_the_inputs_int8_rounding(
+    isa, kind, rows, terms
+):
+    lib = lib_for(isa)
+    n, k = 56, 768  # 56 rows: no multiple of 16
+    blocks = random_blocks(kind, n, k, seed=rows)
+    w = dequantized(blocks, kind)
+    x = np.random.default_rng(rows).standard_normal((rows, k))
+    x[:, :32] *= 40.0  # one loud group: each group must keep its own scale
+    packed = lib.pack(kind, blocks, k)
+    got = lib.matmul(kind, packed, n, k, torch.from_numpy(x).float(), 1, terms)
+    want = x.astype(np.float32).astype(np.float64) @ w.T
+    err = np.abs(got.double().numpy() - want)
+    bound = rounding_bound(x.astype(np.float32), w, kind, terms)
+    assert (err <= bound).all(), f"worst: {(err / bound).max():.3f} of the bound"
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q6_K"])
+def test_quantized_real_weights_give_float_results_within_a_percent_or_1e_4(isa, kind):
+    """Trained-like weights (quantized from N(0, 0.02)) and inputs: the result's error is small
+    beside the output itself, not only within the worst-case bound: a percent with one int8
+    term, 1e-4 with two."""
+    lib = lib_for(isa)
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((64, 1024)) * 0.02).astype(np.float32)
+    blocks = synthetic_gguf.quantize(w, kind)
+    x = rng.standard_normal((4, 1024)).astype(np.float32)
+    packed = lib.pack(kind, blocks, 1024)
+    want = x @ dequantized(blocks, kind).T
+    for terms, within in ((1, 0.01), (2, 1e-4)):
+        got = lib.matmul(kind, packed, 64, 1024, torch.from_numpy(x), 1, terms)
+        assert np.abs(got.numpy() - want).max() < within * np.abs(want).max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+def test_threads_split_the_rows_without_changing_a_bit(isa):
+    lib = lib_for(isa)
+    blocks = random_blocks("Q4_K", 200, 512, seed=4)
+    packed = lib.pack("Q4_K", blocks, 512)
+    x = torch.randn(11, 512)
+    one = lib.matmul("Q4_K", packed, 200, 512, x, 1)
+    assert torch.equal(one, lib.matmul("Q4_K", packed, 200, 512, x, 2))
+    assert torch.equal(one, lib.matmul("Q4_K", packed, 200, 512, x, 3))
+
+
+@needs_kernels
+def test_a_width_the_format_cannot_hold_is_refused():
+    lib = lib_for(ISAS[0])
+    with pytest.raises(kernels.KernelError):
+        lib.pack("Q4_K", np.zeros((8, 100), dtype=np.uint8), 200)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "kind, fmt",
+    [("Q4_0", "int4"), ("Q4_K", "int4"), ("Q8_0", "int8"), ("Q6_K", "int8"), ("Q4_1", "int4")],
+)
+def test_auto_keeps_the_files_blocks_and_names_their_kind_of_format(kind, fmt):
+    raw = RawTensor("w", kind, random_blocks(kind, 48, 512))
+    linear = make_linear(raw, "auto")
+    assert isinstance(linear, Blocks) and linear.format == fmt
+    assert torch.equal(linear.dequantized(), raw.float32())
+    assert linear.nbytes <= raw.data.nbytes * 1.03  # Q4_K's scales widened: +2.8%
+
+
+@needs_kernels
+def test_fused_matrices_of_one_type_keep_their_blocks_stacked():
+    raws = [
+        RawTensor(n, "Q4_0", random_blocks("Q4_0", r, 256, seed=i))
+        for i, (n, r) in enumerate([("q", 64), ("k", 32), ("v", 32)])
+    ]
+    fused = Fused.load(raws, "auto", [None, None, None])
+    assert len(fused.linears) == 1 and isinstance(fused.linears[0], Blocks)
+    x = torch.randn(3, 256)
+    want = torch.cat([x @ r.float32().T for r in raws], dim=-1)
+    assert (fused(x) - want).abs().max() < 0.02 * want.abs().max()
+
+
+@needs_kernels
+def test_fused_matrices_of_different_types_multiply_apart():
+    """Q4_K_M files keep some v in Q6_K: both int8-class and int4-class blocks, each its own."""
+    raws = [
+        RawTensor("k", "Q4_K", random_blocks("Q4_K", 32, 256)),
+        RawTensor("v", "Q6_K", random_blocks("Q6_K", 32, 256)),
+    ]
+    fused = Fused.load(raws, "auto", [None, None])
+    assert [lin.kind for lin in fused.linears] == ["Q4_K", "Q6_K"]
+
+
+def test_without_blocks_in_usable_torchs_kernels_hold_the_weights():
+    raw = RawTensor("w", "Q4_0", random_blocks("Q4_0", 64, 256))
+    assert isinstance(make_linear(raw, "auto", usable=TORCH_KERNELS), Int4)
+    raw8 = RawTensor("w", "Q8_0", random_blocks("Q8_0", 64, 256))
+    assert isinstance(make_linear(raw8, "auto", usable=TORCH_KERNELS), Int8)
+
+
+def test_where_the_kernels_do_not_load_torchs_hold_the_weights(monkeypatch):
+    monkeypatch.setattr(kernels, "load", lambda isa=None: None)
+    raw = RawTensor("w", "Q4_K", random_blocks("Q4_K", 64, 256))
+    assert isinstance(make_linear(raw, "auto", usable=(*TORCH_KERNELS, BLOCKS)), Int4)
+
+
+def test_a_non_native_format_is_not_kept_in_blocks():
+    raw = RawTensor("w", "Q8_0", random_blocks("Q8_0", 64, 256))
+    assert isinstance(make_linear(raw, "int4"), Int4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K", "Q8_0"])
+def test_a_gguf_span_on_the_kernels_computes_what_its_weights_give_in_float32(tmp_path, qtype):
+    """Prompt pass and decode steps of a synthetic Llama file, every matrix in the file's blocks,
+    against the same span with the blocks dequantized to float32."""
+    shapes = synthetic_gguf.Shapes(
+        hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, vocab=512, layers=2
+    )
+    path = synthetic_gguf.write_synthetic_gguf(tmp_path / f"s.{qtype}.gguf", shapes, qtype)
+    span = Span.load(open_model(path), 0, 2, weights="auto")
+    assert all(isinstance(lin, Blocks) for b in span.blocks for lin in b.linears)
+    prompt = torch.randn(1, 24, 256)
+    outs = []
+    for s in (as_float32(span), span):
+        cache = s.allocate_cache(0, 2, 32)
+        hidden = s.forward(prompt, cache, 0, 0, 2)
+        steps = [s.forward(hidden[:, -1:], cache, 24 + i, 0, 2) for i in range(3)]
+        outs.append(torch.cat([hidden, *steps], dim=1))
+    cos = torch.nn.functional.cosine_similarity(*outs, dim=-1)
+    assert cos.min() > 0.99, f"{qtype}: cosine to float32 as low as {cos.min():.4f}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind):
+    """Batched decode gives each session what it would get alone, to the bit."""
+    lib = lib_for(ISAS[0])
+    blocks = random_blocks(kind, 64, 512, seed=5)
+    packed = lib.pack(kind, blocks, 512)
+    x = torch.randn(13, 512)
+    together = lib.matmul(kind, packed, 64, 512, x, 1)
+    for i in (0, 5, 12):
+        assert torch.equal(lib.matmul(kind, packed, 64, 512, x[i : i + 1], 1)[0], together[i])
