@@ -56,7 +56,7 @@ VARIANTS = ("torch", "swarm", "llama.cpp")
 # swarm: one child per (file, threads), both variants loaded, timed in turn
 
 
-def _seconds(fn, calls: int, threads: int) -> float:
+def call_seconds(fn, calls: int, threads: int) -> float:
     """After a warm-up: at 1 thread the median CPU time of `calls` calls (see Clocks above), at
     more the fastest wall-clock call."""
     fn()
@@ -101,18 +101,22 @@ def _layer_figures(span, hidden: int, decode_calls: int, threads: int) -> dict:
     def step(pos: int) -> None:
         span.decode(x1, [cache], [pos], 0, 1)
 
-    fig["decode_ms"] = 1e3 * _seconds(lambda: step(0), decode_calls, threads)
+    fig["decode_ms"] = 1e3 * call_seconds(lambda: step(0), decode_calls, threads)
     span.forward(torch.randn(1, CONTEXT, hidden), cache, 0, 0, 1)
-    fig[f"decode_{CONTEXT}_ms"] = 1e3 * _seconds(lambda: step(CONTEXT), decode_calls, threads)
+    fig[f"decode_{CONTEXT}_ms"] = 1e3 * call_seconds(lambda: step(CONTEXT), decode_calls, threads)
     caches = [span.allocate_cache(0, 1, 8) for _ in range(BATCH)]
     x8 = torch.randn(BATCH, hidden)
-    fig[f"decode_x{BATCH}_ms"] = 1e3 * _seconds(
+    fig[f"decode_x{BATCH}_ms"] = 1e3 * call_seconds(
         lambda: span.decode(x8, caches, [0] * BATCH, 0, 1), max(3, decode_calls // 4), threads
     )
     for n in PROMPTS:
         prompt = torch.randn(1, n, hidden)
         long_cache = span.allocate_cache(0, 1, n)
-        seconds = _seconds(lambda p=prompt, c=long_cache: span.forward(p, c, 0, 0, 1), 3, threads)
+
+        def run(p=prompt, c=long_cache):
+            span.forward(p, c, 0, 0, 1)
+
+        seconds = call_seconds(run, 3, threads)
         fig[f"prompt_{n}_tok_s"] = n / seconds
     return fig
 
@@ -146,17 +150,21 @@ def _llama_bench(binary: str, path: Path, threads: int, args: list[str], reps: i
     return json.loads(done.stdout), cpu
 
 
-def _llama_seconds(binary: str, path: Path, threads: int, args: list[str], gen: int = 0) -> float:
+def llama_seconds(
+    binary: str, path: Path, threads: int, args: list[str], gen: int = 0, extra: int = 2
+) -> float:
     """Seconds of the prompt test `args`, or of one generated token if `gen`: CPU time at 1
-    thread (see Clocks), else the fastest sample."""
+    thread (see Clocks), else the fastest sample. At 1 thread the figure is the difference of
+    two runs, `extra` repetitions (or `extra` x `gen` tokens) apart: more where one is short, so
+    that the run-to-run noise of the model's load stays small beside it."""
     if threads == 1:
         args = [*args, "--no-warmup"]
-        if gen:  # runs of gen and 2 gen tokens: the model's load and any depth cancel out
-            long = _llama_bench(binary, path, 1, [*args, "-n", str(2 * gen)], 1)[1]
-            return (long - _llama_bench(binary, path, 1, [*args, "-n", str(gen)], 1)[1]) / gen
-        return (
-            _llama_bench(binary, path, 1, args, 3)[1] - _llama_bench(binary, path, 1, args, 1)[1]
-        ) / 2
+        if gen:  # runs of gen and (1 + extra) gen tokens: the load and any depth cancel out
+            long = _llama_bench(binary, path, 1, [*args, "-n", str((1 + extra) * gen)], 1)[1]
+            short = _llama_bench(binary, path, 1, [*args, "-n", str(gen)], 1)[1]
+            return (long - short) / (extra * gen)
+        long = _llama_bench(binary, path, 1, args, 1 + extra)[1]
+        return (long - _llama_bench(binary, path, 1, args, 1)[1]) / extra
     (run,), _cpu = _llama_bench(binary, path, threads, [*args, "-n", str(gen)], 5)
     return min(run["samples_ns"]) * 1e-9 / max(gen, 1)
 
@@ -171,7 +179,7 @@ def run_llama(binary: str, one: Path, four: Path, threads: int) -> dict:
     }
     fig = {}
     for name, (args, gen) in tests.items():
-        t1, t4 = (_llama_seconds(binary, path, threads, args, gen) for path in (one, four))
+        t1, t4 = (llama_seconds(binary, path, threads, args, gen) for path in (one, four))
         seconds = (t4 - t1) / 3
         fig[name] = int(name.split("_")[1]) / seconds if "tok_s" in name else 1e3 * seconds
     return fig

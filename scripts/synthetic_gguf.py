@@ -170,7 +170,7 @@ def _q6_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def _add_vocab(w: gguf.GGUFWriter, size: int) -> None:
+def add_vocab(w: gguf.GGUFWriter, size: int) -> None:
     """A placeholder SentencePiece vocabulary (unk, bos, eos, 256 byte tokens, then "t<i>"): no
     real tokenizer, but llama.cpp's loader (llama-bench, the yardstick) requires one."""
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
@@ -203,7 +203,7 @@ def write_synthetic_gguf(
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_vocab_size(s.vocab)
     w.add_file_type(FILE_TYPES[qtype])
-    _add_vocab(w, s.vocab)
+    add_vocab(w, s.vocab)
     plan = tensor_plan(s)
     for name, shape in plan:
         if len(shape) == 1:
