@@ -1,0 +1,169 @@
+"""A leaving node hands its sessions to replicas serving the same blocks (see handover.py for
+the transfer itself).
+
+For each session: pause it (steps arriving now wait in `held`), wait until its cache stands
+still and its outputs are out, send `Handover`, the cache layer by layer through the uplink
+(bulk, behind every decode step), and `HandoverEnd` signed with this node's key. Once the
+replica answers `Taken`, tell the session's client (owner and sink) `Moved`; the client resumes
+the session there and releases it here, after which the held steps follow to the replica and
+`Release` passes it on. Anything failing before `Taken` unpauses the session: it finishes here
+or, when the grace period ends, its client replays it elsewhere as after a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import trio
+
+from swarm.dht import node_id, sign_as_node
+from swarm.errors import SwarmError
+from swarm.node.handover import dtype_name, pick_replicas, slab_digest, slabs
+from swarm.node.session import send_quietly
+from swarm.node.uplink import Payload
+from swarm.protocol import Error, Handover, HandoverEnd, Hop, Moved, Release, handover_claim
+from swarm.records import NodeRecord
+
+if TYPE_CHECKING:
+    from swarm.node.server import Node
+    from swarm.node.session import Session
+
+log = logging.getLogger("swarm.node")
+
+QUIET_POLL_S = 0.005
+
+
+def movable(s: Session) -> bool:
+    """Sessions whose owner and sink is the client itself (a one-hop route, the whole model
+    here): nobody else must learn where they went. Sessions in longer routes finish here or are
+    replayed (an upstream node or the next hop would have to follow the move too)."""
+    return s.hop == 0 and s.is_last and not s.state.closed and s.state.used
+
+
+async def hand_over_all(
+    node: Node, records: list[NodeRecord], me: str, deadline: float, say=print
+) -> int:
+    """Hand every movable session of `node` to a replica `records` name, all at once, by
+    `deadline` (trio time); the number handed over."""
+    sessions = [s for s in node.sessions if movable(s)]
+    wants = [(s.start, s.end, s.max_length) for s in sessions]
+    targets = pick_replicas(records, me, node.fingerprint, wants)
+    pairs = [(s, t) for s, t in zip(sessions, targets) if t is not None]
+    if not pairs:
+        return 0
+    say(f"handing {len(pairs)} of {len(node.sessions)} sessions over to replicas")
+    moved = []
+
+    async def one(s: Session, target: NodeRecord) -> None:
+        if await hand_over(node, s, target.hop(s.start, s.end), deadline):
+            moved.append(s.sid)
+
+    with trio.move_on_at(deadline):
+        async with trio.open_nursery() as nursery:
+            for s, target in pairs:
+                nursery.start_soon(one, s, target)
+    return len(moved)
+
+
+async def hand_over(node: Node, s: Session, to: Hop, deadline: float) -> bool:
+    """Move `s` to the replica `to`; True once the replica holds it (the client has been told)."""
+    started = time.monotonic()
+    node.counters.transfers += 1
+    try:
+        length = await _pause(node, s)
+        if length is None:
+            return False
+        if not await _send_cache(node, s, to, length, deadline):
+            s.unpause()
+            return False
+        await _pass_on(node, s, to, length, deadline)
+    finally:
+        node.counters.transfers -= 1
+    node.counters.moved_out += 1
+    log.info(
+        "session %s... handed over to %s at position %d in %.0f ms",
+        s.sid[:8],
+        to.link,
+        length,
+        (time.monotonic() - started) * 1000,
+    )
+    return True
+
+
+async def _pause(node: Node, s: Session) -> int | None:
+    """Pause `s` once nothing of it computes or waits to be sent; the positions its cache
+    holds then (None: it ended meanwhile)."""
+    s.pause()
+    while not s.state.closed and (not s.quiet or node.uplink.pending(s.sid)):
+        await trio.sleep(QUIET_POLL_S)
+    if s.state.closed or s.cache is None or s.cache.length == 0:
+        return None
+    return s.cache.length
+
+
+async def _send_cache(node: Node, s: Session, to: Hop, length: int, deadline: float) -> bool:
+    """Send the cache to `to` and wait for its `Taken`; False if it failed (logged)."""
+    route = list(s.route)
+    route[s.hop] = to
+    opening = replace(s.open_msg, route=tuple(route), origin=s.origin)
+    try:
+        ds = await node.downstream.connect(to)
+    except SwarmError as exc:
+        log.warning("cannot hand %s... over to %s: %s", s.sid[:8], to.link, exc)
+        return False
+    answer = node.downstream.expect_handover(to.link, s.sid)
+    try:
+        node.uplink.send_control(ds, Handover(open=opening, length=length))
+        assert s.cache is not None
+        pieces = slabs(s.cache, length)
+        dtype = dtype_name(s.cache.keys[0].dtype)
+        sent = []
+        for layer, (keys, values) in enumerate(pieces):
+            done = trio.Event()
+            sent.append(done)
+            node.uplink.send_cache(
+                Payload(
+                    ds, to.link, s.sid, "prefill", 0, keys.shape[1], keys, dtype, False,
+                    values=values, layer=layer, done=done,
+                )
+            )  # fmt: skip
+        with trio.move_on_at(deadline):
+            for done in sent:
+                await done.wait()
+            digest = slab_digest(pieces)
+            key, proof = sign_as_node(handover_claim(to.peer, s.sid, length, digest))
+            end = HandoverEnd(sid=s.sid, digest=digest, peer=node_id(), key=key, proof=proof)
+            node.uplink.send_control(ds, end)
+            reply = await answer.receive()
+            if isinstance(reply, Error):
+                log.warning("%s refused the handover of %s...: %s", to.link, s.sid[:8], reply)
+                return False
+            return True
+        log.warning("handover of %s... to %s ran out of time", s.sid[:8], to.link)
+        return False
+    finally:
+        node.downstream.forget_handover(to.link, s.sid)
+
+
+async def _pass_on(node: Node, s: Session, to: Hop, length: int, deadline: float) -> None:
+    """The replica holds the cache: tell the client, wait for it to release the session here
+    (its last steps are in then), send the held steps on and release it to the replica."""
+    moved = Moved(sid=s.sid, hop=s.hop, to=to, length=length)
+    for holder in {id(c): c for c in (s.owner, s.sink) if c is not None}.values():
+        await send_quietly(holder, moved)
+    with trio.move_on_at(deadline):
+        await s.released.wait()
+    ds = node.downstream.stream(to.link)
+    if ds is not None:
+        for step in s.held:
+            node.uplink.send_control(ds, step)
+        node.uplink.send_control(ds, Release(sid=s.sid))
+        # out before the node may stop: the replica passes the session on only after them
+        with trio.move_on_at(deadline):
+            while node.uplink.control_pending(ds) and not ds.closed:
+                await trio.sleep(QUIET_POLL_S)
+    s.held = []
+    s.close()
