@@ -16,7 +16,9 @@ cache crosses it in one case, the replayed prompt's activations in the other.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import shlex
 import signal
 import statistics
 import subprocess
@@ -68,9 +70,16 @@ def start_replica(peers, a) -> tuple[NodeProcess, subprocess.Popen | None]:
         port, public = free_port(), free_port()
         relay = start_relay(public, port, a.rate_mbps, a.rtt_ms)
         extra += ["--port", str(port), "--public-address", f"127.0.0.1:{public}"]
-    node = start_node((0, a.layers), peers, extra=extra)
+    node = start_node((0, a.layers), peers, extra=extra, stderr=log_to(a, "replica"))
     node.wait_serving()
     return node, relay
+
+
+def log_to(a, name: str):
+    """Where a node's log goes: --logs DIR/NAME.log, or nowhere."""
+    if not a.logs:
+        return subprocess.DEVNULL
+    return open(os.path.join(a.logs, f"{name}-{a.round}.log"), "w")
 
 
 class Stream:
@@ -84,11 +93,12 @@ class Stream:
         self.recoveries: list[float] = []
         self.moves = 0
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: threading.Event, go: threading.Event) -> None:
         try:
             with self.client.session(self.max_length) as s:
                 logits = s.feed(self.prompt)
                 self.primed.set()
+                go.wait()  # all start decoding together: every cache is as deep at the leave
                 while not stop.is_set() and len(self.prompt) + len(self.times) < self.max_length:
                     logits = s.feed([int(logits.argmax())])
                     self.times.append(time.monotonic())
@@ -114,7 +124,8 @@ def pct(xs: list[float], q: float) -> float:
 
 def run_round(peers, a, handover: bool) -> dict:
     grace = ["--grace", "60"] if handover else ["--handover", "off", "--grace", "0"]
-    leaving = start_node((0, a.layers), peers, extra=[*COMMON, *grace])
+    a.round = "handover" if handover else "replay"
+    leaving = start_node((0, a.layers), peers, extra=[*COMMON, *grace], stderr=log_to(a, "leaving"))
     leaving.wait_serving()
     client = Client(peers, step_timeout=30)
     stop = threading.Event()
@@ -122,7 +133,8 @@ def run_round(peers, a, handover: bool) -> dict:
         Stream(client, [(7 * i + 13 * j) % 5000 + 100 for j in range(a.depth)], a.depth + 2000)
         for i in range(a.sessions)
     ]
-    threads = [threading.Thread(target=s.run, args=(stop,)) for s in streams]
+    go = threading.Event()
+    threads = [threading.Thread(target=s.run, args=(stop, go)) for s in streams]
     replica, relay = None, None
     try:
         t0 = time.monotonic()
@@ -135,6 +147,7 @@ def run_round(peers, a, handover: bool) -> dict:
             raise errors[0]
         print(f"  {a.sessions} sessions primed in {time.monotonic() - t0:.1f} s", flush=True)
         replica, relay = start_replica(peers, a)
+        go.set()
         time.sleep(2.0)  # a few tokens of steady decoding before the leave
         left = time.monotonic()
         leaving.proc.send_signal(signal.SIGTERM)
@@ -167,6 +180,7 @@ def run_round(peers, a, handover: bool) -> dict:
         }
     finally:
         stop.set()
+        go.set()
         client.close()
         stop_all([n for n in (leaving, replica) if n is not None])
         if relay is not None:
@@ -180,7 +194,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30, help="the model's layer count")
     p.add_argument("--rate-mbps", type=float, default=0.0, help="shape the replica's link")
     p.add_argument("--rtt-ms", type=float, default=20.0, help="its round trip, when shaped")
+    p.add_argument("--logs", help="a folder for the nodes' logs")
+    p.add_argument("--node-args", default="", help="more options for every node")
     a = p.parse_args()
+    COMMON.extend(shlex.split(a.node_args))
     bootstrap = start_dht()
     peers = visible_maddrs(bootstrap)[:1]
     link = f"{a.rate_mbps:g} Mbit/s, RTT {a.rtt_ms:g} ms" if a.rate_mbps else "loopback"

@@ -185,6 +185,7 @@ class Handover:
 
     open: Open
     length: int
+    peer: str = ""  # the sender's node id, proven by its HandoverEnd
     t: str = field(default="handover", init=False)
 
 
@@ -343,7 +344,11 @@ def parse_message(d: dict[str, Any]) -> Message:
         inner = d.get("open")
         if not isinstance(inner, dict) or inner.get("t") != "open":
             raise ProtocolError("field 'open' must be an open message")
-        return Handover(open=_open(inner), length=_int(d, "length", 1, 1 << 20))
+        return Handover(
+            open=_open(inner),
+            length=_int(d, "length", 1, 1 << 20),
+            peer=_str(d, "peer", 64) if "peer" in d else "",
+        )
     if kind == "kv":
         return KvChunk(
             sid=_str(d, "sid", 64),

@@ -48,14 +48,15 @@ def left_with(node: NodeProcess, timeout: float = 60.0) -> tuple[int, int, int]:
     raise AssertionError("the node did not say what it did:\n" + "\n".join(node.lines))
 
 
-def wait_for_line(node: NodeProcess, needle: str, timeout: float = 30.0) -> str:
+def wait_for_lines(node: NodeProcess, needle: str, count: int, timeout: float = 30.0) -> None:
+    """Until `node` has said `needle` in `count` lines: here, sessions handed over (their
+    clients, waiting, read where to only with their next step)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for line in list(node.lines):
-            if needle in line:
-                return line
+        if sum(needle in line for line in list(node.lines)) >= count:
+            return
         time.sleep(0.05)
-    raise AssertionError(f"no {needle!r} from the node:\n" + "\n".join(node.lines))
+    raise AssertionError(f"not {count} {needle!r} from the node:\n" + "\n".join(node.lines))
 
 
 @dataclass
@@ -119,9 +120,11 @@ def dht_peers():
     dht.shutdown()
 
 
-def start_full_node(model_dir, peers, *extra: str, stderr=subprocess.DEVNULL) -> NodeProcess:
-    """A node serving every block of the tiny model, serving once this returns."""
-    node = start_node((0, 6), peers, str(model_dir), [*EXACT, *extra], stderr=stderr)
+def start_full_node(
+    model_dir, peers, *extra: str, layers=(0, 6), stderr=subprocess.DEVNULL
+) -> NodeProcess:
+    """A node serving `layers` (every block) of the tiny model, serving once this returns."""
+    node = start_node(layers, peers, str(model_dir), [*EXACT, *extra], stderr=stderr)
     try:
         node.wait_serving()
     except BaseException:
@@ -146,7 +149,7 @@ def test_a_drained_node_hands_its_sessions_over_and_they_go_on_without_replay(
             nonlocal replica
             replica = start_full_node(tiny_model_dir, dht_peers)
             leaving.proc.send_signal(signal.SIGTERM)
-            wait_for_line(leaving, "handing 4 of 4 sessions over")
+            wait_for_lines(leaving, "handed over to", 4)
 
         out, sessions = generate_across_a_leave(client, PROMPTS, leave)
         assert out == [reference_greedy(tiny_reference, p, NEW) for p in PROMPTS]
@@ -156,6 +159,32 @@ def test_a_drained_node_hands_its_sessions_over_and_they_go_on_without_replay(
     finally:
         client.close()
         stop_all([leaving] + ([replica] if replica else []))
+
+
+def test_a_last_hop_hands_its_sessions_over_and_the_node_before_it_follows(
+    dht_peers, tiny_model_dir, tiny_reference
+):
+    first = start_full_node(tiny_model_dir, dht_peers, layers=(0, 3))
+    leaving = start_full_node(tiny_model_dir, dht_peers, "--grace", "20", layers=(3, 6))
+    client = client_of(dht_peers, tiny_model_dir)
+    replica = None
+    try:
+
+        def leave() -> None:
+            nonlocal replica
+            replica = start_full_node(tiny_model_dir, dht_peers, layers=(3, 6))
+            leaving.proc.send_signal(signal.SIGTERM)
+            wait_for_lines(leaving, "handed over to", 4)
+
+        out, sessions = generate_across_a_leave(client, PROMPTS, leave)
+        assert out == [reference_greedy(tiny_reference, p, NEW) for p in PROMPTS]
+        route = [first.peer, replica.peer]
+        assert [(s.recoveries, s.moves, s.peers) for s in sessions] == [([], 1, route)] * 4
+        assert leaving.proc.wait(60) == 0
+        assert left_with(replica) == (0, 4, 0)
+    finally:
+        client.close()
+        stop_all([first, leaving] + ([replica] if replica else []))
 
 
 class CuttingProxy:

@@ -101,6 +101,11 @@ class PeerDirectory:
                     await self._refresh()
         return self._records.get(peer)
 
+    def seed(self, records: Sequence[NodeRecord]) -> None:
+        """Records just read elsewhere: no need to read them again before dialling."""
+        self._records = {r.peer: r for r in records}
+        self._read_at = time.monotonic()
+
     def records(self) -> list[NodeRecord]:
         """The records as last read."""
         return list(self._records.values())

@@ -20,7 +20,7 @@ from swarm.heartbeat import INTERVAL_S, Heartbeat, send_queue_busy
 from swarm.node.directory import PeerDirectory
 from swarm.node.session_table import SessionTable
 from swarm.node.uplink import ACK_NONCE_BASE, Uplink
-from swarm.protocol import Error, Hop, Opened, Ping, Pong, Taken
+from swarm.protocol import Error, Hop, Moved, Opened, Ping, Pong, Resumed, Taken
 from swarm.transport import FramedStream, dial_hop
 
 log = logging.getLogger("swarm.node")
@@ -149,19 +149,24 @@ class Downstream:
                     self._pong(dest, classify(msg))
                     continue
                 sid = getattr(msg, "sid", "")
-                if isinstance(msg, (Taken, Error)) and (dest, sid) in self._handovers:
+                if isinstance(msg, (Taken, Resumed, Error)) and (dest, sid) in self._handovers:
                     self._handovers.pop((dest, sid)).send_nowait(msg)
                     continue
                 s = self._sessions.lookup(sid)
                 if s is not None and s.downstream == dest and isinstance(msg, (Opened, Error)):
                     await s.from_downstream(msg)
+                elif s is not None and s.downstream == dest and isinstance(msg, Moved):
+                    # the next hop left, handing the session over: follow it (in a task of its
+                    # own: this reader must go on reading the pongs the move waits for)
+                    assert self._nursery is not None
+                    self._nursery.start_soon(s.follow, msg)
         except (SwarmError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             reason = exc
         await self.lost(ds, reason)
 
     def expect_handover(self, dest: str, sid: str) -> trio.MemoryReceiveChannel:
-        """Where the replica at `dest` answers the handover of `sid` (Taken or Error; a
-        PeerFailed Error if the connection is lost first)."""
+        """Where the replica at `dest` answers the handover of `sid` or a resume of it (Taken,
+        Resumed or Error; a PeerFailed Error if the connection is lost first)."""
         send, receive = trio.open_memory_channel(1)
         self._handovers[(dest, sid)] = send
         return receive

@@ -391,6 +391,8 @@ class Node:
             return
         self.counters.transfers += 1
         assert self._nursery is not None, "Node.serve is not running"
+        if msg.peer:  # its record is read while the cache comes, not after
+            self._nursery.start_soon(self.directory.record, msg.peer)
         self._nursery.start_soon(self._hold_transfer, session)
         self._nursery.start_soon(session.run)
 

@@ -39,9 +39,12 @@ from swarm.protocol import (
     Error,
     Hop,
     KvChunk,
+    Moved,
     Open,
     Opened,
+    Release,
     Resume,
+    Resumed,
     Step,
 )
 from swarm.wire import unpack_tensor
@@ -219,6 +222,37 @@ class Session:
         if self.intake is not None:  # the leaving node's last steps are in: the owner may come
             self._handed = True
             self._pass_ownership()
+
+    async def follow(self, moved: Moved) -> None:
+        """The next hop left, handing this session over to `moved.to`: claim it there as its
+        owner, send the steps from now on there, and release it on the node that left once the
+        steps queued for that node have gone (it passes them on). If anything fails the
+        session stays as it was; it fails when the next hop is gone, and its client replays."""
+        if moved.hop != self.hop + 1 or self.state.closed or self.downstream is None:
+            return
+        downstream, uplink = self.ctx.downstream, self.ctx.uplink
+        old, dest = self.downstream, moved.to.link
+        try:
+            conn = await downstream.connect(moved.to)
+        except SwarmError as exc:
+            log.warning("cannot follow session %s... to %s: %s", self.sid[:8], dest, exc)
+            return
+        answer = downstream.expect_handover(dest, self.sid)
+        reply = None
+        uplink.send_control(conn, Resume(self.sid, self._sink_token, owner=True, sink=False))
+        with trio.move_on_after(self.ctx.config.limits.open_timeout_s):
+            reply = await answer.receive()
+        downstream.forget_handover(dest, self.sid)
+        if not isinstance(reply, Resumed) or self.state.closed:
+            log.warning("session %s... could not follow to %s: %s", self.sid[:8], dest, reply)
+            return
+        self.downstream = dest
+        self.route = tuple(moved.to if i == moved.hop else h for i, h in enumerate(self.route))
+        while uplink.pending(self.sid, old) and not self.state.closed:
+            await trio.sleep(0.005)
+        if (ds := downstream.stream(old)) is not None:
+            uplink.send_control(ds, Release(sid=self.sid))
+        log.info("session %s... follows its next hop to %s", self.sid[:8], dest)
 
     def _pass_ownership(self) -> None:
         if not self._handed or self._next_owner is None:

@@ -137,9 +137,13 @@ class Uplink:
         """Whether control frames for `stream` still wait to be written."""
         return any(s is stream for s, _ in self._control)
 
-    def pending(self, sid: str) -> bool:
-        """Whether activations or results of `sid` still wait to be sent."""
-        return any(p.sid == sid and p.values is None for p in self._payloads.values())
+    def pending(self, sid: str, dest: str | None = None) -> bool:
+        """Whether activations or results of `sid` (to `dest`, if given) still wait to be
+        sent."""
+        return any(
+            p.sid == sid and p.values is None and dest in (None, p.dest)
+            for p in self._payloads.values()
+        )
 
     def end_session(self, sid: str) -> None:
         self.scheduler.end_session(sid)
