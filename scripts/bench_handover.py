@@ -34,7 +34,7 @@ from swarm.dht import start_dht, visible_maddrs
 
 COMMON = ["--announce-ttl", "10", "--max-host-cache-tokens", "32768", "--max-host-sessions", "32"]
 COMMON += ["--threads", "1"]
-AFTER_S = 3.0  # decoding goes on this long after every session has its first token past the leave
+AFTER_S = 3.0  # decoding goes on this long after every session has a token past the node's exit
 
 
 def cpu_model() -> str:
@@ -151,9 +151,11 @@ def run_round(peers, a, handover: bool) -> dict:
         time.sleep(2.0)  # a few tokens of steady decoding before the leave
         left = time.monotonic()
         leaving.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 600
+        leaving.proc.wait(600)  # every session handed over (or, with grace 0, cut off)
+        gone = time.monotonic()
+        deadline = gone + 600
         while time.monotonic() < deadline:
-            if all(any(t > left for t in s.times) for s in streams):
+            if all(any(t > gone for t in s.times) for s in streams):
                 break
             if any(s.error for s in streams):
                 break

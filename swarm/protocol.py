@@ -191,16 +191,26 @@ class Handover:
 
 @dataclass(frozen=True)
 class KvChunk:
-    """Cache slots [slot, slot + n) of one layer of a session being handed over: `keys` and
+    """Positions [pos, pos + n) of one layer's cache of a session being handed over: `keys` and
     `values` as wire tensors [1, n, kv_heads * head_dim] in the cache's own dtype. A layer
-    with a sliding window sends its ring as it lies (slot = position % window)."""
+    with a sliding window sends only the positions its ring holds."""
 
     sid: str
     layer: int
-    slot: int
+    pos: int
     keys: Any
     values: Any
     t: str = field(default="kv", init=False)
+
+
+@dataclass(frozen=True)
+class HandoverTail:
+    """The session went on while its cache was sent: positions up to `length` follow (the
+    sender paused it before sending them)."""
+
+    sid: str
+    length: int
+    t: str = field(default="handover_tail", init=False)
 
 
 @dataclass(frozen=True)
@@ -283,6 +293,7 @@ Message = (
     | Relay
     | Handover
     | KvChunk
+    | HandoverTail
     | HandoverEnd
     | Taken
     | Moved
@@ -353,10 +364,12 @@ def parse_message(d: dict[str, Any]) -> Message:
         return KvChunk(
             sid=_str(d, "sid", 64),
             layer=_int(d, "layer", 0, 4096),
-            slot=_int(d, "slot", 0, 1 << 20),
+            pos=_int(d, "pos", 0, 1 << 20),
             keys=d.get("keys"),
             values=d.get("values"),
         )
+    if kind == "handover_tail":
+        return HandoverTail(sid=_str(d, "sid", 64), length=_int(d, "length", 1, 1 << 20))
     if kind == "handover_end":
         return HandoverEnd(
             sid=_str(d, "sid", 64),

@@ -63,13 +63,13 @@ def slab(seed: int, slots: int = LENGTH, width: int = WIDTH) -> torch.Tensor:
 
 def chunks(sid: str, pieces) -> list[KvChunk]:
     return [
-        KvChunk(sid, layer, 0, pack_tensor(k, "float32"), pack_tensor(v, "float32"))
-        for layer, (k, v) in enumerate(pieces)
+        KvChunk(sid, layer, first, pack_tensor(k, "float32"), pack_tensor(v, "float32"))
+        for layer, (first, k, v) in enumerate(pieces)
     ]
 
 
-def full_cache() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(slab(2 * i), slab(2 * i + 1)) for i in range(LAYERS)]
+def full_cache() -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    return [(0, slab(2 * i), slab(2 * i + 1)) for i in range(LAYERS)]
 
 
 async def send_and_read(node, messages) -> list:
@@ -153,7 +153,7 @@ def test_a_cache_in_another_dtype_than_the_nodes_is_refused(node, client):
 def test_an_incomplete_cache_is_refused(node, client):
     sid = secrets.token_hex(16)
     pieces = full_cache()
-    digest = slab_digest(pieces)
+    digest = slab_digest([pieces])
     key, proof = sign_as_node(handover_claim(node.peer, sid, LENGTH, digest))
     end = HandoverEnd(sid, digest, "f" * 40, key, proof)
     refused_and_gone(forge(node, [handover(node, client, sid), *chunks(sid, pieces[:-1]), end]))
@@ -168,7 +168,7 @@ def test_a_cache_signed_by_a_node_the_dht_does_not_announce_is_refused(
 
     sid = secrets.token_hex(16)
     pieces = full_cache()
-    digest = slab_digest(pieces)
+    digest = slab_digest([pieces])
     key, proof = sign_as_node(handover_claim(node.peer, sid, LENGTH, digest))
     end = HandoverEnd(sid, digest, node_id(), key, proof)
     answers = []
@@ -182,7 +182,7 @@ def test_a_proof_for_another_cache_is_refused(node, client):
 
     sid = secrets.token_hex(16)
     pieces = full_cache()
-    other = slab_digest([(k + 1, v) for k, v in pieces])
+    other = slab_digest([[(first, k + 1, v) for first, k, v in pieces]])
     key, proof = sign_as_node(handover_claim(node.peer, sid, LENGTH, other))
     end = HandoverEnd(sid, other, node_id(), key, proof)
     refused_and_gone(forge(node, [handover(node, client, sid), *chunks(sid, pieces), end]))

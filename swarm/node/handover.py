@@ -1,11 +1,12 @@
 """Moving a session's KV cache to a replica serving the same blocks, so a leaving node's sessions
 go on there without replaying their tokens.
 
-The sender cuts each layer's cache into `slabs` (slots x kv_heads*head_dim, in the cache's own
-dtype) that the uplink sends as bulk volumes behind decode, in token chunks like a prompt's
-activations. The receiver's `CacheIntake` checks every chunk against the cache it allocated for
-the session (layer, slot order, shape, dtype, finiteness) and writes it in place; the
-`cache_digest` of what arrived, signed by the sender's node key, ends the transfer. Sans IO:
+The sender cuts each layer's cache into `slabs` (positions x kv_heads*head_dim, in the cache's
+own dtype) that the uplink sends as bulk volumes behind decode, in token chunks like a prompt's
+activations: first every position so far while the session goes on, then, paused, the tail it
+computed meanwhile. The receiver's `CacheIntake` checks every chunk against the cache it
+allocated for the session (layer, position order, shape, dtype, finiteness) and writes it in
+place; the digest of what arrived, signed by the sender's node key, ends the transfer. Sans IO:
 the node's connections and the uplink drive both sides.
 """
 
@@ -30,32 +31,40 @@ def dtype_name(dtype: torch.dtype) -> str:
     return CACHE_WIRE_DTYPES[dtype]
 
 
-def slots_held(cache: KVCache, layer: int, length: int) -> int:
-    """Slots of `layer` holding positions below `length` (a sliding window's ring holds fewer)."""
-    return min(length, cache.keys[layer].shape[2])
+def first_held(cache: KVCache, layer: int, length: int) -> int:
+    """The first position `layer` still holds at `length` (a sliding window's ring forgets)."""
+    return max(0, length - cache.keys[layer].shape[2])
 
 
-def slabs(cache: KVCache, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, keys and values of the first `length` positions as [1, slots, width]: the
-    wire's [1, tokens, hidden] layout, so chunks cut on slot boundaries."""
+Slab = tuple[int, torch.Tensor, torch.Tensor]  # first position, keys, values [1, n, width]
+
+
+def slabs(cache: KVCache, lo: int, hi: int) -> list[Slab]:
+    """Per layer, keys and values of positions [lo, hi) that it holds at `hi`, copied out as
+    [1, positions, width]: the wire's [1, tokens, hidden] layout, so chunks cut on position
+    boundaries. Copies: the session may go on writing its cache meanwhile."""
     out = []
     for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
-        n = slots_held(cache, layer, length)
-        # [1, kv_heads, slots, head_dim] -> [1, slots, kv_heads * head_dim]
-        out.append(
-            tuple(t[0, :, :n].transpose(0, 1).reshape(1, n, -1).contiguous() for t in (k, v))
-        )
+        first = max(lo, first_held(cache, layer, hi))
+        slots = torch.arange(first, hi) % k.shape[2]  # a ring holds position p in slot p % size
+        # [1, kv_heads, slots, head_dim] -> [1, positions, kv_heads * head_dim]
+        keys, values = (t[0][:, slots].transpose(0, 1).reshape(1, hi - first, -1) for t in (k, v))
+        out.append((first, keys.contiguous(), values.contiguous()))
     return out
 
 
-def slab_digest(pieces: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> str:
-    """What the sender signs: each layer's key bytes, then its value bytes, as the wire packs
-    them (a bfloat16 tensor's raw 16-bit patterns)."""
+def slab_digest(phases: Sequence[Sequence[Slab]]) -> str:
+    """What the sender signs: per layer, the bytes of its keys in every phase in order, then
+    those of its values, as the wire packs them (a bfloat16 tensor's raw 16-bit patterns)."""
     total = hashlib.sha256()
-    for keys, values in pieces:
-        for t in (keys, values):
-            raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-            total.update(hashlib.sha256(raw.numpy().tobytes()).digest())
+    for layer in range(len(phases[0])):
+        for part in (1, 2):
+            h = hashlib.sha256()
+            for phase in phases:
+                t = phase[layer][part]
+                raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+                h.update(raw.numpy().tobytes())
+            total.update(h.digest())
     return total.hexdigest()
 
 
@@ -73,7 +82,7 @@ class CacheIntake:
 
     def __post_init__(self) -> None:
         layers = len(self.cache.keys)
-        self._filled = [0] * layers
+        self._filled = [first_held(self.cache, i, self.length) for i in range(layers)]
         self._hashes = [(hashlib.sha256(), hashlib.sha256()) for _ in range(layers)]
         self.dtype = dtype_name(self.cache.keys[0].dtype) if layers else "float32"
 
@@ -81,15 +90,14 @@ class CacheIntake:
         layers = len(self.cache.keys)
         if not 0 <= chunk.layer < layers:
             raise HandoverRefused(f"chunk for layer {chunk.layer}; the session has {layers}")
-        held = slots_held(self.cache, chunk.layer, self.length)
-        if chunk.slot != self._filled[chunk.layer]:
+        if chunk.pos != self._filled[chunk.layer]:
             raise HandoverRefused(
-                f"chunk of layer {chunk.layer} starts at slot {chunk.slot}; expected"
+                f"chunk of layer {chunk.layer} starts at position {chunk.pos}; expected"
                 f" {self._filled[chunk.layer]}"
             )
-        left = held - chunk.slot
+        left = self.length - chunk.pos
         if left <= 0:
-            raise HandoverRefused(f"layer {chunk.layer} holds {held} slots; all have arrived")
+            raise HandoverRefused(f"layer {chunk.layer}: all {self.length} positions have come")
         tensors = []
         for name, obj in (("keys", chunk.keys), ("values", chunk.values)):
             if not isinstance(obj, dict) or obj.get("dtype") != self.dtype:
@@ -99,30 +107,42 @@ class CacheIntake:
         keys, values = tensors
         n = keys.shape[1]
         if values.shape[1] != n:
-            raise HandoverRefused(f"chunk carries {n} key slots but {values.shape[1]} value slots")
-        lo, hi = chunk.slot, chunk.slot + n
+            raise HandoverRefused(f"chunk carries {n} key positions but {values.shape[1]} values")
+        slots = torch.arange(chunk.pos, chunk.pos + n) % self.cache.keys[chunk.layer].shape[2]
         for dst, src in ((self.cache.keys, keys), (self.cache.values, values)):
             heads = dst[chunk.layer].shape[1]
             # [1, n, kv_heads * head_dim] -> [kv_heads, n, head_dim]
-            dst[chunk.layer][0, :, lo:hi] = src[0].view(n, heads, -1).transpose(0, 1)
+            dst[chunk.layer][0][:, slots] = (
+                src[0].view(n, heads, -1).transpose(0, 1).to(dst[chunk.layer].dtype)
+            )
         hk, hv = self._hashes[chunk.layer]
         hk.update(chunk.keys["data"])
         hv.update(chunk.values["data"])
-        self._filled[chunk.layer] = hi
+        self._filled[chunk.layer] = chunk.pos + n
+
+    def extend(self, length: int, max_length: int) -> None:
+        """The session went on while its cache came: positions up to `length` follow."""
+        if not self.complete:
+            raise HandoverRefused(f"a tail before the cache is complete ({self.missing()})")
+        if not self.length < length <= max_length:
+            raise HandoverRefused(
+                f"a tail to position {length}; the cache holds {self.length} of {max_length}"
+            )
+        self.length = length
+        self._filled = [
+            max(f, first_held(self.cache, i, length)) for i, f in enumerate(self._filled)
+        ]
 
     @property
     def complete(self) -> bool:
-        return all(
-            self._filled[i] == slots_held(self.cache, i, self.length)
-            for i in range(len(self.cache.keys))
-        )
+        return all(f == self.length for f in self._filled)
 
     def missing(self) -> str:
-        """Which layers lack slots, for the refusal."""
+        """Which layers lack positions, for the refusal."""
         short = [
-            f"layer {i}: {self._filled[i]}/{slots_held(self.cache, i, self.length)}"
-            for i in range(len(self.cache.keys))
-            if self._filled[i] != slots_held(self.cache, i, self.length)
+            f"layer {i}: up to {f} of {self.length}"
+            for i, f in enumerate(self._filled)
+            if f != self.length
         ]
         return ", ".join(short[:4]) + (" ..." if len(short) > 4 else "")
 

@@ -1,9 +1,11 @@
 """A leaving node hands its sessions to replicas serving the same blocks (see handover.py for
 the transfer itself).
 
-For each session: pause it (steps arriving now wait in `held`), wait until its cache stands
-still and its outputs are out, send `Handover`, the cache layer by layer through the uplink
-(bulk, behind every decode step), and `HandoverEnd` signed with this node's key. Once the
+For each session, one at a time: send `Handover` and every position of its cache so far layer
+by layer through the uplink (bulk, behind every decode step) while the session goes on; then
+pause it (steps arriving now wait in `held`), wait until its cache stands still and its outputs
+are out, send the positions it computed meanwhile (`HandoverTail`) and `HandoverEnd` signed with
+this node's key. The session stalls only for the tail. Once the
 replica answers `Taken`, tell the session's client (owner and sink) `Moved`; the client resumes
 the session there and releases it here, after which the held steps follow to the replica and
 `Release` passes it on. Anything failing before `Taken` unpauses the session: it finishes here
@@ -22,10 +24,19 @@ import trio
 
 from swarm.dht import node_id, sign_as_node
 from swarm.errors import SwarmError
-from swarm.node.handover import dtype_name, pick_replicas, slab_digest, slabs
+from swarm.node.handover import Slab, dtype_name, pick_replicas, slab_digest, slabs
 from swarm.node.session import send_quietly
 from swarm.node.uplink import Payload
-from swarm.protocol import Error, Handover, HandoverEnd, Hop, Moved, Release, handover_claim
+from swarm.protocol import (
+    Error,
+    Handover,
+    HandoverEnd,
+    HandoverTail,
+    Hop,
+    Moved,
+    Release,
+    handover_claim,
+)
 from swarm.records import NodeRecord
 
 if TYPE_CHECKING:
@@ -88,14 +99,11 @@ async def hand_over(
     try:
         async with turn or trio.Lock():
             times = [time.monotonic()]
-            length = await _pause(node, s)
+            length = await _send_cache(node, s, to, deadline)
             times.append(time.monotonic())
             if length is None:
-                return False
-            if not await _send_cache(node, s, to, length, deadline):
                 s.unpause()
                 return False
-            times.append(time.monotonic())
         if say is not None:
             say(f"session {s.sid[:8]}... handed over to {to.addr} ({to.peer})")
         await _pass_on(node, s, to, length, deadline)
@@ -103,15 +111,15 @@ async def hand_over(
     finally:
         node.counters.transfers -= 1
     node.counters.moved_out += 1
-    pause, transfer, redirect = (1000 * (b - a) for a, b in zip(times, times[1:]))
+    transfer, redirect = (1000 * (b - a) for a, b in zip(times, times[1:]))
     log.info(
-        "session %s... handed over to %s at position %d: paused in %.0f ms, cache taken in %.0f"
-        " ms, client there in %.0f ms",
+        "session %s... handed over to %s at position %d: cache taken in %.0f ms (paused for"
+        " the last %.0f), client there in %.0f ms",
         s.sid[:8],
         to.link,
         length,
-        pause,
         transfer,
+        1000 * (times[1] - s.paused_at),
         redirect,
     )
     return True
@@ -128,8 +136,30 @@ async def _pause(node: Node, s: Session) -> int | None:
     return s.cache.length
 
 
-async def _send_cache(node: Node, s: Session, to: Hop, length: int, deadline: float) -> bool:
-    """Send the cache to `to` and wait for its `Taken`; False if it failed (logged)."""
+def _queue(node: Node, ds, to: Hop, s: Session, phase: list[Slab]) -> list[trio.Event]:
+    """Queue a phase's slabs, layer by layer, as bulk; events set as each has gone."""
+    assert s.cache is not None
+    dtype = dtype_name(s.cache.keys[0].dtype)
+    sent = []
+    for layer, (first, keys, values) in enumerate(phase):
+        if keys.shape[1] == 0:
+            continue
+        done = trio.Event()
+        sent.append(done)
+        node.uplink.send_cache(
+            Payload(
+                ds, to.link, s.sid, "prefill", first, first + keys.shape[1], keys, dtype, False,
+                values=values, layer=layer, done=done,
+            )
+        )  # fmt: skip
+    return sent
+
+
+async def _send_cache(node: Node, s: Session, to: Hop, deadline: float) -> int | None:
+    """Send the cache to `to` (all of it so far while the session goes on, then, paused, its
+    tail) and wait for `Taken`: the length it took, None if it failed (logged)."""
+    if s.state.closed or s.cache is None or s.cache.length == 0:
+        return None
     route = list(s.route)
     route[s.hop] = to
     opening = replace(s.open_msg, route=tuple(route), origin=s.origin)
@@ -137,37 +167,34 @@ async def _send_cache(node: Node, s: Session, to: Hop, length: int, deadline: fl
         ds = await node.downstream.connect(to)
     except SwarmError as exc:
         log.warning("cannot hand %s... over to %s: %s", s.sid[:8], to.link, exc)
-        return False
+        return None
     answer = node.downstream.expect_handover(to.link, s.sid)
     try:
-        node.uplink.send_control(ds, Handover(open=opening, length=length, peer=node_id()))
-        assert s.cache is not None
-        pieces = slabs(s.cache, length)
-        dtype = dtype_name(s.cache.keys[0].dtype)
-        sent = []
-        for layer, (keys, values) in enumerate(pieces):
-            done = trio.Event()
-            sent.append(done)
-            node.uplink.send_cache(
-                Payload(
-                    ds, to.link, s.sid, "prefill", 0, keys.shape[1], keys, dtype, False,
-                    values=values, layer=layer, done=done,
-                )
-            )  # fmt: skip
+        start = s.cache.length
+        node.uplink.send_control(ds, Handover(open=opening, length=start, peer=node_id()))
+        phases = [slabs(s.cache, 0, start)]
         with trio.move_on_at(deadline):
-            for done in sent:
+            for done in _queue(node, ds, to, s, phases[0]):
                 await done.wait()
-            digest = slab_digest(pieces)
+            length = await _pause(node, s)
+            if length is None:
+                return None
+            if length > start:  # the tail it computed meanwhile
+                node.uplink.send_control(ds, HandoverTail(sid=s.sid, length=length))
+                phases.append(slabs(s.cache, start, length))
+                for done in _queue(node, ds, to, s, phases[1]):
+                    await done.wait()
+            digest = slab_digest(phases)
             key, proof = sign_as_node(handover_claim(to.peer, s.sid, length, digest))
             end = HandoverEnd(sid=s.sid, digest=digest, peer=node_id(), key=key, proof=proof)
             node.uplink.send_control(ds, end)
             reply = await answer.receive()
             if isinstance(reply, Error):
                 log.warning("%s refused the handover of %s...: %s", to.link, s.sid[:8], reply)
-                return False
-            return True
+                return None
+            return length
         log.warning("handover of %s... to %s ran out of time", s.sid[:8], to.link)
-        return False
+        return None
     finally:
         node.downstream.forget_handover(to.link, s.sid)
 

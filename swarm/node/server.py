@@ -45,6 +45,7 @@ from swarm.protocol import (
     Error,
     Handover,
     HandoverEnd,
+    HandoverTail,
     KvChunk,
     Open,
     Ping,
@@ -286,6 +287,14 @@ class Node:
                 await self._refuse_handover(conn, s, exc)
         elif isinstance(msg, Handover):
             await self._take_handover(conn, msg)
+        elif isinstance(msg, HandoverTail):
+            s = self.sessions.get(msg.sid, conn)
+            try:
+                if s.intake is None or s.ready.is_set():
+                    raise SessionNotFound(f"no handover of {msg.sid[:8]}... under way here")
+                s.intake.extend(msg.length, s.max_length)
+            except SwarmError as exc:
+                await self._refuse_handover(conn, s, exc)
         elif isinstance(msg, HandoverEnd):
             await self._end_handover(conn, msg)
         elif isinstance(msg, Resume):

@@ -127,6 +127,7 @@ class Session:
         self.cache: KVCache | None = None  # while the task runs
         # handing over (this node leaves): steps stop being computed and wait in `held`
         self.paused = False
+        self.paused_at = 0.0
         self.held: list[Step] = []
         self.released = trio.Event()  # the owner sends no more steps here
         self._computing = False
@@ -422,6 +423,7 @@ class Session:
     def pause(self) -> None:
         """Compute nothing more: steps arriving from now on wait in `held` (for the replica)."""
         self.paused = True
+        self.paused_at = time.monotonic()
 
     def unpause(self) -> None:
         """The handover failed: compute the held steps here after all."""

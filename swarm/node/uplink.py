@@ -116,8 +116,8 @@ class Uplink:
         self._wake.set()
 
     def send_cache(self, payload: Payload) -> None:
-        """A layer of a handed-over cache: bulk, behind decode steps, cut on slot boundaries
-        like a prompt's activations (`pos` 0, `end` its slots)."""
+        """A layer of a handed-over cache: bulk, behind decode steps, cut on position
+        boundaries like a prompt's activations (`pos` its first position, `end` its last + 1)."""
         tokens, width = payload.hidden.shape[1], payload.hidden.shape[2]
         vid = self.scheduler.enqueue(
             Volume(
@@ -347,7 +347,9 @@ class Uplink:
         hidden = pack_tensor(p.hidden[:, offset : offset + tokens], p.wire_dtype)
         if p.values is not None:
             values = pack_tensor(p.values[:, offset : offset + tokens], p.wire_dtype)
-            chunk = KvChunk(sid=p.sid, layer=p.layer, slot=offset, keys=hidden, values=values)
+            chunk = KvChunk(
+                sid=p.sid, layer=p.layer, pos=p.pos + offset, keys=hidden, values=values
+            )
             return encode_frame(to_wire(chunk))
         if p.result:
             msg: Message = Result(sid=p.sid, end=p.end, hidden=hidden)
