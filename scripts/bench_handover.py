@@ -108,13 +108,14 @@ class Stream:
             self.error = exc
             self.primed.set()
 
-    def stall(self, since: float) -> float:
-        """The longest gap between tokens from `since` on (the gap spanning it counts)."""
+    def stall(self, since: float) -> tuple[float, float]:
+        """The longest gap between tokens from `since` on (the gap spanning it counts), and
+        when it began, in seconds after `since`."""
         before = [t for t in self.times if t < since]
         after = [t for t in self.times if t >= since]
         points = before[-1:] + after
-        gaps = [b - a for a, b in zip(points, points[1:])]
-        return max(gaps) if gaps else float("nan")
+        gaps = [(b - a, a - since) for a, b in zip(points, points[1:])]
+        return max(gaps) if gaps else (float("nan"), float("nan"))
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -168,13 +169,15 @@ def run_round(peers, a, handover: bool) -> dict:
         if errors:
             raise errors[0]
         leaving.proc.wait(120)
-        stalls = [s.stall(left) for s in streams]
+        stalls = [s.stall(left)[0] for s in streams]
+        when = [s.stall(left)[1] for s in streams]
         steady = [
             statistics.median(b - x for x, b in zip(s.times, s.times[1:]) if b < left)
             for s in streams
         ]
         return {
             "stalls": stalls,
+            "when": when,
             "steady": statistics.median(steady),
             "replays": sum(len(s.recoveries) for s in streams),
             "moves": sum(s.moves for s in streams),
@@ -211,6 +214,10 @@ def main() -> None:
             results[name] = r = run_round(peers, a, handover)
             for line in r["said"]:
                 print(f"  node: {line}")
+            print(
+                "  stalls (s, began s after the signal): "
+                + ", ".join(f"{x:.2f} at {w:.1f}" for x, w in sorted(zip(r["stalls"], r["when"])))
+            )
             print(
                 f"  stall p50 {pct(r['stalls'], 0.5):.3f} s, p99 {pct(r['stalls'], 0.99):.3f} s"
                 f" (steady step {r['steady'] * 1000:.0f} ms; {r['moves']} handed over,"

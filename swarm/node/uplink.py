@@ -121,7 +121,10 @@ class Uplink:
         tokens, width = payload.hidden.shape[1], payload.hidden.shape[2]
         vid = self.scheduler.enqueue(
             Volume(
-                session=payload.sid,
+                # in order among themselves, but not ahead of the session's own results: the
+                # scheduler sends a session's volumes in order, and the session goes on
+                # decoding while its cache is copied
+                session=f"{payload.sid}/kv",
                 dest=payload.dest,
                 phase=PREFILL,
                 tokens=tokens,
@@ -147,6 +150,7 @@ class Uplink:
 
     def end_session(self, sid: str) -> None:
         self.scheduler.end_session(sid)
+        self.scheduler.end_session(f"{sid}/kv")
         for vid in [v for v, p in self._payloads.items() if p.sid == sid]:
             _done(self._payloads.pop(vid))
 
