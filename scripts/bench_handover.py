@@ -124,7 +124,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def run_round(peers, a, handover: bool) -> dict:
-    grace = ["--grace", "60"] if handover else ["--handover", "off", "--grace", "0"]
+    grace = ["--grace", str(a.grace)] if handover else ["--handover", "off", "--grace", "0"]
     a.round = "handover" if handover else "replay"
     leaving = start_node((0, a.layers), peers, extra=[*COMMON, *grace], stderr=log_to(a, "leaving"))
     leaving.wait_serving()
@@ -200,6 +200,7 @@ def main() -> None:
     p.add_argument("--rate-mbps", type=float, default=0.0, help="shape the replica's link")
     p.add_argument("--rtt-ms", type=float, default=20.0, help="its round trip, when shaped")
     p.add_argument("--logs", help="a folder for the nodes' logs")
+    p.add_argument("--grace", type=float, default=120.0, help="the leaving node's, to hand over")
     p.add_argument("--node-args", default="", help="more options for every node")
     a = p.parse_args()
     COMMON.extend(shlex.split(a.node_args))

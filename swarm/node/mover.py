@@ -49,9 +49,10 @@ QUIET_POLL_S = 0.005
 # A frame is written whole, and while it waits for a busy replica to read it every result and
 # step of the other sessions waits behind it in the uplink: whole layers (1.5 MB for the
 # default model 1,000 tokens deep) stalled the sessions still decoding here for 4-10 s on a
-# loaded 2-core machine while 8 caches moved. Volumes this small keep a decode step's wait to
-# about one of them.
-KV_VOLUME_BYTES = 64 * 1024
+# loaded 2-core machine while 8 caches moved. Small volumes keep a decode step's wait to about
+# one of them; but each waits for the acknowledgement of the one before last (the in-flight
+# cap), and at 64 KiB a 25 MB cache took 6-10 s to cross loopback.
+KV_VOLUME_BYTES = 256 * 1024
 
 
 def movable(s: Session) -> bool:
