@@ -5,11 +5,12 @@ For each session, one at a time: send `Handover` and every position of its cache
 by layer through the uplink (bulk, behind every decode step) while the session goes on; then
 pause it (steps arriving now wait in `held`), wait until its cache stands still and its outputs
 are out, send the positions it computed meanwhile (`HandoverTail`) and `HandoverEnd` signed with
-this node's key. The session stalls only for the tail. Once the
-replica answers `Taken`, tell the session's client (owner and sink) `Moved`; the client resumes
-the session there and releases it here, after which the held steps follow to the replica and
-`Release` passes it on. Anything failing before `Taken` unpauses the session: it finishes here
-or, when the grace period ends, its client replays it elsewhere as after a crash.
+this node's key. The session stalls only for the tail. Once the replica answers `Taken`, tell
+the session's owner (the client, or the node before this one) and sink (the client) `Moved`;
+they resume the session there and the owner releases it here, after which the held steps
+follow to the replica and `Release` passes it on. Anything failing before `Taken` unpauses the
+session: it finishes here or, when the grace period ends, its client replays it elsewhere as
+after a crash.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def movable(s: Session) -> bool:
 async def hand_over_all(
     node: Node, records: list[NodeRecord], me: str, deadline: float, say=print
 ) -> int:
-    """Hand every movable session of `node` to a replica `records` name, all at once, by
-    `deadline` (trio time); the number handed over."""
+    """Hand every movable session of `node` to a replica `records` name, by `deadline` (trio
+    time); the number handed over."""
     node.directory.seed(records)
     sessions = [s for s in node.sessions if movable(s)]
     wants = [(s.start, s.end, s.max_length) for s in sessions]
@@ -82,8 +83,15 @@ async def hand_over_all(
     turn = trio.Lock()
 
     async def one(s: Session, target: NodeRecord) -> None:
-        if await hand_over(node, s, target.hop(s.start, s.end), deadline, turn, say):
-            moved.append(s.sid)
+        try:
+            if await hand_over(node, s, target.hop(s.start, s.end), deadline, turn, say):
+                moved.append(s.sid)
+        except Exception:
+            # a session that ended under its handover (its cache freed mid-copy), or a bug:
+            # it costs this session's handover, never the drain and the others'
+            log.exception("handing session %s... over failed", s.sid[:8])
+            if not s.state.closed:
+                s.unpause()
 
     with trio.move_on_at(deadline):
         async with trio.open_nursery() as nursery:
@@ -181,7 +189,9 @@ async def _send_cache(node: Node, s: Session, to: Hop, deadline: float) -> int |
     try:
         start = s.cache.length
         node.uplink.send_control(ds, Handover(open=opening, length=start, peer=node_id()))
-        phases = [slabs(s.cache, 0, start)]
+        # copying and hashing 25 MB (the default model 1,000 tokens deep) is CPU work the
+        # node's loop must not wait for: its sessions' steps, pings and results go on meanwhile
+        phases = [await trio.to_thread.run_sync(slabs, s.cache, 0, start)]
         with trio.move_on_at(deadline):
             for done in _queue(node, ds, to, s, phases[0]):
                 await done.wait()
@@ -190,10 +200,10 @@ async def _send_cache(node: Node, s: Session, to: Hop, deadline: float) -> int |
                 return None
             if length > start:  # the tail it computed meanwhile
                 node.uplink.send_control(ds, HandoverTail(sid=s.sid, length=length))
-                phases.append(slabs(s.cache, start, length))
+                phases.append(await trio.to_thread.run_sync(slabs, s.cache, start, length))
                 for done in _queue(node, ds, to, s, phases[1]):
                     await done.wait()
-            digest = slab_digest(phases)
+            digest = await trio.to_thread.run_sync(slab_digest, phases)
             key, proof = sign_as_node(handover_claim(to.peer, s.sid, length, digest))
             end = HandoverEnd(sid=s.sid, digest=digest, peer=node_id(), key=key, proof=proof)
             node.uplink.send_control(ds, end)
