@@ -107,6 +107,14 @@ class PlaintextRefused(ProtocolError):
         )
 
 
+class HandoverRefused(SwarmError):
+    """A session's cache handed over by a leaving node was refused: malformed, incomplete, for
+    other weights or blocks, or not proven to come from an announced node of this model. The
+    session is dropped here; nothing else is."""
+
+    code = "handover_refused"
+
+
 class DhtUnavailable(SwarmError):
     """This process's DHT peer cannot be asked: the swarm's directory cannot be read or
     written until it answers again (a route elsewhere would need it too)."""
@@ -139,6 +147,7 @@ ERRORS_BY_CODE: dict[str, type[SwarmError]] = {
         UnannouncedPeer,
         WrongPeer,
         PlaintextRefused,
+        HandoverRefused,
         DhtUnavailable,
     )
 }

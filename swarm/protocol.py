@@ -176,7 +176,131 @@ RELAY_OPS = (
     *("dialback", "dialed"),
 )
 
-Message = Open | Opened | Attach | Attached | Step | Result | Close | Ping | Pong | Error | Relay
+
+@dataclass(frozen=True)
+class Handover:
+    """A leaving node -> a replica serving the same blocks: take session `open.sid`, whose
+    cache of `length` positions follows as KvChunk frames, then HandoverEnd. `open` is the
+    session's open with this replica in the leaving node's place on the route."""
+
+    open: Open
+    length: int
+    peer: str = ""  # the sender's node id, proven by its HandoverEnd
+    t: str = field(default="handover", init=False)
+
+
+@dataclass(frozen=True)
+class KvChunk:
+    """Positions [pos, pos + n) of one layer's cache of a session being handed over: `keys` and
+    `values` as wire tensors [1, n, kv_heads * head_dim] in the cache's own dtype. A layer
+    with a sliding window sends only the positions its ring holds."""
+
+    sid: str
+    layer: int
+    pos: int
+    keys: Any
+    values: Any
+    t: str = field(default="kv", init=False)
+
+
+@dataclass(frozen=True)
+class HandoverTail:
+    """The session went on while its cache was sent: positions up to `length` follow (the
+    sender paused it before sending them)."""
+
+    sid: str
+    length: int
+    t: str = field(default="handover_tail", init=False)
+
+
+@dataclass(frozen=True)
+class HandoverEnd:
+    """The last frame of a handover: the sender `peer` proves its node id by signing
+    `handover_claim` with the key behind it (`key`, `proof`, as swarm.dht.sign_as_node)."""
+
+    sid: str
+    digest: str
+    peer: str
+    key: str
+    proof: str
+    t: str = field(default="handover_end", init=False)
+
+
+@dataclass(frozen=True)
+class Taken:
+    """The replica holds the handed-over session and its cache."""
+
+    sid: str
+    t: str = field(default="taken", init=False)
+
+
+@dataclass(frozen=True)
+class Moved:
+    """Session `sid`'s hop `hop` now runs on `to` (its cache moved there, `length` positions):
+    whoever sends it steps, or reads its results, goes there with Resume."""
+
+    sid: str
+    hop: int
+    to: Hop
+    length: int
+    t: str = field(default="moved", init=False)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Claim a handed-over session on its new node, proven by the open's sink token: as its
+    `owner` (who sends steps), its `sink` (who reads results), or both."""
+
+    sid: str
+    sink_token: str
+    owner: bool
+    sink: bool
+    t: str = field(default="resume", init=False)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    sid: str
+    t: str = field(default="resumed", init=False)
+
+
+@dataclass(frozen=True)
+class Release:
+    """Owner -> leaving node (then leaving node -> replica): no more steps of `sid` follow on
+    this connection; those sent before it are all in."""
+
+    sid: str
+    t: str = field(default="release", init=False)
+
+
+def handover_claim(receiver: str, sid: str, length: int, digest: str) -> bytes:
+    """What a leaving node signs for one handover: bound to the replica, the session, its
+    length and the bytes of its cache, so a proof vouches for that transfer only."""
+    return f"swarm handover|{receiver}|{sid}|{length}|{digest}".encode()
+
+
+Message = (
+    Open
+    | Opened
+    | Attach
+    | Attached
+    | Step
+    | Result
+    | Close
+    | Ping
+    | Pong
+    | Error
+    | Relay
+    | Handover
+    | KvChunk
+    | HandoverTail
+    | HandoverEnd
+    | Taken
+    | Moved
+    | Resume
+    | Resumed
+    | Release
+)
 
 
 def to_wire(message: Message) -> dict[str, Any]:
@@ -185,7 +309,13 @@ def to_wire(message: Message) -> dict[str, Any]:
         if name == "t":
             continue
         value = getattr(message, name)
-        out[name] = [h.to_wire() for h in value] if name == "route" else value
+        if name == "route":
+            value = [h.to_wire() for h in value]
+        elif name == "to":
+            value = value.to_wire()
+        elif name == "open":
+            value = to_wire(value)
+        out[name] = value
     return out
 
 
@@ -220,21 +350,73 @@ def _hop(raw: Any) -> Hop:
 def parse_message(d: dict[str, Any]) -> Message:
     kind = d.get("t")
     if kind == "open":
-        route = d.get("route")
-        if not isinstance(route, list) or not 1 <= len(route) <= 64:
-            raise ProtocolError("field 'route' must be a list of 1..64 hops")
-        hops = tuple(_hop(h) for h in route)
-        hop = _int(d, "hop", 0, len(hops) - 1)
-        return Open(
-            sid=_str(d, "sid", 64),
-            route=hops,
-            hop=hop,
-            fingerprint=_str(d, "fingerprint", 128),
-            wire_dtype=_str(d, "wire_dtype", 16),
-            max_length=_int(d, "max_length", 1, 1 << 20),
-            sink_token=_str(d, "sink_token", 64),
-            origin=_str(d, "origin", 64) if "origin" in d else "",
+        return _open(d)
+    if kind == "handover":
+        inner = d.get("open")
+        if not isinstance(inner, dict) or inner.get("t") != "open":
+            raise ProtocolError("field 'open' must be an open message")
+        return Handover(
+            open=_open(inner),
+            length=_int(d, "length", 1, 1 << 20),
+            peer=_str(d, "peer", 64) if "peer" in d else "",
         )
+    if kind == "kv":
+        return KvChunk(
+            sid=_str(d, "sid", 64),
+            layer=_int(d, "layer", 0, 4096),
+            pos=_int(d, "pos", 0, 1 << 20),
+            keys=d.get("keys"),
+            values=d.get("values"),
+        )
+    if kind == "handover_tail":
+        return HandoverTail(sid=_str(d, "sid", 64), length=_int(d, "length", 1, 1 << 20))
+    if kind == "handover_end":
+        return HandoverEnd(
+            sid=_str(d, "sid", 64),
+            digest=_str(d, "digest", 64),
+            peer=_str(d, "peer", 64),
+            key=_str(d, "key", 1024),
+            proof=_str(d, "proof", 1024),
+        )
+    if kind == "moved":
+        return Moved(
+            sid=_str(d, "sid", 64),
+            hop=_int(d, "hop", 0, 63),
+            to=_hop(d.get("to")),
+            length=_int(d, "length", 1, 1 << 20),
+        )
+    if kind == "resume":
+        owner, sink = d.get("owner"), d.get("sink")
+        if not isinstance(owner, bool) or not isinstance(sink, bool) or not (owner or sink):
+            raise ProtocolError("fields 'owner' and 'sink' must be booleans, one of them true")
+        return Resume(
+            sid=_str(d, "sid", 64), sink_token=_str(d, "sink_token", 64), owner=owner, sink=sink
+        )
+    if kind in ("taken", "resumed", "release"):
+        cls = {"taken": Taken, "resumed": Resumed, "release": Release}[kind]
+        return cls(sid=_str(d, "sid", 64))
+    return _others(d, kind)
+
+
+def _open(d: dict[str, Any]) -> Open:
+    route = d.get("route")
+    if not isinstance(route, list) or not 1 <= len(route) <= 64:
+        raise ProtocolError("field 'route' must be a list of 1..64 hops")
+    hops = tuple(_hop(h) for h in route)
+    hop = _int(d, "hop", 0, len(hops) - 1)
+    return Open(
+        sid=_str(d, "sid", 64),
+        route=hops,
+        hop=hop,
+        fingerprint=_str(d, "fingerprint", 128),
+        wire_dtype=_str(d, "wire_dtype", 16),
+        max_length=_int(d, "max_length", 1, 1 << 20),
+        sink_token=_str(d, "sink_token", 64),
+        origin=_str(d, "origin", 64) if "origin" in d else "",
+    )
+
+
+def _others(d: dict[str, Any], kind: Any) -> Message:
     if kind == "step":
         phase = d.get("phase")
         if phase not in PHASES:

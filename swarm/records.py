@@ -29,6 +29,9 @@ MAX_REPORTED = 16  # nodes one reporter's record may name
 DEFAULT_WEIGHTS = "float32"  # what a record from before the field existed was serving
 
 
+HANDOVER_FIGURES = ("prompt_passes", "moved_in", "moved_out", "transfers")
+
+
 def block_key(model: str, block: int) -> str:
     return f"{model}.block.{block}"
 
@@ -62,6 +65,10 @@ class NodeRecord:
     # `addr` is the relay's and a dialler asks it for this peer first (swarm.relay)
     reach: str = ""  # what its dial-back check found: "direct", "relayed", "unknown", "" (none)
     arch: str = ""  # the model's family, and "experts/used" for a mixture ("qwen3_moe 128/8")
+    prompt_passes: int = 0  # prompt passes since the node started (replays cost some)
+    moved_in: int = 0  # sessions leaving nodes handed over to it (swarm.node.mover)
+    moved_out: int = 0  # sessions it handed over to replicas
+    transfers: int = 0  # caches being handed over, either way, when it wrote the record
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,6 +124,7 @@ class NodeRecord:
                 relay=_typed(raw, "relay", str) if "relay" in raw else "",
                 reach=_typed(raw, "reach", str)[:16] if "reach" in raw else "",
                 arch=_typed(raw, "arch", str)[:MAX_ARCH] if "arch" in raw else "",
+                **{k: _typed(raw, k, int) for k in HANDOVER_FIGURES if k in raw},
             )
         except KeyError as exc:
             raise ValueError(f"record lacks field {exc}") from None
@@ -161,6 +169,7 @@ class ModelRecord:
                 num_layers=_typed(raw, "num_layers", int),
                 fingerprint=_typed(raw, "fingerprint", str),
                 arch=_typed(raw, "arch", str)[:MAX_ARCH] if "arch" in raw else "",
+                **{k: _typed(raw, k, int) for k in HANDOVER_FIGURES if k in raw},
             )
         except KeyError as exc:
             raise ValueError(f"model record lacks field {exc}") from None

@@ -171,6 +171,22 @@ def test_page_shows_each_nodes_sessions_and_mean_decode_batch():
     assert [(n["sessions"], n["decode_batch"]) for n in nodes] == [(5, 2.46), (0, 1.0)]
 
 
+def test_page_shows_sessions_moved_with_their_caches_and_transfers_in_flight():
+    took = rec("r", 0, 4, moved_in=4)
+    leaving = rec("l", 0, 4, state="offline", moved_out=3, transfers=1)
+    quiet = rec("q", 4, 8)
+    snap = Snapshot(
+        taken_at=1001.0,
+        dht=DhtStatus("ok", 1001.0, 0.01),
+        models=(view(took, leaving, quiet),),
+    )
+    page = render_page(snap, 10)
+    moved = re.findall(r"· moved ([^<]*)</span>", page)
+    assert sorted(moved) == ["0 in, 3 out, 1 moving", "4 in, 0 out"]
+    nodes = {n["peer"]: n for n in snap.to_json()["models"][0]["nodes"]}
+    assert (nodes["r"]["moved_in"], nodes["l"]["transfers"], nodes["q"]["moved_out"]) == (4, 1, 0)
+
+
 def test_page_flags_a_node_clients_reported_with_how_many_keys_reported_it():
     said = Reported("liar", frozenset({"k1", "k2", "k3"}), ((0, 4),), last=1000.0)
     snap = Snapshot(

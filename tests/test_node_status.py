@@ -30,6 +30,7 @@ def serving_node() -> SimpleNamespace:
         throughput=41.5,
         span=SimpleNamespace(format="int8"),
         compute=SimpleNamespace(mean_decode_batch=1.75, decode_passes=80),
+        counters=SimpleNamespace(prompt_passes=7, moved_in=2, moved_out=1, transfers=1),
     )
 
 
@@ -54,4 +55,8 @@ def test_a_serving_node_reports_every_figure_it_holds():
         weights="int8",
         decode_batch=1.75,
         decode_passes=80,
+        prompt_passes=7,
+        moved_in=2,
+        moved_out=1,
+        transfers=1,
     )

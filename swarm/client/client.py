@@ -275,6 +275,7 @@ class InferenceSession:
         self.recoveries: list[float] = []  # seconds each failure took to recover from
         self.last_hidden: torch.Tensor | None = None  # the final hidden state of the last token
         self._held = 0.0  # the router's token for our session on the current route
+        self._route: list[Hop] = []  # as held, whatever hops were handed over since
 
     def __enter__(self) -> InferenceSession:
         return self
@@ -284,7 +285,7 @@ class InferenceSession:
 
     def close(self) -> None:
         if self.remote is not None:
-            self.client.release_route(self.remote.route, self._held)
+            self.client.release_route(self._route, self._held)
             self.client.loop.run(self.remote.aclose)
             self.remote = None
 
@@ -292,6 +293,7 @@ class InferenceSession:
         # counted on its nodes at once: load their records do not show yet, which sessions
         # routed at the same moment must see
         route, self._held = self.client.hold_route(self.excluded, self.max_length)
+        self._route = list(route)
         remote = self.client.remote_session(route, self.max_length)
         try:
             self.client.loop.run(remote.open)

@@ -18,10 +18,14 @@ from swarm.protocol import (
     Close,
     Error,
     Hop,
+    Moved,
     Open,
     Opened,
     Ping,
+    Release,
     Result,
+    Resume,
+    Resumed,
     Step,
 )
 from swarm.transport import FramedStream, dial_hop
@@ -45,7 +49,7 @@ class RemoteSession:
         prefill_chunk: int = PREFILL_CHUNK,
         own_dtype: str = DEFAULT_WIRE_DTYPE,
     ):
-        self.route = route
+        self.route = list(route)  # a hop handed over by a leaving node changes here
         self.own_dtype = own_dtype  # what the client sends where it asks nodes for none
         self.prefill_chunk = max(1, prefill_chunk)
         self.fingerprint = fingerprint
@@ -59,11 +63,13 @@ class RemoteSession:
         self.first: FramedStream | None = None
         self.last: FramedStream | None = None
         self._beats: dict[int, Heartbeat] = {}  # id(connection) -> its heartbeat, while stepping
+        self._token = ""  # the sink token, which also claims the session where it moves
+        self.moves = 0  # hops handed over to another node (their caches moved; no replay)
 
     async def open(self) -> None:
         first, last = self.route[0], self.route[-1]
         self.first = await self._connect(0, first)
-        token = secrets.token_hex(16)
+        token = self._token = secrets.token_hex(16)
         await self.first.send(
             Open(
                 sid=self.sid,
@@ -149,30 +155,75 @@ class RemoteSession:
                 )
             )
         timeout = self.step_timeout + 0.05 * n
-        result: Result | None = None
+        while True:
+            answer = await self._await_result(end, timeout)
+            if not isinstance(answer, Moved):
+                break
+            await self._follow(answer)  # the step's result comes from the new node
+        result = answer
+        if result is None:
+            raise PeerFailed(f"no result within {timeout:.0f} s", hop=None)
+        self.position = end
+        out = unpack_tensor(result.hidden, hidden=self.hidden, max_tokens=1)
+        return out[:, -1]
+
+    async def _await_result(self, end: int, timeout: float) -> Result | Moved | None:
+        """The step's Result (None: none within `timeout`), or a Moved: a hop was handed over
+        to another node, whose connection the result then comes on."""
+        answer: Result | Moved | None = None
         try:
             async with trio.open_nursery() as nursery:
+
+                def moved(msg: Moved) -> None:
+                    nonlocal answer
+                    answer = msg
+                    nursery.cancel_scope.cancel()
+
                 if self.first is not self.last:
-                    nursery.start_soon(self._watch_first)
+                    nursery.start_soon(self._watch_first, moved)
                 nursery.start_soon(self._heartbeat)
                 with trio.move_on_after(timeout):
                     while True:
                         msg = await self._receive(self.last, len(self.route) - 1)
                         if isinstance(msg, Error):
                             self._raise_error(msg, len(self.route) - 1)
+                        if isinstance(msg, Moved) and msg.sid == self.sid:
+                            moved(msg)
                         if isinstance(msg, Result) and msg.sid == self.sid and msg.end == end:
-                            result = msg
+                            answer = msg
                             break
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             raise _first_swarm_error(group) from None
         finally:
             self._beats = {}
-        if result is None:
-            raise PeerFailed(f"no result within {timeout:.0f} s", hop=None)
-        self.position = end
-        out = unpack_tensor(result.hidden, hidden=self.hidden, max_tokens=1)
-        return out[:, -1]
+        return answer
+
+    async def _follow(self, moved: Moved) -> None:
+        """Hop `moved.hop` now runs on `moved.to`, its cache moved there: claim the session
+        there (as its owner if it is the first hop, its sink if the last), then release it on
+        the node it left, whose last steps then follow to the new one."""
+        hop = moved.hop
+        if not 0 <= hop < len(self.route):
+            raise self._failed(0, f"moved hop {hop} is not on the route", ProtocolError)
+        owner, sink = hop == 0, hop == len(self.route) - 1
+        old = {id(c): c for c in (self.first, self.last)}
+        if owner or sink:
+            conn = await self._connect(hop, moved.to)
+            await self._send(conn, hop, Resume(self.sid, self._token, owner=owner, sink=sink))
+            self.route[hop] = moved.to
+            await self._expect(conn, Resumed, hop, timeout=30)
+            if owner:
+                await self._send(self.first, 0, Release(sid=self.sid))
+                self.first = conn
+            if sink:
+                self.last = conn
+        else:
+            self.route[hop] = moved.to
+        self.moves += 1
+        for c in old.values():
+            if c is not self.first and c is not self.last:
+                await c.aclose()
 
     async def _send_first(self, msg) -> None:
         try:
@@ -207,12 +258,15 @@ class RemoteSession:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise self._failed(hop, f"connection lost: {exc}") from None
 
-    async def _watch_first(self) -> None:
-        """Errors travel back hop by hop to the first node's connection."""
+    async def _watch_first(self, moved) -> None:
+        """Errors travel back hop by hop to the first node's connection, and so do moves."""
         while True:
             msg = await self._receive(self.first, 0)
             if isinstance(msg, Error):
                 self._raise_error(msg, 0)
+            if isinstance(msg, Moved) and msg.sid == self.sid:
+                moved(msg)
+                return
 
     async def aclose(self) -> None:
         for conn in {id(c): c for c in (self.first, self.last) if c is not None}.values():

@@ -257,6 +257,20 @@ def _throttled(n: int) -> str:
     )
 
 
+def _moved(r) -> str:
+    """Sessions whose caches moved between nodes (a leaving node hands them over)."""
+    if not (r.moved_in or r.moved_out or r.transfers):
+        return ""
+    parts = [f"{r.moved_in} in", f"{r.moved_out} out"]
+    if r.transfers:
+        parts.append(f"{r.transfers} moving")
+    return (
+        ' <span class="muted moved" title="sessions handed over with their caches by leaving'
+        f' nodes (in) and to replicas (out), and transfers in flight">· moved'
+        f" {', '.join(parts)}</span>"
+    )
+
+
 def _reported(r: Reported | None) -> str:
     if r is None:
         return ""
@@ -315,7 +329,7 @@ def _row(n: NodeView, num_layers: int) -> str:
         f"{_num(r.throughput)} tok/s",
         f"{r.free_cache_tokens:,}",
         f'{r.sessions} <span class="muted" title="decode steps per pass, on average">'
-        f"· batch {r.decode_batch:.1f}</span>" + _throttled(r.throttled),
+        f"· batch {r.decode_batch:.1f}</span>" + _throttled(r.throttled) + _moved(r),
         _link(r.link),
         rtt,
         refreshed,

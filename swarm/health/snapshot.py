@@ -66,6 +66,10 @@ class NodeView:
             "sessions": r.sessions,
             "decode_batch": r.decode_batch,
             "throttled": r.throttled,
+            "prompt_passes": r.prompt_passes,
+            "moved_in": r.moved_in,
+            "moved_out": r.moved_out,
+            "transfers": r.transfers,
             "link": dict(r.link),
             "tls": r.tls,  # the key id it proves; "" when it runs --plaintext
             "relay": r.relay,  # the peer relaying for it ("": others dial it directly)

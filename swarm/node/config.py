@@ -99,7 +99,17 @@ class Limits:
         flag="--announce-ttl",
         type=record_ttl,
     )
-    grace_s: float = option(30.0, "on SIGTERM, seconds open sessions may finish", flag="--grace")
+    grace_s: float = option(
+        30.0,
+        "on SIGTERM, seconds open sessions may finish or be handed over, the whole drain",
+        flag="--grace",
+    )
+    handover: str = option(
+        "on",
+        "when leaving, move each session's cache to a replica serving its blocks (on), or let"
+        " its client replay it elsewhere (off)",
+        choices=("on", "off"),
+    )
 
 
 @dataclass(frozen=True)

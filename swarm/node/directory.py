@@ -92,6 +92,24 @@ class PeerDirectory:
                 f" blocks {hop.start}:{hop.end} at {hop.addr[:80]}; this node dials only those"
             )
 
+    async def record(self, peer: str) -> NodeRecord | None:
+        """`peer`'s record, whatever its state (a leaving node announces itself offline), read
+        again once if it is not known yet; None if the DHT has none."""
+        if peer not in self._records:
+            async with self._lock:
+                if peer not in self._records:
+                    await self._refresh()
+        return self._records.get(peer)
+
+    def seed(self, records: Sequence[NodeRecord]) -> None:
+        """Records just read elsewhere: no need to read them again before dialling."""
+        self._records = {r.peer: r for r in records}
+        self._read_at = time.monotonic()
+
+    def records(self) -> list[NodeRecord]:
+        """The records as last read."""
+        return list(self._records.values())
+
     async def _refresh(self) -> None:
         try:
             with trio.fail_after(READ_TIMEOUT_S):

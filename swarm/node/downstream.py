@@ -20,7 +20,7 @@ from swarm.heartbeat import INTERVAL_S, Heartbeat, send_queue_busy
 from swarm.node.directory import PeerDirectory
 from swarm.node.session_table import SessionTable
 from swarm.node.uplink import ACK_NONCE_BASE, Uplink
-from swarm.protocol import Error, Hop, Opened, Ping, Pong
+from swarm.protocol import Error, Hop, Moved, Opened, Ping, Pong, Resumed, Taken
 from swarm.transport import FramedStream, dial_hop
 
 log = logging.getLogger("swarm.node")
@@ -69,6 +69,8 @@ class Downstream:
         self._connecting: dict[str, trio.Lock] = {}
         self._pings: dict[tuple[str, int], tuple[float, bool]] = {}  # -> (sent, path clear)
         self._beats: dict[str, Heartbeat] = {}  # dest -> whether it still answers
+        # handovers waiting for the replica's answer: (dest, sid) -> where it goes
+        self._handovers: dict[tuple[str, str], trio.MemorySendChannel] = {}
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -146,12 +148,31 @@ class Downstream:
                 if isinstance(msg, Pong):
                     self._pong(dest, classify(msg))
                     continue
-                s = self._sessions.lookup(getattr(msg, "sid", ""))
+                sid = getattr(msg, "sid", "")
+                if isinstance(msg, (Taken, Resumed, Error)) and (dest, sid) in self._handovers:
+                    self._handovers.pop((dest, sid)).send_nowait(msg)
+                    continue
+                s = self._sessions.lookup(sid)
                 if s is not None and s.downstream == dest and isinstance(msg, (Opened, Error)):
                     await s.from_downstream(msg)
+                elif s is not None and s.downstream == dest and isinstance(msg, Moved):
+                    # the next hop left, handing the session over: follow it (in a task of its
+                    # own: this reader must go on reading the pongs the move waits for)
+                    assert self._nursery is not None
+                    self._nursery.start_soon(s.follow, msg)
         except (SwarmError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             reason = exc
         await self.lost(ds, reason)
+
+    def expect_handover(self, dest: str, sid: str) -> trio.MemoryReceiveChannel:
+        """Where the replica at `dest` answers the handover of `sid` or a resume of it (Taken,
+        Resumed or Error; a PeerFailed Error if the connection is lost first)."""
+        send, receive = trio.open_memory_channel(1)
+        self._handovers[(dest, sid)] = send
+        return receive
+
+    def forget_handover(self, dest: str, sid: str) -> None:
+        self._handovers.pop((dest, sid), None)
 
     def _pong(self, dest: str, pong: RoundTrip | Acknowledged) -> None:
         if isinstance(pong, Acknowledged):
@@ -174,6 +195,9 @@ class Downstream:
             self._beats.pop(dest, None)
             self._uplink.forget_dest(dest)
             log.warning("lost downstream %s: %s", dest, reason)
+            for key in [k for k in self._handovers if k[0] == dest]:
+                err = PeerFailed(f"the replica at {dest} failed: {reason}")
+                self._handovers.pop(key).send_nowait(Error.of(err, sid=key[1]))
             for s in self._sessions:
                 if s.downstream == dest:
                     err = PeerFailed(f"hop {s.hop + 1} at {dest} failed: {reason}")

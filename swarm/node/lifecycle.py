@@ -33,6 +33,7 @@ from swarm.node.announce import Announcer
 from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
 from swarm.node.measure import blocks_that_fit, measure_throughput
+from swarm.node.mover import hand_over_all
 from swarm.node.observer import StepObserver
 from swarm.node.placement import better_span, choose_span, coverage, gaps, settled_span
 from swarm.node.server import Node
@@ -180,7 +181,15 @@ class Lifecycle:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 leaving = await self._until_leaving(signals, announcer, report, span_range)
                 say(leaving.line(len(node.sessions)))
-                await drain(node, announcer, report, self.cfg.limits.grace_s)
+                hand_over = partial(self._hand_over, node)
+                if self.cfg.limits.handover == "off":
+                    hand_over = None
+                await drain(node, announcer, report, self.cfg.limits.grace_s, hand_over)
+                c = node.counters
+                say(
+                    f"left with {c.prompt_passes} prompt passes ({c.prompt_tokens} tokens) done;"
+                    f" sessions handed over here {c.moved_in}, to replicas {c.moved_out}"
+                )
             nursery.cancel_scope.cancel()
         return leaving.target
 
@@ -199,6 +208,14 @@ class Lifecycle:
             leaving = await first_of(*reasons)
             nursery.cancel_scope.cancel()  # an online record now would undo the offline one
         return leaving
+
+    async def _hand_over(self, node: Node, deadline: float) -> None:
+        """Move the open sessions to replicas the DHT announces, by `deadline`."""
+        with trio.move_on_at(deadline):
+            records = await self.records()
+            moved = await hand_over_all(node, records, self.me, deadline, say)
+            if moved:
+                say(f"handed {moved} sessions over")
 
     def _announcer(self, start: int, end: int) -> Announcer:
         config = self.source.config
@@ -333,13 +350,21 @@ async def next_signal(signals: AsyncIterator[int]) -> Stop:
 
 
 async def drain(
-    node: Node, announcer: Announcer, report: Callable[[], Status], grace: float
+    node: Node,
+    announcer: Announcer,
+    report: Callable[[], Status],
+    grace: float,
+    hand_over: Callable[[float], Awaitable[None]] | None = None,
 ) -> None:
     """Leave a span gently, for a move and a shutdown alike: refuse new sessions, announce the
-    node offline, and give the open sessions up to `grace` seconds to end."""
+    node offline, hand the open sessions over to replicas (`hand_over`, given the deadline),
+    and give those left up to `grace` seconds in all to end."""
+    deadline = trio.current_time() + grace
     node.stop_accepting()
     await announcer.publish(OFFLINE, report(), ttl=max(announcer.ttl, OFFLINE_TTL_S))
-    with trio.move_on_after(grace):
+    if hand_over is not None:
+        await hand_over(deadline)
+    with trio.move_on_at(deadline):
         while len(node.sessions):
             await trio.sleep(DRAIN_POLL_S)
     if len(node.sessions):

@@ -14,11 +14,13 @@ import time
 
 import trio
 
-from swarm.dht import node_id
+from swarm.dht import node_id, proves
 from swarm.errors import (
     FingerprintMismatch,
     FrameTooLarge,
+    HandoverRefused,
     NodeBusy,
+    PeerFailed,
     PlaintextRefused,
     ProtocolError,
     SessionNotFound,
@@ -31,11 +33,30 @@ from swarm.node.compute import ComputeQueue
 from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
 from swarm.node.downstream import Downstream
+from swarm.node.handover import CacheIntake, refusal
 from swarm.node.observer import NoObserver, StepObserver
 from swarm.node.session import Counters, Session, SessionContext, send_quietly
 from swarm.node.session_table import SessionTable
 from swarm.node.uplink import Uplink
-from swarm.protocol import Attach, Attached, Close, Error, Open, Ping, Relay, Step
+from swarm.protocol import (
+    Attach,
+    Attached,
+    Close,
+    Error,
+    Handover,
+    HandoverEnd,
+    HandoverTail,
+    KvChunk,
+    Open,
+    Ping,
+    Relay,
+    Release,
+    Resume,
+    Resumed,
+    Step,
+    Taken,
+    handover_claim,
+)
 from swarm.relay import RelayHub
 from swarm.tls import HANDSHAKE_TIMEOUT_S, TLS_HANDSHAKE, Identity, peek_byte
 from swarm.transport import FramedStream
@@ -154,10 +175,7 @@ class Node:
             with scope:
                 if not await self._secure(conn, inbound.host):
                     return
-                async with trio.open_nursery() as sessions:  # the sessions this connection opened
-                    await self._read(conn, sessions)
-                    conn.closed = True
-                    sessions.cancel_scope.cancel()
+                await self._read(conn)
             if scope.cancelled_caught:
                 busy = NodeBusy("connection closed: the node was full and it held no session")
                 await self._reply_error(conn, busy)
@@ -170,7 +188,16 @@ class Node:
             conn.closed = True
             self.uplink.forget_client(conn)
             for s in self.sessions:
-                if s.sink is conn:
+                # a session never outlives the connection that asked for it (or, handed over
+                # here, the one that now owns it)
+                if s.owner is conn and s.intake is not None and s.sink not in (None, conn):
+                    # handed over here, the leaving node went before passing it on: the client
+                    # replays it elsewhere, told now rather than at its step's timeout
+                    err = PeerFailed("the node that handed this session over left too soon")
+                    await s.fail(Error.of(err, s.sid, s.hop))
+                elif s.owner is conn:
+                    s.close()
+                elif s.sink is conn:
                     s.sink_gone()
             await conn.aclose()
 
@@ -207,11 +234,11 @@ class Node:
         except SwarmError as exc:
             await self._reply_error(conn, exc)
 
-    async def _read(self, conn: FramedStream, sessions: trio.Nursery) -> None:
+    async def _read(self, conn: FramedStream) -> None:
         try:
             while (msg := await self._receive(conn)) is not None:
                 try:
-                    await self._dispatch(conn, msg, sessions)
+                    await self._dispatch(conn, msg)
                 except SwarmError as exc:
                     await self._reply_error(conn, exc, sid=getattr(msg, "sid", ""))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -242,16 +269,42 @@ class Node:
                 )
                 return None
 
-    async def _dispatch(self, conn: FramedStream, msg, sessions: trio.Nursery) -> None:
+    async def _dispatch(self, conn: FramedStream, msg) -> None:
         if isinstance(msg, Step):
-            s = self.sessions.get(msg.sid, conn)
-            if s.owner is not conn:
+            s = self.sessions.lookup(msg.sid)
+            if s is None:
                 raise SessionNotFound(f"no session {msg.sid[:8]}... on this connection")
-            s.take_step(msg)
+            s.step_from(conn, msg)
         elif isinstance(msg, Ping):
             await conn.send(conn.pong(msg.nonce))  # with how the frame it follows arrived
         elif isinstance(msg, Open):
-            await self._open(conn, msg, sessions)
+            await self._open(conn, msg)
+        elif isinstance(msg, KvChunk):
+            s = self.sessions.get(msg.sid, conn)
+            try:
+                s.take_chunk(msg)
+            except SwarmError as exc:
+                await self._refuse_handover(conn, s, exc)
+        elif isinstance(msg, Handover):
+            await self._take_handover(conn, msg)
+        elif isinstance(msg, HandoverTail):
+            s = self.sessions.get(msg.sid, conn)
+            try:
+                if s.intake is None or s.ready.is_set():
+                    raise SessionNotFound(f"no handover of {msg.sid[:8]}... under way here")
+                s.intake.extend(msg.length, s.max_length)
+            except SwarmError as exc:
+                await self._refuse_handover(conn, s, exc)
+        elif isinstance(msg, HandoverEnd):
+            await self._end_handover(conn, msg)
+        elif isinstance(msg, Resume):
+            s = self.sessions.lookup(msg.sid)
+            if s is None:
+                raise SessionNotFound(f"no session {msg.sid[:8]}... to resume here")
+            s.resume(conn, msg)
+            await conn.send(Resumed(sid=msg.sid))
+        elif isinstance(msg, Release):
+            self.sessions.get(msg.sid, conn).release(conn)
         elif isinstance(msg, Attach):
             s = self.sessions.lookup(msg.sid)
             if s is None:
@@ -277,7 +330,7 @@ class Node:
 
     # ---- admission ------------------------------------------------------------------------
 
-    async def _open(self, conn: FramedStream, msg: Open, sessions: trio.Nursery) -> None:
+    async def _open(self, conn: FramedStream, msg: Open) -> None:
         now = time.monotonic()
         evicted: list[tuple[Session, Error]] = []
         try:
@@ -299,8 +352,8 @@ class Node:
             self.counters.errors_sent += 1
             await send_quietly(conn, Error.of(exc, sid=msg.sid, hop=msg.hop))
             return
-        sessions.start_soon(session.run)
         assert self._nursery is not None, "Node.serve is not running"
+        self._nursery.start_soon(session.run)
         for victim, err in evicted:  # told even if the newcomer's connection ends at once
             for holder in {id(c): c for c in (victim.owner, victim.sink) if c}.values():
                 self._nursery.start_soon(send_quietly, holder, err)
@@ -321,3 +374,77 @@ class Node:
             raise ProtocolError(
                 f"wire dtype {msg.wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
             )
+
+    # ---- sessions handed over here -------------------------------------------------------
+
+    async def _take_handover(self, conn: FramedStream, msg: Handover) -> None:
+        """A leaving node hands a session over: admit it as an open (no one is evicted for it),
+        then let its cache come in (KvChunk) before HandoverEnd proves where it came from."""
+        opening, now = msg.open, time.monotonic()
+        try:
+            self._check_open(opening)
+            if msg.length > opening.max_length:
+                raise HandoverRefused(
+                    f"cache of {msg.length} positions for a session of {opening.max_length}"
+                )
+            session = Session(self.context, conn, opening, now)
+            if self.sessions.make_room(session, now):
+                raise NodeBusy("no free place for a handed-over session without evicting one")
+            cache = self.span.allocate_cache(session.start, session.end, session.max_length)
+            width = self.span.config.kv_heads * self.span.config.head_dim
+            session.intake = CacheIntake(cache, msg.length, width)
+            self.sessions.add(session)
+        except SwarmError as exc:
+            self.counters.errors_sent += 1
+            await send_quietly(conn, Error.of(exc, sid=opening.sid, hop=opening.hop))
+            return
+        self.counters.transfers += 1
+        assert self._nursery is not None, "Node.serve is not running"
+        if msg.peer:  # its record is read while the cache comes, not after
+            self._nursery.start_soon(self.directory.record, msg.peer)
+        self._nursery.start_soon(self._hold_transfer, session)
+        self._nursery.start_soon(session.run)
+
+    async def _hold_transfer(self, session: Session) -> None:
+        """Count the transfer in flight until the cache is in or the session ended."""
+        try:
+            while not session.ready.is_set() and not session.state.closed:
+                await trio.sleep(0.05)
+        finally:
+            self.counters.transfers -= 1
+
+    async def _end_handover(self, conn: FramedStream, msg: HandoverEnd) -> None:
+        s = self.sessions.get(msg.sid, conn)
+        try:
+            if s.intake is None or s.ready.is_set():
+                raise SessionNotFound(f"no handover of session {msg.sid[:8]}... under way here")
+            if not s.intake.complete:
+                raise HandoverRefused(f"the cache is incomplete ({s.intake.missing()})")
+            claim = handover_claim(node_id(), msg.sid, s.intake.length, s.intake.digest())
+            if msg.digest != s.intake.digest() or not proves(msg.peer, msg.key, claim, msg.proof):
+                raise HandoverRefused(
+                    f"the handover of {msg.sid[:8]}... is not signed by node {msg.peer[:16]}"
+                )
+            record = await self.directory.record(msg.peer)
+            if record is None or record.fingerprint != self.fingerprint:
+                raise HandoverRefused(
+                    f"node {msg.peer[:16]} announces no span of these weights"
+                    f" ({self.fingerprint}); its cache is not taken"
+                )
+            s.install(time.monotonic())
+        except SwarmError as exc:
+            await self._refuse_handover(conn, s, exc)
+            return
+        self.counters.moved_in += 1
+        log.info("session %s... handed over here at position %d", s.sid[:8], s.intake.length)
+        await conn.send(Taken(sid=msg.sid))
+
+    async def _refuse_handover(self, conn: FramedStream, s: Session, exc: SwarmError) -> None:
+        """Drop the handed-over session (its cache with it) and tell the sender why; a session
+        not being handed over only gets the error."""
+        err = Error.of(refusal(exc), sid=s.sid, hop=s.hop)
+        log.info("refused a handover of %s...: %s", s.sid[:8], exc)
+        if s.intake is not None and not s.ready.is_set():
+            s.evict(err)
+        self.counters.errors_sent += 1
+        await send_quietly(conn, err)

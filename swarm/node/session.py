@@ -25,13 +25,28 @@ from typing import TYPE_CHECKING
 import torch
 import trio
 
-from swarm.errors import PeerFailed, ProtocolError, SessionNotFound, SwarmError
+from swarm.errors import HandoverRefused, PeerFailed, ProtocolError, SessionNotFound, SwarmError
 from swarm.node.admission import peer_host, share_of
 from swarm.node.passes import DecodeItem, decode_pass, forward_pass
 from swarm.node.prompt import PromptPieces
 from swarm.node.session_state import Fail, SessionState, SinkGone, StepIn
 from swarm.node.uplink import CLIENTS, Payload
-from swarm.protocol import DECODE, PREFILL, Attach, Close, Error, Hop, Open, Opened, Step
+from swarm.protocol import (
+    DECODE,
+    PREFILL,
+    Attach,
+    Close,
+    Error,
+    Hop,
+    KvChunk,
+    Moved,
+    Open,
+    Opened,
+    Release,
+    Resume,
+    Resumed,
+    Step,
+)
 from swarm.wire import unpack_tensor
 
 if TYPE_CHECKING:
@@ -39,6 +54,7 @@ if TYPE_CHECKING:
     from swarm.node.compute import ComputeQueue, Done, Ticket
     from swarm.node.config import NodeConfig
     from swarm.node.downstream import Downstream
+    from swarm.node.handover import CacheIntake
     from swarm.node.observer import StepObserver
     from swarm.node.session_table import SessionTable
     from swarm.node.uplink import Uplink
@@ -54,6 +70,11 @@ class Counters:
     errors_sent: int = 0
     steps_done: int = 0  # forward passes
     tokens_done: int = 0  # tokens through them
+    prompt_passes: int = 0  # prompt passes (a replayed session costs one or more here)
+    prompt_tokens: int = 0
+    moved_in: int = 0  # sessions whose cache a leaving node handed over here
+    moved_out: int = 0  # sessions this node handed over to a replica
+    transfers: int = 0  # handovers in flight, either way
 
 
 @dataclass(frozen=True)
@@ -103,6 +124,20 @@ class Session:
         self._tickets: list[Ticket] = []  # places held in the prompt lane
         self._wake = trio.Event()  # something to do came, or the state moved
         self._scope = trio.CancelScope()  # the task's work: cancelled when the session closes
+        self.cache: KVCache | None = None  # while the task runs
+        # handing over (this node leaves): steps stop being computed and wait in `held`
+        self.paused = False
+        self.paused_at = 0.0
+        self.held: list[Step] = []
+        self.released = trio.Event()  # the owner sends no more steps here
+        self._computing = False
+        # taken over (a leaving node hands it here): the cache fills through `intake`
+        self.intake: CacheIntake | None = None
+        self.ready = trio.Event()  # the cache is complete and checked
+        self._next_owner: FramedStream | None = None  # resumed, waiting for the sender's release
+        self._handed = False  # the sender released the session: its steps are all in
+        self._early: list[Step] = []  # steps from the next owner before that
+        self._sink_came = trio.Event()
 
     @property
     def is_last(self) -> bool:
@@ -117,12 +152,18 @@ class Session:
         )
         n, now = hidden.shape[1], time.monotonic()
         self.state.handle(StepIn(msg.phase, msg.pos, n, msg.end, now))
+        if self.paused:  # handing over: the replica computes it
+            self.held.append(msg)
+            return
+        self._queue(msg, hidden, now)
+
+    def _queue(self, msg: Step, hidden: torch.Tensor, now: float) -> None:
         if msg.phase == DECODE:
             self.ctx.uplink.observe_decode_arrival(self.sid)
             self.decodes.append((msg, hidden, now))
         else:
             self.pieces.add(msg, hidden, now)
-            self.ctx.observer.prompt_piece(self.sid, now, msg.pos, n, msg.end)
+            self.ctx.observer.prompt_piece(self.sid, now, msg.pos, hidden.shape[1], msg.end)
         self._wake.set()
 
     def attach(self, conn: FramedStream, token: str) -> None:
@@ -131,7 +172,96 @@ class Session:
             raise SessionNotFound(f"no session {self.sid[:8]}... to attach to here")
         self.state.handle(Attach(sid=self.sid, sink_token=token))
         self.sink = conn
+        self._sink_came.set()
         self._wake.set()  # used now: its idle deadline moves
+
+    # ---- handed over to this node ----------------------------------------------------------
+
+    def take_chunk(self, chunk: KvChunk) -> None:
+        """A piece of the cache a leaving node hands over; raises HandoverRefused."""
+        if self.intake is None or self.ready.is_set():
+            raise SessionNotFound(f"no handover of session {self.sid[:8]}... under way here")
+        self.intake.take(chunk)
+
+    def install(self, now: float) -> None:
+        """The whole cache has come and been checked: the session goes on from its length."""
+        assert self.intake is not None
+        self.intake.install()
+        self.state.handle(Opened(sid=self.sid))
+        self.state.next_pos = self.intake.length
+        self.state.used, self.state.last_active = True, now
+        self.ready.set()
+
+    def resume(self, conn: FramedStream, msg: Resume) -> None:
+        """Whoever held the session on the leaving node claims it here: its owner (steps come
+        from it once the leaving node has passed on the last of its own) and/or its sink."""
+        if self.intake is None or not self.ready.is_set():
+            raise SessionNotFound(f"no session {self.sid[:8]}... to resume here")
+        if msg.sink:
+            self.attach(conn, msg.sink_token)
+        elif not secrets.compare_digest(self._sink_token.encode(), msg.sink_token.encode()):
+            raise SessionNotFound(f"no session {self.sid[:8]}... to resume here")
+        if msg.owner:
+            self._next_owner = conn
+            self._pass_ownership()
+
+    def step_from(self, conn: FramedStream, msg: Step) -> None:
+        """A step on `conn`: the owner's is taken; the next owner's waits until the leaving node
+        has passed on every step it still held."""
+        if conn is self.owner:
+            self.take_step(msg)
+        elif conn is self._next_owner and conn is not None:
+            self._early.append(msg)
+        else:
+            raise SessionNotFound(f"no session {self.sid[:8]}... on this connection")
+
+    def release(self, conn: FramedStream) -> None:
+        """The owner on `conn` will send no more steps on it."""
+        if conn is not self.owner:
+            raise SessionNotFound(f"no session {self.sid[:8]}... on this connection")
+        self.released.set()
+        if self.intake is not None:  # the leaving node's last steps are in: the owner may come
+            self._handed = True
+            self._pass_ownership()
+
+    async def follow(self, moved: Moved) -> None:
+        """The next hop left, handing this session over to `moved.to`: claim it there as its
+        owner, send the steps from now on there, and release it on the node that left once the
+        steps queued for that node have gone (it passes them on). If anything fails the
+        session stays as it was; it fails when the next hop is gone, and its client replays."""
+        if moved.hop != self.hop + 1 or self.state.closed or self.downstream is None:
+            return
+        downstream, uplink = self.ctx.downstream, self.ctx.uplink
+        old, dest = self.downstream, moved.to.link
+        try:
+            conn = await downstream.connect(moved.to)
+        except SwarmError as exc:
+            log.warning("cannot follow session %s... to %s: %s", self.sid[:8], dest, exc)
+            return
+        answer = downstream.expect_handover(dest, self.sid)
+        reply = None
+        uplink.send_control(conn, Resume(self.sid, self._sink_token, owner=True, sink=False))
+        with trio.move_on_after(self.ctx.config.limits.open_timeout_s):
+            reply = await answer.receive()
+        downstream.forget_handover(dest, self.sid)
+        if not isinstance(reply, Resumed) or self.state.closed:
+            log.warning("session %s... could not follow to %s: %s", self.sid[:8], dest, reply)
+            return
+        self.downstream = dest
+        self.route = tuple(moved.to if i == moved.hop else h for i, h in enumerate(self.route))
+        while uplink.pending(self.sid, old) and not self.state.closed:
+            await trio.sleep(0.005)
+        if (ds := downstream.stream(old)) is not None:
+            uplink.send_control(ds, Release(sid=self.sid))
+        log.info("session %s... follows its next hop to %s", self.sid[:8], dest)
+
+    def _pass_ownership(self) -> None:
+        if not self._handed or self._next_owner is None:
+            return
+        self.owner, self._next_owner = self._next_owner, None
+        early, self._early = self._early, []
+        for step in early:
+            self.take_step(step)
 
     def sink_gone(self) -> None:
         self.sink = None
@@ -194,7 +324,10 @@ class Session:
         try:
             with self._scope:
                 async with self._cache() as cache:
-                    if await self._open_next_hop():
+                    if self.intake is not None:
+                        if await self._await_intake():
+                            await self._work(cache)
+                    elif await self._open_next_hop():
                         await self._work(cache)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
@@ -207,13 +340,27 @@ class Session:
 
     @asynccontextmanager
     async def _cache(self):
-        cache = self.ctx.span.allocate_cache(self.start, self.end, self.max_length)
+        cache = self.intake.cache if self.intake is not None else self._allocate()
+        self.cache = cache
         try:
             yield cache
         finally:
             self.close()
+            self.cache = None
             cache.keys.clear()
             cache.values.clear()
+
+    def _allocate(self) -> KVCache:
+        return self.ctx.span.allocate_cache(self.start, self.end, self.max_length)
+
+    async def _await_intake(self) -> bool:
+        """A handed-over session waits for its cache; False if it did not come in time."""
+        with trio.move_on_after(self.ctx.config.limits.open_timeout_s):
+            await self.ready.wait()
+            return True
+        err = HandoverRefused("the handed-over cache did not arrive in time")
+        await self.fail(Error.of(err, self.sid, self.hop))
+        return False
 
     async def _open_next_hop(self) -> bool:
         """Open the session down the route (the last hop opens at once) and tell the owner;
@@ -255,15 +402,47 @@ class Session:
     async def _work(self, cache: KVCache) -> None:
         try:
             while not self.state.closed:
+                self._computing = True
                 if self.decodes:
                     await self._decode(cache, *self.decodes.popleft())
                 elif self.pieces:
                     await self._prompt_pass(cache)
                 else:
+                    self._computing = False
                     await self._idle()
+                self._computing = False
         finally:
             for ticket in self._tickets:
                 ticket.release()
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing of the session is computing or waiting to be: its cache stands still."""
+        return not (self._computing or self.decodes or self.pieces)
+
+    def pause(self) -> None:
+        """Compute nothing more: steps arriving from now on wait in `held` (for the replica)."""
+        self.paused = True
+        self.paused_at = time.monotonic()
+
+    def unpause(self) -> None:
+        """The handover failed: compute the held steps here after all."""
+        self.paused = False
+        held, self.held = self.held, []
+        for msg in held:
+            hidden = unpack_tensor(
+                msg.hidden, hidden=self.ctx.span.config.hidden, max_tokens=self.max_length
+            )
+            self._queue(msg, hidden, time.monotonic())
+
+    async def _sink_in_time(self) -> bool:
+        """A handed-over last hop may compute a step before the client has resumed it here:
+        the result waits for the client a little while."""
+        if self.intake is None:
+            return False
+        with trio.move_on_after(self.ctx.config.limits.open_timeout_s):
+            await self._sink_came.wait()
+        return self.sink is not None
 
     async def _woken(self) -> None:
         self._wake = trio.Event()
@@ -332,6 +511,8 @@ class Session:
         finally:
             self._tickets.remove(ticket)
             ticket.release()
+        self.ctx.counters.prompt_passes += 1
+        self.ctx.counters.prompt_tokens += hidden.shape[1]
         if await self._forward(step, done):
             out = done.result
             self.ctx.observer.prompt_pass(
@@ -374,7 +555,7 @@ class Session:
             to, dest, phase, result = ds, self.downstream, step.phase, False
         elif step.pos + n != step.end:
             return True  # a middle chunk of a prefill: the client needs only the last token
-        elif self.sink is None:
+        elif self.sink is None and not await self._sink_in_time():
             err = SessionNotFound("no client attached to receive results")
             await self.fail(Error.of(err, self.sid, self.hop))
             return False

@@ -38,6 +38,10 @@ class Status:
     weights: str = DEFAULT_WEIGHTS  # the format the span computes with
     decode_batch: float = 1.0  # decode steps per decode pass, on average
     decode_passes: int = 0  # since the node started
+    prompt_passes: int = 0  # since the node started (a replayed session costs some)
+    moved_in: int = 0  # sessions handed over to this node by leaving ones, so far
+    moved_out: int = 0  # sessions this node handed over to replicas, so far
+    transfers: int = 0  # caches being handed over, either way, now
 
 
 def status_of(node: Node) -> Status:
@@ -56,6 +60,10 @@ def status_of(node: Node) -> Status:
         weights=node.span.format,
         decode_batch=node.compute.mean_decode_batch,
         decode_passes=node.compute.decode_passes,
+        prompt_passes=node.counters.prompt_passes,
+        moved_in=node.counters.moved_in,
+        moved_out=node.counters.moved_out,
+        transfers=node.counters.transfers,
     )
 
 

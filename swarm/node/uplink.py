@@ -33,7 +33,7 @@ from swarm.link.estimator import LinkEstimator, SentFrame
 from swarm.link.options import LinkOptions
 from swarm.link.scheduler import LinkScheduler, Send, Volume
 from swarm.link.tcpinfo import read_tcp_info, set_notsent_lowat
-from swarm.protocol import PREFILL, Message, Ping, Result, Step, to_wire
+from swarm.protocol import PREFILL, KvChunk, Message, Ping, Result, Step, to_wire
 from swarm.transport import FramedStream
 from swarm.wire import encode_frame, pack_tensor, tensor_nbytes
 
@@ -58,6 +58,10 @@ class Payload:
     hidden: torch.Tensor  # [1, tokens, hidden] float32
     wire_dtype: str
     result: bool  # last hop: a Result for the client (`stream`; `dest` CLIENTS), not a Step
+    # a layer of a cache handed over (KvChunk frames): `hidden` its keys, these its values
+    values: torch.Tensor | None = None
+    layer: int = -1
+    done: trio.Event | None = None  # set once its last byte is written (or it is dropped)
 
 
 class Uplink:
@@ -111,10 +115,44 @@ class Uplink:
         self._payloads[vid] = payload
         self._wake.set()
 
+    def send_cache(self, payload: Payload) -> None:
+        """A layer of a handed-over cache: bulk, behind decode steps, cut on position
+        boundaries like a prompt's activations (`pos` its first position, `end` its last + 1)."""
+        tokens, width = payload.hidden.shape[1], payload.hidden.shape[2]
+        vid = self.scheduler.enqueue(
+            Volume(
+                # in order among themselves, but not ahead of the session's own results: the
+                # scheduler sends a session's volumes in order, and the session goes on
+                # decoding while its cache is copied
+                session=f"{payload.sid}/kv",
+                dest=payload.dest,
+                phase=PREFILL,
+                tokens=tokens,
+                bytes_per_token=2 * tensor_nbytes(1, width, payload.wire_dtype),
+                phase_left=tokens,
+            ),
+            self.now(),
+        )
+        self._payloads[vid] = payload
+        self._wake.set()
+
+    def control_pending(self, stream: FramedStream) -> bool:
+        """Whether control frames for `stream` still wait to be written."""
+        return any(s is stream for s, _ in self._control)
+
+    def pending(self, sid: str, dest: str | None = None) -> bool:
+        """Whether activations or results of `sid` (to `dest`, if given) still wait to be
+        sent."""
+        return any(
+            p.sid == sid and p.values is None and dest in (None, p.dest)
+            for p in self._payloads.values()
+        )
+
     def end_session(self, sid: str) -> None:
         self.scheduler.end_session(sid)
+        self.scheduler.end_session(f"{sid}/kv")
         for vid in [v for v, p in self._payloads.items() if p.sid == sid]:
-            del self._payloads[vid]
+            _done(self._payloads.pop(vid))
 
     def observe_decode_arrival(self, sid: str) -> None:
         self.scheduler.observe_decode_arrival(sid, self.now())
@@ -243,6 +281,8 @@ class Uplink:
             if p is None or p.stream.closed:
                 now = self.now()
                 self.scheduler.sent(send, started=now, finished=now)
+                if p is not None and send.last:
+                    _done(p)
                 continue
             try:
                 await self._send(send, p)
@@ -251,6 +291,9 @@ class Uplink:
                 # sessions: the sessions behind that connection fail, the rest go on
                 log.exception("uplink: internal error sending to %s; dropping it", p.dest)
                 await self._on_broken(p.stream, exc)
+            finally:
+                if send.last:
+                    _done(p)
 
     async def _send(self, send: Send, p: Payload) -> None:
         """Write `send`, cut from `p`, with an acknowledgement request behind it if it is
@@ -306,6 +349,12 @@ class Uplink:
 
     def _frame(self, p: Payload, offset: int, tokens: int) -> bytes:
         hidden = pack_tensor(p.hidden[:, offset : offset + tokens], p.wire_dtype)
+        if p.values is not None:
+            values = pack_tensor(p.values[:, offset : offset + tokens], p.wire_dtype)
+            chunk = KvChunk(
+                sid=p.sid, layer=p.layer, pos=p.pos + offset, keys=hidden, values=values
+            )
+            return encode_frame(to_wire(chunk))
         if p.result:
             msg: Message = Result(sid=p.sid, end=p.end, hidden=hidden)
         else:
@@ -333,6 +382,11 @@ class Uplink:
                 )
         if not p.result:
             self._push_estimate(p.dest, est)
+
+
+def _done(p: Payload) -> None:
+    if p.done is not None:
+        p.done.set()
 
 
 def _median(figures) -> float:

@@ -1,0 +1,239 @@
+"""A leaving node hands its sessions to replicas serving the same blocks (see handover.py for
+the transfer itself).
+
+For each session, one at a time: send `Handover` and every position of its cache so far layer
+by layer through the uplink (bulk, behind every decode step) while the session goes on; then
+pause it (steps arriving now wait in `held`), wait until its cache stands still and its outputs
+are out, send the positions it computed meanwhile (`HandoverTail`) and `HandoverEnd` signed with
+this node's key. The session stalls only for the tail. Once the replica answers `Taken`, tell
+the session's owner (the client, or the node before this one) and sink (the client) `Moved`;
+they resume the session there and the owner releases it here, after which the held steps
+follow to the replica and `Release` passes it on. Anything failing before `Taken` unpauses the
+session: it finishes here or, when the grace period ends, its client replays it elsewhere as
+after a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import trio
+
+from swarm.dht import node_id, sign_as_node
+from swarm.errors import SwarmError
+from swarm.node.handover import Slab, dtype_name, pick_replicas, slab_digest, slabs
+from swarm.node.session import send_quietly
+from swarm.node.uplink import Payload
+from swarm.protocol import (
+    Error,
+    Handover,
+    HandoverEnd,
+    HandoverTail,
+    Hop,
+    Moved,
+    Release,
+    handover_claim,
+)
+from swarm.records import NodeRecord
+
+if TYPE_CHECKING:
+    from swarm.node.server import Node
+    from swarm.node.session import Session
+
+log = logging.getLogger("swarm.node")
+
+QUIET_POLL_S = 0.005
+# A frame is written whole, and while it waits for a busy replica to read it every result and
+# step of the other sessions waits behind it in the uplink: whole layers (1.5 MB for the
+# default model 1,000 tokens deep) stalled the sessions still decoding here for 4-10 s on a
+# loaded 2-core machine while 8 caches moved. Small volumes keep a decode step's wait to about
+# one of them; but each waits for the acknowledgement of the one before last (the in-flight
+# cap), and at 64 KiB a 25 MB cache took 6-10 s to cross loopback.
+KV_VOLUME_BYTES = 256 * 1024
+
+
+def movable(s: Session) -> bool:
+    """Sessions this node ends the route of: their owner (the client, or the node before)
+    and their sink (the client) follow the move. A session with a next hop finishes here or is
+    replayed (the next hop would have to take the replica as the session's owner)."""
+    return s.is_last and not s.state.closed and s.state.used
+
+
+async def hand_over_all(
+    node: Node, records: list[NodeRecord], me: str, deadline: float, say=print
+) -> int:
+    """Hand every movable session of `node` to a replica `records` name, by `deadline` (trio
+    time); the number handed over."""
+    node.directory.seed(records)
+    sessions = [s for s in node.sessions if movable(s)]
+    wants = [(s.start, s.end, s.max_length) for s in sessions]
+    targets = pick_replicas(records, me, node.fingerprint, wants)
+    pairs = [(s, t) for s, t in zip(sessions, targets) if t is not None]
+    if not pairs:
+        return 0
+    say(f"handing {len(pairs)} of {len(node.sessions)} sessions over to replicas")
+    moved = []
+    # one transfer at a time: a session pauses only for its own while the others go on
+    # decoding here (all paused at once, the last of 8 sessions 1,000 tokens deep stalled for
+    # 5.4 s on loopback, waiting for the 7 transfers before its own)
+    turn = trio.Lock()
+
+    async def one(s: Session, target: NodeRecord) -> None:
+        try:
+            if await hand_over(node, s, target.hop(s.start, s.end), deadline, turn, say):
+                moved.append(s.sid)
+        except Exception:
+            # a session that ended under its handover (its cache freed mid-copy), or a bug:
+            # it costs this session's handover, never the drain and the others'
+            log.exception("handing session %s... over failed", s.sid[:8])
+            if not s.state.closed:
+                s.unpause()
+
+    with trio.move_on_at(deadline):
+        async with trio.open_nursery() as nursery:
+            for s, target in pairs:
+                nursery.start_soon(one, s, target)
+    return len(moved)
+
+
+async def hand_over(
+    node: Node,
+    s: Session,
+    to: Hop,
+    deadline: float,
+    turn: trio.Lock | None = None,
+    say: Callable[[str], None] | None = None,
+) -> bool:
+    """Move `s` to the replica `to`, its pause and transfer in `turn`; True once the replica
+    holds it (the client has been told). `say`: told once the replica has taken the cache."""
+    node.counters.transfers += 1
+    try:
+        async with turn or trio.Lock():
+            times = [time.monotonic()]
+            length = await _send_cache(node, s, to, deadline)
+            times.append(time.monotonic())
+            if length is None:
+                s.unpause()
+                return False
+        if say is not None:
+            say(f"session {s.sid[:8]}... handed over to {to.addr} ({to.peer})")
+        await _pass_on(node, s, to, length, deadline)
+        times.append(time.monotonic())
+    finally:
+        node.counters.transfers -= 1
+    node.counters.moved_out += 1
+    transfer, redirect = (1000 * (b - a) for a, b in zip(times, times[1:]))
+    log.info(
+        "session %s... handed over to %s at position %d: cache taken in %.0f ms (paused for"
+        " the last %.0f), client there in %.0f ms",
+        s.sid[:8],
+        to.link,
+        length,
+        transfer,
+        1000 * (times[1] - s.paused_at),
+        redirect,
+    )
+    return True
+
+
+async def _pause(node: Node, s: Session) -> int | None:
+    """Pause `s` once nothing of it computes or waits to be sent; the positions its cache
+    holds then (None: it ended meanwhile)."""
+    s.pause()
+    while not s.state.closed and (not s.quiet or node.uplink.pending(s.sid)):
+        await trio.sleep(QUIET_POLL_S)
+    if s.state.closed or s.cache is None or s.cache.length == 0:
+        return None
+    return s.cache.length
+
+
+def _queue(node: Node, ds, to: Hop, s: Session, phase: list[Slab]) -> list[trio.Event]:
+    """Queue a phase's slabs, layer by layer, as bulk volumes of at most KV_VOLUME_BYTES;
+    events set as each has gone."""
+    assert s.cache is not None
+    dtype = dtype_name(s.cache.keys[0].dtype)
+    sent = []
+    for layer, (first, keys, values) in enumerate(phase):
+        step = max(1, KV_VOLUME_BYTES // (keys[0, :1].nbytes + values[0, :1].nbytes))
+        for i in range(0, keys.shape[1], step):
+            k, v = keys[:, i : i + step], values[:, i : i + step]
+            done = trio.Event()
+            sent.append(done)
+            node.uplink.send_cache(
+                Payload(
+                    ds, to.link, s.sid, "prefill", first + i, first + i + k.shape[1], k, dtype,
+                    False, values=v, layer=layer, done=done,
+                )
+            )  # fmt: skip
+    return sent
+
+
+async def _send_cache(node: Node, s: Session, to: Hop, deadline: float) -> int | None:
+    """Send the cache to `to` (all of it so far while the session goes on, then, paused, its
+    tail) and wait for `Taken`: the length it took, None if it failed (logged)."""
+    if s.state.closed or s.cache is None or s.cache.length == 0:
+        return None
+    route = list(s.route)
+    route[s.hop] = to
+    opening = replace(s.open_msg, route=tuple(route), origin=s.origin)
+    try:
+        ds = await node.downstream.connect(to)
+    except SwarmError as exc:
+        log.warning("cannot hand %s... over to %s: %s", s.sid[:8], to.link, exc)
+        return None
+    answer = node.downstream.expect_handover(to.link, s.sid)
+    try:
+        start = s.cache.length
+        node.uplink.send_control(ds, Handover(open=opening, length=start, peer=node_id()))
+        # copying and hashing 25 MB (the default model 1,000 tokens deep) is CPU work the
+        # node's loop must not wait for: its sessions' steps, pings and results go on meanwhile
+        phases = [await trio.to_thread.run_sync(slabs, s.cache, 0, start)]
+        with trio.move_on_at(deadline):
+            for done in _queue(node, ds, to, s, phases[0]):
+                await done.wait()
+            length = await _pause(node, s)
+            if length is None:
+                return None
+            if length > start:  # the tail it computed meanwhile
+                node.uplink.send_control(ds, HandoverTail(sid=s.sid, length=length))
+                phases.append(await trio.to_thread.run_sync(slabs, s.cache, start, length))
+                for done in _queue(node, ds, to, s, phases[1]):
+                    await done.wait()
+            digest = await trio.to_thread.run_sync(slab_digest, phases)
+            key, proof = sign_as_node(handover_claim(to.peer, s.sid, length, digest))
+            end = HandoverEnd(sid=s.sid, digest=digest, peer=node_id(), key=key, proof=proof)
+            node.uplink.send_control(ds, end)
+            reply = await answer.receive()
+            if isinstance(reply, Error):
+                log.warning("%s refused the handover of %s...: %s", to.link, s.sid[:8], reply)
+                return None
+            return length
+        log.warning("handover of %s... to %s ran out of time", s.sid[:8], to.link)
+        return None
+    finally:
+        node.downstream.forget_handover(to.link, s.sid)
+
+
+async def _pass_on(node: Node, s: Session, to: Hop, length: int, deadline: float) -> None:
+    """The replica holds the cache: tell the client, wait for it to release the session here
+    (its last steps are in then), send the held steps on and release it to the replica."""
+    moved = Moved(sid=s.sid, hop=s.hop, to=to, length=length)
+    for holder in {id(c): c for c in (s.owner, s.sink) if c is not None}.values():
+        await send_quietly(holder, moved)
+    with trio.move_on_at(deadline):
+        await s.released.wait()
+    ds = node.downstream.stream(to.link)
+    if ds is not None:
+        for step in s.held:
+            node.uplink.send_control(ds, step)
+        node.uplink.send_control(ds, Release(sid=s.sid))
+        # out before the node may stop: the replica passes the session on only after them
+        with trio.move_on_at(deadline):
+            while node.uplink.control_pending(ds) and not ds.closed:
+                await trio.sleep(QUIET_POLL_S)
+    s.held = []
+    s.close()

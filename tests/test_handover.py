@@ -1,0 +1,274 @@
+"""A leaving node hands its sessions to a replica with their caches (swarm/node/mover.py): the
+sessions go on there without replaying a token, and every failure falls back to replay."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import trio
+
+from devtools.launch import NodeProcess, start_node, stop_all
+from swarm.client.client import Client
+from swarm.dht import start_dht, visible_maddrs
+from tests.conftest import reference_greedy
+
+EXACT = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+# prompts whose greedy continuations never come within 0.08 of a tie between the two likeliest
+# tokens (a random tiny model has many near-ties, where float noise of 1e-5 between two runs of a
+# node may pick either)
+PROMPTS = [
+    [271, 256, 451, 178, 376, 232, 150],
+    [177, 358, 182, 307, 257, 299, 411],
+    [38, 433, 50, 486, 141, 245, 359, 343, 36],
+    [89, 315, 62, 255, 33, 114, 396],
+]
+LONG_PROMPT = [  # 48 tokens (a margin of 0.065): ~86 KB of cache to move by the time it leaves
+    *(385, 369, 356, 165, 476, 144, 155, 4, 372, 389, 307, 472, 415, 327, 487, 485, 36, 15),
+    *(425, 122, 57, 246, 369, 492, 241, 491, 400, 200, 407, 131, 470, 223, 420, 255, 70, 478),
+    *(257, 96, 7, 413, 479, 381, 158, 424, 357, 398, 80, 313),
+]
+NEW = 20
+PAUSE_AT = 8  # tokens each session generates before the node leaves
+_LEFT = re.compile(r"left with (\d+) prompt passes .*here (\d+), to replicas (\d+)")
+
+
+def left_with(node: NodeProcess, timeout: float = 60.0) -> tuple[int, int, int]:
+    """Stop `node`; its prompt passes, sessions handed over to it and by it."""
+    node.stop(signal.SIGTERM, timeout)
+    for line in node.lines:
+        if m := _LEFT.search(line):
+            return int(m.group(1)), int(m.group(2)), int(m.group(3))
+    raise AssertionError("the node did not say what it did:\n" + "\n".join(node.lines))
+
+
+def wait_for_lines(node: NodeProcess, needle: str, count: int, timeout: float = 30.0) -> None:
+    """Until `node` has said `needle` in `count` lines: here, sessions handed over (their
+    clients, waiting, read where to only with their next step)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(needle in line for line in list(node.lines)) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not {count} {needle!r} from the node:\n" + "\n".join(node.lines))
+
+
+@dataclass
+class Finished:
+    """How a session ended: its recoveries (replays), hops handed over, its route's nodes."""
+
+    recoveries: list[float]
+    moves: int
+    peers: list[str]
+
+
+def generate_across_a_leave(
+    client: Client, prompts, leave
+) -> tuple[list[list[int]], list[Finished]]:
+    """Greedy tokens of one session per prompt, all at once; once each has PAUSE_AT tokens,
+    `leave()` runs while they wait, then they go on."""
+    out: list[list[int]] = [[] for _ in prompts]
+    sessions: list = [None] * len(prompts)
+    errors: list[BaseException] = []
+    paused = threading.Barrier(len(prompts) + 1)
+    go = threading.Event()
+
+    def run(i: int) -> None:
+        try:
+            with client.session(len(prompts[i]) + NEW) as s:
+                sessions[i] = s
+                logits = s.feed(prompts[i])
+                for k in range(NEW):
+                    if k == PAUSE_AT:
+                        paused.wait(60)
+                        go.wait(120)
+                    out[i].append(int(logits.argmax()))
+                    logits = s.feed([out[i][-1]])
+                peers = [h.peer for h in s.remote.route]
+                sessions[i] = Finished(s.recoveries, s.remote.moves, peers)
+        except BaseException as exc:
+            errors.append(exc)
+            paused.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    try:
+        paused.wait(120)
+        leave()
+    finally:
+        go.set()
+        for t in threads:
+            t.join(180)
+    if errors:
+        raise errors[0]
+    return out, sessions
+
+
+@pytest.fixture
+def dht_peers():
+    """A DHT peer of the test's own that nodes and clients join, so the swarm outlives the
+    node that leaves (a client knowing only that node's DHT peer would lose the swarm)."""
+    dht = start_dht()
+    yield visible_maddrs(dht)[:1]
+    dht.shutdown()
+
+
+def start_full_node(
+    model_dir, peers, *extra: str, layers=(0, 6), stderr=subprocess.DEVNULL
+) -> NodeProcess:
+    """A node serving `layers` (every block) of the tiny model, serving once this returns."""
+    node = start_node(layers, peers, str(model_dir), [*EXACT, *extra], stderr=stderr)
+    try:
+        node.wait_serving()
+    except BaseException:
+        stop_all([node])
+        raise
+    return node
+
+
+def client_of(peers, model_dir) -> Client:
+    return Client(peers, model=str(model_dir), wire_dtype="float32", step_timeout=10)
+
+
+def test_a_drained_node_hands_its_sessions_over_and_they_go_on_without_replay(
+    dht_peers, tiny_model_dir, tiny_reference
+):
+    leaving = start_full_node(tiny_model_dir, dht_peers, "--grace", "20")
+    client = client_of(dht_peers, tiny_model_dir)
+    replica = None
+    try:
+
+        def leave() -> None:
+            nonlocal replica
+            replica = start_full_node(tiny_model_dir, dht_peers)
+            leaving.proc.send_signal(signal.SIGTERM)
+            wait_for_lines(leaving, "handed over to", 4)
+
+        out, sessions = generate_across_a_leave(client, PROMPTS, leave)
+        assert out == [reference_greedy(tiny_reference, p, NEW) for p in PROMPTS]
+        assert [(s.recoveries, s.moves, s.peers) for s in sessions] == [([], 1, [replica.peer])] * 4
+        assert leaving.proc.wait(60) == 0
+        assert left_with(replica) == (0, 4, 0)  # no prompt pass there: nothing replayed
+    finally:
+        client.close()
+        stop_all([leaving] + ([replica] if replica else []))
+
+
+def test_a_last_hop_hands_its_sessions_over_and_the_node_before_it_follows(
+    dht_peers, tiny_model_dir, tiny_reference
+):
+    first = start_full_node(tiny_model_dir, dht_peers, layers=(0, 3))
+    leaving = start_full_node(tiny_model_dir, dht_peers, "--grace", "20", layers=(3, 6))
+    client = client_of(dht_peers, tiny_model_dir)
+    replica = None
+    try:
+
+        def leave() -> None:
+            nonlocal replica
+            replica = start_full_node(tiny_model_dir, dht_peers, layers=(3, 6))
+            leaving.proc.send_signal(signal.SIGTERM)
+            wait_for_lines(leaving, "handed over to", 4)
+
+        out, sessions = generate_across_a_leave(client, PROMPTS, leave)
+        assert out == [reference_greedy(tiny_reference, p, NEW) for p in PROMPTS]
+        route = [first.peer, replica.peer]
+        assert [(s.recoveries, s.moves, s.peers) for s in sessions] == [([], 1, route)] * 4
+        assert leaving.proc.wait(60) == 0
+        assert left_with(replica) == (0, 4, 0)
+    finally:
+        client.close()
+        stop_all([first, leaving] + ([replica] if replica else []))
+
+
+class CuttingProxy:
+    """A TCP relay on loopback that cuts any connection once `limit` bytes have gone through
+    it towards the target: a link failing in the middle of a large transfer."""
+
+    def __init__(self, target_port: int, limit: int):
+        self.target_port, self.limit = target_port, limit
+        self.cuts = 0
+        self.port = 0
+        self._ready = threading.Event()
+        self._stop: trio.CancelScope | None = None
+        self._thread = threading.Thread(target=trio.run, args=(self._serve,), daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+
+    async def _serve(self) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        self._token = trio.lowlevel.current_trio_token()
+        with trio.CancelScope() as self._stop:
+            self._ready.set()
+            await trio.serve_listeners(self._relay, listeners)
+
+    async def _relay(self, inbound: trio.SocketStream) -> None:
+        try:
+            outbound = await trio.open_tcp_stream("127.0.0.1", self.target_port)
+        except OSError:
+            return
+        async with inbound, outbound, trio.open_nursery() as nursery:
+
+            async def copy(src, dst, limit: float) -> None:
+                passed = 0
+                try:
+                    while data := await src.receive_some(65536):
+                        if passed + len(data) > limit:
+                            self.cuts += 1
+                            break
+                        passed += len(data)
+                        await dst.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(copy, inbound, outbound, self.limit)
+            nursery.start_soon(copy, outbound, inbound, float("inf"))
+
+    def close(self) -> None:
+        if self._stop is not None:
+            trio.from_thread.run_sync(self._stop.cancel, trio_token=self._token)
+        self._thread.join(5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_transfer_cut_half_way_falls_back_to_replay_with_the_same_tokens(
+    dht_peers, tiny_model_dir, tiny_reference
+):
+    prompt = LONG_PROMPT
+    node = start_full_node(tiny_model_dir, dht_peers, "--grace", "3")
+    port = free_port()
+    proxy = CuttingProxy(port, limit=40 * 1024)
+    client = client_of(dht_peers, tiny_model_dir)
+    replica = None
+    try:
+
+        def leave() -> None:
+            nonlocal replica
+            public = ["--port", str(port), "--public-address", f"127.0.0.1:{proxy.port}"]
+            replica = start_full_node(tiny_model_dir, dht_peers, *public)
+            node.proc.send_signal(signal.SIGTERM)
+            assert node.proc.wait(60) == 0  # the handover failed; the grace period ran out
+
+        [out], [session] = generate_across_a_leave(client, [prompt], leave)
+        assert out == reference_greedy(tiny_reference, prompt, NEW)
+        assert proxy.cuts >= 1
+        assert len(session.recoveries) == 1
+        passes, moved_in, _ = left_with(replica)
+        assert passes >= 1 and moved_in == 0  # replayed there, nothing taken over
+    finally:
+        client.close()
+        stop_all([node] + ([replica] if replica else []))
+        proxy.close()
