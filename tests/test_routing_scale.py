@@ -59,6 +59,7 @@ def test_later_routes_ping_a_few_more_nodes_each_at_most(crowded):
         for _ in range(3):
             before, dials = crowd.forwarders.total, client.router.dials
             client.route()
-            assert client.router.dials - dials == crowd.forwarders.total - before <= EXPLORE
+            # an exploring ping may go to one of the real nodes, which the crowd does not count
+            assert crowd.forwarders.total - before <= client.router.dials - dials <= EXPLORE
     finally:
         client.close()
