@@ -26,6 +26,7 @@ from swarm.protocol import (
     parse_message,
     to_wire,
 )
+from tests.test_fuzz_wire import hops, hostile_scalars, sids
 
 KINDS = ["handover", "kv", "handover_tail", "handover_end", "taken", "moved", "resume"]
 KINDS += ["resumed", "release"]
@@ -36,24 +37,16 @@ FAST = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
 )
 
-scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**63), 2**64 - 1)
-    | st.floats()
-    | st.text(max_size=12)
-    | st.binary(max_size=24)
-)
+# the wire fuzz test's hostile values, in lists up to 7 long so that junk reaches the length of a
+# hop ([host, port, start, end, peer, tls, relay])
 hostile = st.recursive(
-    scalars,
+    hostile_scalars,
     lambda inner: (
         st.lists(inner, max_size=7) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
     ),
     max_leaves=16,
 )
-sids = st.text(max_size=64)
 lengths = st.integers(1, 1 << 20)
-hops = st.builds(Hop, st.text(max_size=20), *[st.integers(0, 2**31)] * 3, st.text(max_size=20))
 opens = st.builds(
     Open,
     sids,
