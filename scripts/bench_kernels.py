@@ -60,9 +60,9 @@ def call_seconds(fn, calls: int, threads: int) -> float:
     """After a warm-up: at 1 thread the median CPU time of `calls` calls (see Clocks above), at
     more the fastest wall-clock call."""
     fn()
+    clock = time.thread_time if threads == 1 else time.perf_counter
     times = []
     for _ in range(calls):
-        clock = time.thread_time if threads == 1 else time.perf_counter
         start = clock()
         fn()
         times.append(clock() - start)
