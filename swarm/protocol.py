@@ -55,6 +55,9 @@ class Open:
     # the user's host as the first node saw it, forwarded as is: a next hop gives each user
     # behind a forwarding node a share of its own (swarm.node.admission.share_of)
     origin: str = ""
+    # on the last hop only: once the prompt is in, hand the session and its cache over to this
+    # node serving the same blocks (prefill on one node, decode on another; swarm.node.mover)
+    handoff: Hop | None = None
     t: str = field(default="open", init=False)
 
 
@@ -309,9 +312,11 @@ def to_wire(message: Message) -> dict[str, Any]:
         if name == "t":
             continue
         value = getattr(message, name)
+        if name == "handoff" and value is None:
+            continue
         if name == "route":
             value = [h.to_wire() for h in value]
-        elif name == "to":
+        elif name in ("to", "handoff"):
             value = value.to_wire()
         elif name == "open":
             value = to_wire(value)
@@ -413,6 +418,7 @@ def _open(d: dict[str, Any]) -> Open:
         max_length=_int(d, "max_length", 1, 1 << 20),
         sink_token=_str(d, "sink_token", 64),
         origin=_str(d, "origin", 64) if "origin" in d else "",
+        handoff=_hop(d["handoff"]) if "handoff" in d else None,
     )
 
 

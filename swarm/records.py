@@ -17,6 +17,10 @@ from swarm.protocol import Hop, link_name
 
 JOINING, ONLINE, OFFLINE = "joining", "online", "offline"
 STATES = (JOINING, ONLINE, OFFLINE)
+# what a node announces itself for: prompts and decoding (BOTH); PREFILL: long prompts, whose
+# sessions it hands on to a decode node once computed; DECODE: not those prompts
+BOTH, PREFILL, DECODE = "both", "prefill", "decode"
+ROLES = (BOTH, PREFILL, DECODE)
 MODELS_KEY = "swarm.models"
 # bounds on what a reader accepts from the DHT, which anyone can write to
 MAX_LAYERS = 4096
@@ -69,6 +73,7 @@ class NodeRecord:
     moved_in: int = 0  # sessions leaving nodes handed over to it (swarm.node.mover)
     moved_out: int = 0  # sessions it handed over to replicas
     transfers: int = 0  # caches being handed over, either way, when it wrote the record
+    role: str = BOTH  # PREFILL: clients send it long prompts, it hands their caches on
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,10 +129,13 @@ class NodeRecord:
                 relay=_typed(raw, "relay", str) if "relay" in raw else "",
                 reach=_typed(raw, "reach", str)[:16] if "reach" in raw else "",
                 arch=_typed(raw, "arch", str)[:MAX_ARCH] if "arch" in raw else "",
+                role=_typed(raw, "role", str) if "role" in raw else BOTH,
                 **{k: _typed(raw, k, int) for k in HANDOVER_FIGURES if k in raw},
             )
         except KeyError as exc:
             raise ValueError(f"record lacks field {exc}") from None
+        if rec.role not in ROLES:
+            raise ValueError(f"record role {rec.role[:40]!r} is not one of {ROLES}")
         if rec.state not in STATES:
             raise ValueError(f"record state {rec.state!r} is not one of {STATES}")
         if not 0 <= rec.start < rec.end <= rec.num_layers:

@@ -15,7 +15,14 @@ import trio
 from swarm.client.head_batch import LogitsBatcher
 from swarm.client.reply import ReplyStream, ReplyText, Sampler
 from swarm.client.router import Router
-from swarm.client.routing import find_route, missing_blocks, usable
+from swarm.client.routing import (
+    PREFILL_MIN_TOKENS,
+    decode_nodes,
+    find_route,
+    missing_blocks,
+    pick_prefill,
+    usable,
+)
 from swarm.client.runtime import TrioThread
 from swarm.client.session import PREFILL_CHUNK, RemoteSession
 from swarm.client.verify import Reports, Verdict, check_last_step
@@ -27,6 +34,7 @@ from swarm.errors import (
     SpanError,
     SwarmError,
 )
+from swarm.model.blocks import KVCache
 from swarm.model.head import Head
 from swarm.model.source import open_model
 from swarm.protocol import Hop
@@ -54,9 +62,13 @@ class Client:
         max_retries: int = 4,
         prefill_chunk: int = PREFILL_CHUNK,
         plaintext: bool = False,
+        disaggregate: bool = True,
     ):
         """`plaintext`: also route through nodes run with --plaintext (an experiment; by
-        default every connection is TLS, checked against the key each node's record names)."""
+        default every connection is TLS, checked against the key each node's record names).
+        `disaggregate`: send long prompts to prefill nodes where the swarm has them (P/D,
+        swarm.client.routing.pick_prefill); False: every session computes its prompt where
+        it decodes."""
         if not initial_peers:
             raise ValueError("initial_peers is empty: pass the multiaddr a node printed")
         self.source = open_model(model)
@@ -69,6 +81,7 @@ class Client:
         self.max_retries = max_retries
         self.prefill_chunk = prefill_chunk
         self.plaintext = plaintext
+        self.disaggregate = disaggregate
         self._tokenizer = None
         self._loading = threading.Lock()  # tokenizer and heads load once, whatever the threads
         self.dht = start_dht(initial_peers, client_mode=True)
@@ -120,10 +133,14 @@ class Client:
     def release_route(self, route: list[Hop], token: float) -> None:
         self.router.closed(route, token)
 
-    def _route(self, exclude: set[str], max_length: int, hold: bool) -> tuple[list[Hop], float]:
+    def _leaving_out(self, exclude: set[str]) -> set[str]:
+        """`exclude`, the nodes found computing wrongly and those shunned for now."""
         now = time.monotonic()
         shunned = {peer for peer, until in self.shunned.items() if until > now}
-        exclude = {*exclude, *self.suspects, *shunned}
+        return {*exclude, *self.suspects, *shunned}
+
+    def _route(self, exclude: set[str], max_length: int, hold: bool) -> tuple[list[Hop], float]:
+        exclude = self._leaving_out(exclude)
         every = self.recent_nodes()
         records = usable(every, self.fingerprint, exclude, self.plaintext)
         if missing_blocks(records, self.config.num_layers):
@@ -139,10 +156,31 @@ class Client:
         if not missing_blocks(roomy, self.config.num_layers):
             records = roomy  # a full node says so in its record; else it may have room by now
         self._weights.update({r.peer: r.weights for r in records})
+        records = decode_nodes(records, self.config.num_layers)
         name = self.config.name
         return self.router.route(
             records, self.config.num_layers, self.fingerprint, exclude, name, self.plaintext, hold
         )
+
+    def prefill_hop(
+        self, hop: Hop, tokens: int, max_length: int, exclude: set[str] = frozenset()
+    ) -> Hop | None:
+        """Where to compute a prompt of `tokens` for a session that decodes on `hop`, the last
+        of its route: a prefill node for the same blocks and weights if the swarm has one
+        worth the cache's transfer (swarm.client.routing.pick_prefill); None: on `hop`."""
+        if not self.disaggregate or tokens < PREFILL_MIN_TOKENS:
+            return None
+        weights = self._weights.get(hop.peer)
+        exclude = self._leaving_out(exclude)
+        records = [
+            r
+            for r in usable(self.recent_nodes(), self.fingerprint, exclude, self.plaintext)
+            if r.weights == weights  # the same cache format, or the handoff is refused
+        ]
+        dtype = torch.float32 if weights == "float32" else torch.bfloat16
+        cache = tokens * KVCache.bytes_per_token(self.config, hop.end - hop.start, dtype)
+        r = pick_prefill(records, hop, cache, max_length, self.router.estimates(records))
+        return None if r is None else r.hop(hop.start, hop.end)
 
     def _await_cover(self, exclude: set[str]) -> tuple[list[NodeRecord], list[NodeRecord]]:
         """The records read anew, and the usable ones; while nodes announcing themselves
@@ -176,8 +214,11 @@ class Client:
 
     # ---- sessions ----------------------------------------------------------------------------
 
-    def remote_session(self, route: list[Hop], max_length: int) -> RemoteSession:
-        """A session on the nodes of `route`, not opened yet."""
+    def remote_session(
+        self, route: list[Hop], max_length: int, handoff: Hop | None = None
+    ) -> RemoteSession:
+        """A session on the nodes of `route`, not opened yet; `handoff`: the node its last hop
+        hands it to once the prompt is in (see prefill_hop)."""
         return RemoteSession(
             route,
             self.fingerprint,
@@ -187,6 +228,7 @@ class Client:
             self.step_timeout,
             prefill_chunk=self.prefill_chunk,
             own_dtype=self.config.wire_dtype,
+            handoff=handoff,
         )
 
     def head(self, route: list[Hop]) -> Head:
@@ -289,12 +331,18 @@ class InferenceSession:
             self.client.loop.run(self.remote.aclose)
             self.remote = None
 
-    def _open(self) -> None:
+    def _open(self, tokens: int) -> None:
+        """Open a session on a new route for a first step of `tokens`: a long prompt may go
+        to a prefill node, which hands the session on to the route's last hop (P/D)."""
         # counted on its nodes at once: load their records do not show yet, which sessions
         # routed at the same moment must see
         route, self._held = self.client.hold_route(self.excluded, self.max_length)
         self._route = list(route)
-        remote = self.client.remote_session(route, self.max_length)
+        handoff = None
+        prefill = self.client.prefill_hop(route[-1], tokens, self.max_length, self.excluded)
+        if prefill is not None:
+            handoff, route = route[-1], [*route[:-1], prefill]
+        remote = self.client.remote_session(route, self.max_length, handoff)
         try:
             self.client.loop.run(remote.open)
         except BaseException:
@@ -302,7 +350,11 @@ class InferenceSession:
             self.client.loop.run(remote.aclose)
             raise
         self.remote = remote
-        log.info("route: %s", " -> ".join(f"{h.addr}[{h.start}:{h.end}]" for h in route))
+        log.info(
+            "route: %s%s",
+            " -> ".join(f"{h.addr}[{h.start}:{h.end}]" for h in route),
+            f", then {handoff.addr} once the prompt is in" if handoff else "",
+        )
 
     def feed(self, ids: list[int]) -> torch.Tensor:
         """Append tokens; return logits [vocab] for the next one."""
@@ -324,7 +376,7 @@ class InferenceSession:
         """One try at feeding `ids`; on a new route, the tokens so far go first."""
         replay = []
         if self.remote is None:
-            self._open()
+            self._open(len(self.history) + len(ids))
             replay = self.history  # a new route: rebuild its caches from the tokens so far
         head = self.client.head(self.remote.route)
         hidden = head.embed_tokens(replay + ids)

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 
 from swarm.errors import RouteUnavailable
 from swarm.protocol import Hop
-from swarm.records import ONLINE, NodeRecord, block_coverage, coverage_gaps, format_blocks
+from swarm.records import (
+    ONLINE,
+    PREFILL,
+    NodeRecord,
+    block_coverage,
+    coverage_gaps,
+    format_blocks,
+)
 
 DEFAULT_RTT = 0.05  # seconds, for nodes not pinged yet
 DEFAULT_BLOCK_TIME = 0.005  # seconds per block per token, for nodes without a throughput figure
@@ -35,6 +42,16 @@ NEAR_BEST = 0.05
 # ... or this many seconds more: the best of two pings to a node on a busy host varies by a few
 # milliseconds (loopback, 12 nodes on 2 cores), which on a LAN is more than the few percent
 NEAR_BEST_S = 0.005
+# Prefill on one node, decode on another (P/D): a prompt shorter than this is computed where the
+# session decodes; a longer one goes to a prefill node for the route's last blocks, which
+# computes it, answers the first token and hands the session, cache and all, to the decode node.
+PREFILL_MIN_TOKENS = 64
+# ... if the cache reaches the decode node within this many seconds at the prefill node's
+# measured uplink, its transfers in flight queued before it. Meanwhile the session decodes on
+# the prefill node among its prompt passes; longer means that uplink is the bottleneck (caches
+# arrive faster than they leave) and sessions would pile up there.
+MAX_HANDOFF_S = 10.0
+HANDOFF_BANDWIDTH = 12.5e6  # bytes/s assumed where the record has measured none (100 Mbit/s)
 
 
 def usable(
@@ -119,6 +136,43 @@ def block_seconds(route: list[Hop], seconds: float, rtts: Mapping[str, float]) -
     links = sum(rtts.get(h.peer, DEFAULT_RTT) / 2 for h in route)
     links += rtts.get(route[-1].peer, DEFAULT_RTT) / 2
     return max(0.0, seconds - links) / sum(h.end - h.start for h in route)
+
+
+def handoff_seconds(r: NodeRecord, cache_bytes: int) -> float:
+    """Seconds until a cache of `cache_bytes` leaves prefill node `r` for its decode node."""
+    bandwidth = r.link.get("bandwidth_Bps") or HANDOFF_BANDWIDTH
+    return cache_bytes * (1 + r.transfers) / bandwidth
+
+
+def decode_nodes(records: list[NodeRecord], num_layers: int) -> list[NodeRecord]:
+    """The records routes decode on: all but prefill nodes, unless only those cover a block."""
+    others = [r for r in records if r.role != PREFILL]
+    return records if missing_blocks(others, num_layers) else others
+
+
+def pick_prefill(
+    records: Iterable[NodeRecord],
+    hop: Hop,
+    cache_bytes: int,
+    max_length: int,
+    est: Estimates | None = None,
+    max_seconds: float = MAX_HANDOFF_S,
+) -> NodeRecord | None:
+    """A prefill node for `hop` (usable records only): serving its blocks, with room for the
+    session, its cache of `cache_bytes` handed on within `max_seconds`; the least loaded."""
+    est = est or Estimates()
+    fits = [
+        r
+        for r in records
+        if r.role == PREFILL
+        and r.peer != hop.peer
+        and r.start <= hop.start < hop.end <= r.end
+        and r.free_cache_tokens >= max_length
+        and handoff_seconds(r, cache_bytes) <= max_seconds
+    ]
+    if not fits:
+        return None
+    return min(fits, key=lambda r: (est.sessions(r), handoff_seconds(r, cache_bytes), r.peer))
 
 
 def find_route(

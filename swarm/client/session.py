@@ -48,6 +48,7 @@ class RemoteSession:
         max_frame: int = DEFAULT_MAX_FRAME,
         prefill_chunk: int = PREFILL_CHUNK,
         own_dtype: str = DEFAULT_WIRE_DTYPE,
+        handoff: Hop | None = None,
     ):
         self.route = list(route)  # a hop handed over by a leaving node changes here
         self.own_dtype = own_dtype  # what the client sends where it asks nodes for none
@@ -65,6 +66,7 @@ class RemoteSession:
         self._beats: dict[int, Heartbeat] = {}  # id(connection) -> its heartbeat, while stepping
         self._token = ""  # the sink token, which also claims the session where it moves
         self.moves = 0  # hops handed over to another node (their caches moved; no replay)
+        self.handoff = handoff  # where the last hop hands the session once the prompt is in
 
     async def open(self) -> None:
         first, last = self.route[0], self.route[-1]
@@ -79,6 +81,7 @@ class RemoteSession:
                 wire_dtype=self.wire_dtype,
                 max_length=self.max_length,
                 sink_token=token,
+                handoff=self.handoff,
             )
         )
         await self._expect(self.first, Opened, 0, timeout=60 + 5 * len(self.route))

@@ -9,7 +9,7 @@ import time
 from html import escape
 
 from swarm.health.snapshot import EXPIRED, ModelView, NodeView, Snapshot, short_peer
-from swarm.records import MAX_TTL_S, Reported, format_blocks
+from swarm.records import BOTH, DECODE, MAX_TTL_S, PREFILL, Reported, format_blocks
 
 # numbers inside the bar's cells stop fitting beyond this many blocks; the tooltip keeps them
 MAX_LABELLED_BLOCKS = 48
@@ -271,6 +271,16 @@ def _moved(r) -> str:
     )
 
 
+def _role(role: str) -> str:
+    if role == BOTH:
+        return ""
+    title = {
+        PREFILL: "takes long prompts, then hands each session with its cache to a decode node",
+        DECODE: "decodes; takes no prompts meant for prefill nodes",
+    }.get(role, "")
+    return f' <span class="badge role" title="{title}">{escape(role)}</span>'
+
+
 def _reported(r: Reported | None) -> str:
     if r is None:
         return ""
@@ -293,7 +303,7 @@ def _row(n: NodeView, num_layers: int) -> str:
             ' <span class="badge s-unreachable" title="fingerprint differs from the model">'
             "other weights</span>"
         )
-    state += _reported(n.reported)
+    state += _reported(n.reported) + _role(r.role)
     if n.reach is None:
         rtt = '<span class="muted">—</span>'
     elif n.reach.reachable:

@@ -70,6 +70,7 @@ class NodeView:
             "moved_in": r.moved_in,
             "moved_out": r.moved_out,
             "transfers": r.transfers,
+            "role": r.role,  # both, prefill (hands its sessions on to decode nodes), decode
             "link": dict(r.link),
             "tls": r.tls,  # the key id it proves; "" when it runs --plaintext
             "relay": r.relay,  # the peer relaying for it ("": others dial it directly)

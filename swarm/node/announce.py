@@ -10,7 +10,7 @@ import trio
 from swarm import __version__
 from swarm.dht import announce
 from swarm.node.status import Status
-from swarm.records import ONLINE, NodeRecord
+from swarm.records import BOTH, ONLINE, NodeRecord
 
 log = logging.getLogger("swarm.node")
 
@@ -31,12 +31,13 @@ class Announcer:
         ttl: float,
         tls: str = "",
         arch: str = "",
+        role: str = BOTH,
     ):
         self.dht = dht
         self.peer, self.addr, self.model = peer, addr, model
         self.num_layers, self.fingerprint = num_layers, fingerprint
         self.start, self.end, self.ttl = start, end, ttl
-        self.tls, self.arch = tls, arch
+        self.tls, self.arch, self.role = tls, arch, role
         self.relay = ""  # the relay's peer id while nobody can dial this node directly
         self.reach = ""  # what the dial-back check found (swarm.records.NodeRecord.reach)
 
@@ -73,6 +74,7 @@ class Announcer:
             relay=self.relay,
             reach=self.reach,
             arch=self.arch,
+            role=self.role,
             updated=get_dht_time(),
         )
 

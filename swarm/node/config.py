@@ -23,7 +23,7 @@ from swarm.options import (
     positive_int,
     read_option,
 )
-from swarm.records import MAX_TTL_S
+from swarm.records import BOTH, MAX_TTL_S, PREFILL, ROLES
 from swarm.wire import DEFAULT_MAX_FRAME
 
 
@@ -194,6 +194,13 @@ class NodeConfig:
         action="store_true",
     )
     wire_dtype: str | None = wire_dtype_option(None, "the model's")
+    role: str = option(
+        BOTH,
+        "prefill: take long prompts and hand each session, cache and all, to a decode node"
+        " serving the same blocks once its prompt is in (clients route decoding elsewhere);"
+        " decode: take no such prompts; both: take everything",
+        choices=ROLES,
+    )
     threads: int = option(1, "torch threads for compute")
     dht_nice: int = option(
         10,
@@ -293,6 +300,8 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         group, _, name = dest.rpartition(".")
         values[group][name] = read_option(f, ns[dest])
     start, end = ns["layers"] or (None, None)
+    if ns["role"] == PREFILL and ns["limits.handover"] == "off":
+        build_parser().error("--role prefill hands every session on: it needs --handover on")
     return NodeConfig(
         start=start,
         end=end,

@@ -231,6 +231,7 @@ class Lifecycle:
             self.cfg.limits.announce_ttl_s,
             tls=self.identity.key_id if self.identity else "",
             arch=config.arch,
+            role=self.cfg.role,
         )
 
     async def _join(self, span_range: Blocks, settle: bool) -> tuple[Announcer, Blocks]:

@@ -56,11 +56,34 @@ QUIET_POLL_S = 0.005
 KV_VOLUME_BYTES = 256 * 1024
 
 
+# a prefill node's handoff, from the prompt's end: the transfer, then the client's next step
+# (which learns where the session went) and the last steps passed on
+HANDOFF_S = 120.0
+
+
 def movable(s: Session) -> bool:
     """Sessions this node ends the route of: their owner (the client, or the node before)
     and their sink (the client) follow the move. A session with a next hop finishes here or is
     replayed (the next hop would have to take the replica as the session's owner)."""
-    return s.is_last and not s.state.closed and s.state.used
+    return s.is_last and not s.state.closed and s.state.used and not s.moving
+
+
+async def hand_off(node: Node, s: Session, say=print) -> None:
+    """Prefill here, decode there: `s`'s prompt is in; move it to the node its open names.
+    It decodes here until its cache has arrived (it pauses only for the tail). One cache at a
+    time: the uplink then carries each at its full rate, and the first session reaches its
+    decode node soonest. A refused or failed handoff leaves the session here."""
+    to = s.open_msg.handoff
+    assert to is not None
+    deadline = trio.current_time() + HANDOFF_S
+    try:
+        if not await hand_over(node, s, to, deadline, node.handoff_turn, say):
+            log.warning("session %s... stays here: %s took no handoff", s.sid[:8], to.link)
+    except Exception:
+        log.exception("handing session %s... on to %s failed", s.sid[:8], to.link)
+        if not s.state.closed:
+            s.unpause()
+            s.moving = False
 
 
 async def hand_over_all(
@@ -92,6 +115,7 @@ async def hand_over_all(
             log.exception("handing session %s... over failed", s.sid[:8])
             if not s.state.closed:
                 s.unpause()
+                s.moving = False
 
     with trio.move_on_at(deadline):
         async with trio.open_nursery() as nursery:
@@ -111,6 +135,7 @@ async def hand_over(
     """Move `s` to the replica `to`, its pause and transfer in `turn`; True once the replica
     holds it (the client has been told). `say`: told once the replica has taken the cache."""
     node.counters.transfers += 1
+    s.moving = True
     try:
         async with turn or trio.Lock():
             times = [time.monotonic()]
@@ -118,6 +143,7 @@ async def hand_over(
             times.append(time.monotonic())
             if length is None:
                 s.unpause()
+                s.moving = False
                 return False
         if say is not None:
             say(f"session {s.sid[:8]}... handed over to {to.addr} ({to.peer})")
@@ -179,7 +205,7 @@ async def _send_cache(node: Node, s: Session, to: Hop, deadline: float) -> int |
         return None
     route = list(s.route)
     route[s.hop] = to
-    opening = replace(s.open_msg, route=tuple(route), origin=s.origin)
+    opening = replace(s.open_msg, route=tuple(route), origin=s.origin, handoff=None)
     try:
         ds = await node.downstream.connect(to)
     except SwarmError as exc:

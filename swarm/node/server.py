@@ -34,6 +34,7 @@ from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
 from swarm.node.downstream import Downstream
 from swarm.node.handover import CacheIntake, refusal
+from swarm.node.mover import hand_off
 from swarm.node.observer import NoObserver, StepObserver
 from swarm.node.session import Counters, Session, SessionContext, send_quietly
 from swarm.node.session_table import SessionTable
@@ -46,6 +47,7 @@ from swarm.protocol import (
     Handover,
     HandoverEnd,
     HandoverTail,
+    Hop,
     KvChunk,
     Open,
     Ping,
@@ -57,6 +59,7 @@ from swarm.protocol import (
     Taken,
     handover_claim,
 )
+from swarm.records import DECODE
 from swarm.relay import RelayHub
 from swarm.tls import HANDSHAKE_TIMEOUT_S, TLS_HANDSHAKE, Identity, peek_byte
 from swarm.transport import FramedStream
@@ -111,7 +114,9 @@ class Node:
             self.sessions,
             self.observer,
             self.counters,
+            self._hand_off,
         )
+        self.handoff_turn = trio.Lock()  # a prefill node's handoffs, one cache at a time
         self.port: int | None = None
         self._nursery: trio.Nursery | None = None  # the node's own, while it serves
 
@@ -374,6 +379,29 @@ class Node:
             raise ProtocolError(
                 f"wire dtype {msg.wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
             )
+        if msg.handoff is not None:
+            self._check_handoff(msg, hop)
+
+    def _check_handoff(self, msg: Open, hop: Hop) -> None:
+        """An open asking this node to compute the prompt, then hand the session on: only the
+        last hop does, to another node for the same blocks, unless this node decodes only."""
+        to = msg.handoff
+        assert to is not None
+        if msg.hop != len(msg.route) - 1:
+            raise ProtocolError("only a route's last hop hands its session on after the prompt")
+        if (to.start, to.end) != (hop.start, hop.end):
+            raise ProtocolError(
+                f"a handoff of blocks {to.start}:{to.end} from a hop computing"
+                f" {hop.start}:{hop.end}"
+            )
+        if to.peer == node_id():
+            raise ProtocolError("a handoff to the node itself")
+        if self.config.role == DECODE or self.config.limits.handover == "off":
+            raise NodeBusy("this node hands no sessions on (--role decode or --handover off)")
+
+    def _hand_off(self, session: Session) -> None:
+        assert self._nursery is not None, "Node.serve is not running"
+        self._nursery.start_soon(hand_off, self, session)
 
     # ---- sessions handed over here -------------------------------------------------------
 
@@ -382,6 +410,8 @@ class Node:
         then let its cache come in (KvChunk) before HandoverEnd proves where it came from."""
         opening, now = msg.open, time.monotonic()
         try:
+            if opening.handoff is not None:  # a session handed on goes no further
+                raise HandoverRefused("a handed-over session that names a handoff of its own")
             self._check_open(opening)
             if msg.length > opening.max_length:
                 raise HandoverRefused(

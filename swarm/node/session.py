@@ -18,6 +18,7 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -89,6 +90,8 @@ class SessionContext:
     sessions: SessionTable  # its place, given up when it ends, and its turn for prompt passes
     observer: StepObserver
     counters: Counters
+    # a session opened with a handoff calls it once its prompt is in (swarm.node.mover.hand_off)
+    hand_off: Callable[[Session], None] | None = None
 
 
 async def send_quietly(conn: FramedStream, msg) -> None:
@@ -138,6 +141,7 @@ class Session:
         self._handed = False  # the sender released the session: its steps are all in
         self._early: list[Step] = []  # steps from the next owner before that
         self._sink_came = trio.Event()
+        self.moving = False  # its cache is being handed over (a drain or a handoff)
 
     @property
     def is_last(self) -> bool:
@@ -515,6 +519,8 @@ class Session:
         self.ctx.counters.prompt_tokens += hidden.shape[1]
         if await self._forward(step, done):
             out = done.result
+            if step.pos + out.shape[1] == step.end:
+                self._prompt_done()
             self.ctx.observer.prompt_pass(
                 self.sid,
                 time.monotonic(),
@@ -524,6 +530,15 @@ class Session:
                 done.elapsed,
                 done.usage,
             )
+
+    def _prompt_done(self) -> None:
+        """Opened with a handoff (this node computes prompts for a decode node): the prompt
+        is in and its result on the way, so the session goes to that node, decoding here
+        until its cache has arrived there."""
+        if self.open_msg.handoff is None or self.moving or self.ctx.hand_off is None:
+            return
+        self.moving = True
+        self.ctx.hand_off(self)
 
     def _rank(self) -> float:
         compute = self.ctx.compute
@@ -579,4 +594,5 @@ def _forwarded(msg: Open, origin: str) -> Open:
         max_length=msg.max_length,
         sink_token=msg.sink_token,
         origin=origin,
+        handoff=msg.handoff,
     )
