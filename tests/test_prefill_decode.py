@@ -4,6 +4,7 @@ hands the session, cache and all, to the node the session decodes on (swarm/node
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -51,7 +52,10 @@ def test_a_p_d_route_gives_the_colocated_tokens_and_the_decode_node_computes_no_
     tiny_reference,
 ):
     decode = start_full_node(tiny_model_dir, dht_peers, "--role", "decode")
-    prefill = start_full_node(tiny_model_dir, dht_peers, "--role", "prefill")
+    # the prompt in 64 passes: its cache streams to the decode node from the first one on
+    prefill = start_full_node(
+        tiny_model_dir, dht_peers, "--role", "prefill", "--prefill-pass-tokens", "1"
+    )
     nodes = [decode, prefill]
     colocated = Client(
         dht_peers, model=str(tiny_model_dir), wire_dtype="float32", disaggregate=False
@@ -63,6 +67,8 @@ def test_a_p_d_route_gives_the_colocated_tokens_and_the_decode_node_computes_no_
         out, moves, peers = generate(
             split, PROMPT, lambda: wait_for_lines(prefill, "handed over to", 1)
         )
+        [said] = [line for line in prefill.lines if "handed over to" in line]
+        assert int(re.search(r"its cache in (\d+) part", said).group(1)) > 1, said
         assert out == alone == reference_greedy(tiny_reference, PROMPT, NEW)
         assert (moves, peers) == (1, [decode.peer])
         # prompt passes, sessions moved in, sessions moved out

@@ -139,14 +139,18 @@ async def hand_over(
     try:
         async with turn or trio.Lock():
             times = [time.monotonic()]
-            length = await _send_cache(node, s, to, deadline)
+            sent = await _send_cache(node, s, to, deadline)
             times.append(time.monotonic())
-            if length is None:
+            if sent is None:
                 s.unpause()
                 s.moving = False
                 return False
+        length, parts = sent
         if say is not None:
-            say(f"session {s.sid[:8]}... handed over to {to.addr} ({to.peer})")
+            say(
+                f"session {s.sid[:8]}... handed over to {to.addr} ({to.peer}), its cache in"
+                f" {parts} part{'s' if parts > 1 else ''}"
+            )
         await _pass_on(node, s, to, length, deadline)
         times.append(time.monotonic())
     finally:
@@ -198,9 +202,10 @@ def _queue(node: Node, ds, to: Hop, s: Session, phase: list[Slab]) -> list[trio.
     return sent
 
 
-async def _send_cache(node: Node, s: Session, to: Hop, deadline: float) -> int | None:
+async def _send_cache(node: Node, s: Session, to: Hop, deadline: float) -> tuple[int, int] | None:
     """Send the cache to `to` (all of it so far while the session goes on, then, paused, its
-    tail) and wait for `Taken`: the length it took, None if it failed (logged)."""
+    tail) and wait for `Taken`: the length it took and in how many parts (phases) it went,
+    None if it failed (logged)."""
     if s.state.closed or s.cache is None or s.cache.length == 0:
         return None
     route = list(s.route)
@@ -221,14 +226,20 @@ async def _send_cache(node: Node, s: Session, to: Hop, deadline: float) -> int |
         with trio.move_on_at(deadline):
             for done in _queue(node, ds, to, s, phases[0]):
                 await done.wait()
+            sent = start
+            # a prompt still computing here (a handoff from its first pass on): what its
+            # passes add meanwhile follows, all of it at once each time the last has gone
+            while sent < s.prompt_end and not s.state.closed:
+                while s.cache is not None and s.cache.length == sent and not s.state.closed:
+                    await trio.sleep(QUIET_POLL_S)
+                if s.cache is None or s.state.closed:
+                    return None
+                sent = await _send_tail(node, ds, to, s, phases, sent, s.cache.length)
             length = await _pause(node, s)
             if length is None:
                 return None
-            if length > start:  # the tail it computed meanwhile
-                node.uplink.send_control(ds, HandoverTail(sid=s.sid, length=length))
-                phases.append(await trio.to_thread.run_sync(slabs, s.cache, start, length))
-                for done in _queue(node, ds, to, s, phases[1]):
-                    await done.wait()
+            if length > sent:  # the tail it computed meanwhile
+                await _send_tail(node, ds, to, s, phases, sent, length)
             digest = await trio.to_thread.run_sync(slab_digest, phases)
             key, proof = sign_as_node(handover_claim(to.peer, s.sid, length, digest))
             end = HandoverEnd(sid=s.sid, digest=digest, peer=node_id(), key=key, proof=proof)
@@ -237,11 +248,23 @@ async def _send_cache(node: Node, s: Session, to: Hop, deadline: float) -> int |
             if isinstance(reply, Error):
                 log.warning("%s refused the handover of %s...: %s", to.link, s.sid[:8], reply)
                 return None
-            return length
+            return length, len(phases)
         log.warning("handover of %s... to %s ran out of time", s.sid[:8], to.link)
         return None
     finally:
         node.downstream.forget_handover(to.link, s.sid)
+
+
+async def _send_tail(
+    node: Node, ds, to: Hop, s: Session, phases: list[list[Slab]], lo: int, hi: int
+) -> int:
+    """Send positions [lo, hi) of the cache as one more phase; `hi` once they have gone."""
+    assert s.cache is not None
+    node.uplink.send_control(ds, HandoverTail(sid=s.sid, length=hi))
+    phases.append(await trio.to_thread.run_sync(slabs, s.cache, lo, hi))
+    for done in _queue(node, ds, to, s, phases[-1]):
+        await done.wait()
+    return hi
 
 
 async def _pass_on(node: Node, s: Session, to: Hop, length: int, deadline: float) -> None:

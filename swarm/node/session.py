@@ -142,6 +142,7 @@ class Session:
         self._early: list[Step] = []  # steps from the next owner before that
         self._sink_came = trio.Event()
         self.moving = False  # its cache is being handed over (a drain or a handoff)
+        self.prompt_end = 0  # where the prompt it computes last ends
 
     @property
     def is_last(self) -> bool:
@@ -502,6 +503,7 @@ class Session:
                     await self._woken()
             return
         step, hidden = self.pieces.take(config.pass_tokens, time.monotonic())
+        self.prompt_end = step.end
         if self.pieces:  # more than one pass waits: queue the next, behind any decode step
             self._tickets.append(compute.reserve(PREFILL, self._rank()))
         fn = functools.partial(
@@ -519,8 +521,7 @@ class Session:
         self.ctx.counters.prompt_tokens += hidden.shape[1]
         if await self._forward(step, done):
             out = done.result
-            if step.pos + out.shape[1] == step.end:
-                self._prompt_done()
+            self._prompt_computed(done_all=step.pos + out.shape[1] == step.end)
             self.ctx.observer.prompt_pass(
                 self.sid,
                 time.monotonic(),
@@ -531,14 +532,19 @@ class Session:
                 done.usage,
             )
 
-    def _prompt_done(self) -> None:
-        """Opened with a handoff (this node computes prompts for a decode node): the prompt
-        is in and its result on the way, so the session goes to that node, decoding here
-        until its cache has arrived there."""
+    def _prompt_computed(self, done_all: bool) -> None:
+        """Opened with a handoff (this node computes prompts for a decode node): the session
+        goes to that node, its cache streaming there from the prompt's first pass on (the
+        rest follows as passes finish), decoding here until it has all arrived. A layer with a
+        sliding window shorter than the session waits for the whole prompt: the next pass
+        would overwrite positions of its ring while they are copied out."""
         if self.open_msg.handoff is None or self.moving or self.ctx.hand_off is None:
             return
-        self.moving = True
-        self.ctx.hand_off(self)
+        assert self.cache is not None
+        rings = any(k.shape[2] < self.max_length for k in self.cache.keys)
+        if done_all or not rings:
+            self.moving = True
+            self.ctx.hand_off(self)
 
     def _rank(self) -> float:
         compute = self.ctx.compute

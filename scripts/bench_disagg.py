@@ -1,0 +1,202 @@
+"""Long prompts arriving among steady decode streams: colocated nodes vs a prefill/decode pair.
+
+Two rounds on the default model, each with two nodes serving every block at --threads 1 (the
+same cores in both):
+  colocated: both nodes --role both; streams and prompts spread over them, so a node computing a
+             prompt delays the decode steps of the streams it serves.
+  P/D:       one --role prefill, one --role decode; streams decode on the decode node, prompts
+             go to the prefill node, which answers the first token and hands each session with
+             its cache to the decode node (swarm/node/mover.py), decoding it meanwhile.
+In each, --streams sessions decode steadily; every --every seconds a session with a --prompt
+token prompt arrives and generates --new tokens. Figures: the steady streams' time per output
+token (TPOT, the gap between two of a stream's tokens while prompts arrive), the new sessions'
+time to first token (TTFT) and their TPOT. With --rate-mbps every node sits behind its own
+shaped link (devtools/link_proxy.py, both ways): prompts, results and the handed-on caches
+cross them.
+
+  .venv/bin/python scripts/bench_disagg.py [--prompts 8 --every 5] [--rate-mbps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import threading
+import time
+
+from bench_handover import cpu_model, free_port, pct, start_relay
+
+from devtools.launch import NodeProcess, start_node, stop_all
+from swarm.client.client import Client
+from swarm.dht import start_dht, visible_maddrs
+
+COMMON = ["--announce-ttl", "10", "--max-host-cache-tokens", "65536", "--max-host-sessions", "64"]
+COMMON += ["--threads", "1"]
+WARMUP_S = 3.0  # streams decode this long before the first prompt
+
+
+class Stream:
+    """A session decoding until told to stop; the time of each of its tokens."""
+
+    def __init__(self, client: Client, prompt: list[int], max_length: int, new: int = 0):
+        self.client, self.prompt, self.max_length, self.new = client, prompt, max_length, new
+        self.asked = 0.0
+        self.times: list[float] = []
+        self.moves = 0
+        self.replays = 0
+        self.primed = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self, stop: threading.Event) -> None:
+        try:
+            with self.client.session(self.max_length) as s:
+                self.asked = time.monotonic()
+                logits = s.feed(self.prompt)
+                self.times.append(time.monotonic())
+                self.primed.set()
+                while not stop.is_set() and len(self.prompt) + len(self.times) < self.max_length:
+                    if self.new and len(self.times) >= self.new:
+                        break
+                    logits = s.feed([int(logits.argmax())])
+                    self.times.append(time.monotonic())
+                self.moves = s.remote.moves if s.remote is not None else 0
+                self.replays = len(s.recoveries)
+        except BaseException as exc:
+            self.error = exc
+            self.primed.set()
+
+    def gaps(self, lo: float = 0.0, hi: float = float("inf")) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:]) if lo <= a and b <= hi]
+
+    @property
+    def ttft(self) -> float:
+        return self.times[0] - self.asked
+
+
+def start(peers, a, name: str, role: str) -> tuple[NodeProcess, subprocess.Popen | None]:
+    extra = [*COMMON, "--role", role]
+    relay = None
+    if a.rate_mbps:
+        port, public = free_port(), free_port()
+        relay = start_relay(public, port, a.rate_mbps, a.rtt_ms)
+        extra += ["--port", str(port), "--public-address", f"127.0.0.1:{public}"]
+    log = open(os.path.join(a.logs, f"{name}.log"), "w") if a.logs else subprocess.DEVNULL
+    node = start_node((0, a.layers), peers, extra=extra, stderr=log)
+    node.wait_serving()
+    return node, relay
+
+
+def run_round(peers, a, roles: tuple[str, str]) -> dict:
+    nodes, relays = [], []
+    client = None
+    stop = threading.Event()
+    rng = random.Random(5)
+    try:
+        for i, role in enumerate(roles):
+            node, relay = start(peers, a, f"{'-'.join(roles)}-{i}", role)
+            nodes.append(node)
+            relays += [relay] if relay else []
+        client = Client(peers, step_timeout=60)
+        streams = [
+            Stream(client, [rng.randrange(100, 40000) for _ in range(32)], 32 + 4000)
+            for _ in range(a.streams)
+        ]
+        threads = [threading.Thread(target=s.run, args=(stop,)) for s in streams]
+        for t in threads:
+            t.start()
+        for s in streams:
+            s.primed.wait(600)
+        time.sleep(WARMUP_S)
+        begin = time.monotonic()
+        arrivals = []
+        for k in range(a.prompts):
+            prompt = [rng.randrange(100, 40000) for _ in range(a.prompt)]
+            s = Stream(client, prompt, a.prompt + a.new + 1, new=a.new)
+            t = threading.Thread(target=s.run, args=(stop,))
+            t.start()
+            arrivals.append((s, t))
+            time.sleep(max(0.0, begin + (k + 1) * a.every - time.monotonic()))
+        for _, t in arrivals:
+            t.join(600)
+        end = time.monotonic()
+        stop.set()
+        for t in threads:
+            t.join(120)
+        errors = [s.error for s in streams + [s for s, _ in arrivals] if s.error]
+        if errors:
+            raise errors[0]
+        steady = [g for s in streams for g in s.gaps(begin, end)]
+        new = [s for s, _ in arrivals]
+        return {
+            "tpot": steady,
+            "ttft": [s.ttft for s in new],
+            "new_tpot": [g for s in new for g in s.gaps()],
+            "moves": sum(s.moves for s in new),
+            "replays": sum(s.replays for s in new + streams),
+            "seconds": end - begin,
+        }
+    finally:
+        stop.set()
+        if client is not None:
+            client.close()
+        stop_all(nodes)
+        for relay in relays:
+            relay.kill()
+
+
+def summary(r: dict) -> str:
+    ms = lambda x: f"{1000 * x:.0f}"  # noqa: E731
+    return (
+        f"steady TPOT p50 {ms(pct(r['tpot'], 0.5))} ms, p99 {ms(pct(r['tpot'], 0.99))} ms"
+        f" ({len(r['tpot'])} tokens); new sessions: TTFT p50 {pct(r['ttft'], 0.5):.2f} s,"
+        f" max {max(r['ttft']):.2f} s, TPOT p50 {ms(pct(r['new_tpot'], 0.5))} ms,"
+        f" p99 {ms(pct(r['new_tpot'], 0.99))} ms; {r['moves']} handed on, {r['replays']}"
+        f" replayed, {r['seconds']:.0f} s"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--streams", type=int, default=4, help="sessions decoding steadily")
+    p.add_argument("--prompts", type=int, default=8, help="long prompts arriving, one by one")
+    p.add_argument("--prompt", type=int, default=2000, help="tokens of each")
+    p.add_argument("--every", type=float, default=5.0, help="seconds between their arrivals")
+    p.add_argument("--new", type=int, default=32, help="tokens each new session generates")
+    p.add_argument("--layers", type=int, default=30, help="the model's layer count")
+    p.add_argument("--rate-mbps", type=float, default=0.0, help="shape every node's link")
+    p.add_argument("--rtt-ms", type=float, default=20.0, help="its round trip, when shaped")
+    p.add_argument("--logs", help="a folder for the nodes' logs")
+    p.add_argument("--node-args", default="", help="more options for every node")
+    a = p.parse_args()
+    COMMON.extend(shlex.split(a.node_args))
+    bootstrap = start_dht()
+    peers = visible_maddrs(bootstrap)[:1]
+    link = f"{a.rate_mbps:g} Mbit/s, RTT {a.rtt_ms:g} ms" if a.rate_mbps else "loopback"
+    print(f"CPU: {cpu_model()}; every node's link: {link}", flush=True)
+    print(
+        f"{a.streams} steady streams; {a.prompts} prompts of {a.prompt} tokens, one every"
+        f" {a.every:g} s, each then generating {a.new}",
+        flush=True,
+    )
+    results = {}
+    try:
+        for name, roles in (("colocated", ("both", "both")), ("P/D", ("prefill", "decode"))):
+            results[name] = r = run_round(peers, a, roles)
+            print(f"{name:>9}: {summary(r)}", flush=True)
+    finally:
+        bootstrap.shutdown()
+    c, d = results["colocated"], results["P/D"]
+    tpot = pct(d["tpot"], 0.99) / pct(c["tpot"], 0.99)
+    ttft = statistics.median(d["ttft"]) / statistics.median(c["ttft"])
+    print(
+        f"P/D vs colocated, {link}: steady TPOT p99 {tpot:.2f}x (goal <= 0.7x),"
+        f" TTFT p50 {ttft:.2f}x (goal <= 1.3x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
