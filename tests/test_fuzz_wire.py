@@ -37,7 +37,7 @@ from swarm.protocol import (
     parse_message,
     to_wire,
 )
-from swarm.records import DEFAULT_WEIGHTS, NodeRecord
+from swarm.records import BOTH, DEFAULT_WEIGHTS, PREFILL, ROLES, NodeRecord
 from swarm.wire import WIRE_DTYPES, FrameDecoder, encode_frame, pack_tensor, unpack_tensor
 
 MAX_FRAME = 512  # small, so random prefixes land on both sides of the limit
@@ -123,6 +123,7 @@ def opens(draw) -> Open:
         wire_dtype=draw(st.text(max_size=16)),
         max_length=draw(st.integers(1, 1 << 20)),
         sink_token=draw(st.text(max_size=64)),
+        handoff=draw(st.none() | hops),
     )
 
 
@@ -541,6 +542,7 @@ def test_hostile_record_fields_read_as_a_record_or_value_error(examples):
             return
         assert 0 <= rec.start < rec.end <= rec.num_layers
         assert isinstance(rec.weights, str) and 0 < len(rec.weights) <= 32
+        assert rec.role in ROLES
         parse_host_port(rec.addr)
 
     prop()
@@ -555,6 +557,14 @@ def test_a_record_round_trips_and_one_without_weights_reads_as_float32():
 hosts = st.ip_addresses().map(str) | st.from_regex(
     r"[a-z0-9]([a-z0-9.-]{0,20}[a-z0-9])?", fullmatch=True
 )
+
+
+def test_a_record_without_a_role_reads_as_both_and_one_with_another_is_refused():
+    old = {k: v for k, v in RECORD.to_wire().items() if k != "role"}
+    assert NodeRecord.from_wire(old).role == BOTH
+    assert NodeRecord.from_wire({**old, "role": PREFILL}).role == PREFILL
+    with pytest.raises(ValueError, match="role"):
+        NodeRecord.from_wire({**old, "role": "everything"})
 
 
 def test_a_joined_address_parses_back_to_its_host_and_port(examples):

@@ -187,6 +187,23 @@ def test_page_shows_sessions_moved_with_their_caches_and_transfers_in_flight():
     assert (nodes["r"]["moved_in"], nodes["l"]["transfers"], nodes["q"]["moved_out"]) == (4, 1, 0)
 
 
+def test_page_and_json_show_prefill_and_decode_roles():
+    snap = Snapshot(
+        taken_at=1001.0,
+        dht=DhtStatus("ok", 1001.0, 0.01),
+        models=(
+            view(rec("p", 0, 8, role="prefill"), rec("d", 0, 8, role="decode"), rec("b", 0, 8)),
+        ),
+    )
+    page = render_page(snap, 10)
+    assert sorted(re.findall(r'<span class="badge role"[^>]*>([^<]*)</span>', page)) == [
+        "decode",
+        "prefill",
+    ]
+    nodes = {n["peer"]: n["role"] for n in snap.to_json()["models"][0]["nodes"]}
+    assert nodes == {"p": "prefill", "d": "decode", "b": "both"}
+
+
 def test_page_flags_a_node_clients_reported_with_how_many_keys_reported_it():
     said = Reported("liar", frozenset({"k1", "k2", "k3"}), ((0, 4),), last=1000.0)
     snap = Snapshot(
