@@ -50,8 +50,9 @@ def session(errors: list[Exception], max_retries: int = 2) -> InferenceSession:
         head=lambda route: SimpleNamespace(embed_tokens=lambda ids: torch.tensor(ids, dtype=float)),
         logits=SimpleNamespace(logits=lambda head, out: out),
         observe_step=lambda route, seconds: None,
-        remote_session=lambda route, max_length: RemoteSession(
-            route, "f", 1, max_length, None, 1.0
+        prefill_hop=lambda hop, tokens, max_length, exclude: None,  # no prefill nodes
+        remote_session=lambda route, max_length, handoff: RemoteSession(
+            route, "f", 1, max_length, None, 1.0, handoff=handoff
         ),
     )
     return InferenceSession(client, 50)
