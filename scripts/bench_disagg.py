@@ -7,14 +7,16 @@ same cores in both):
   P/D:       one --role prefill, one --role decode; streams decode on the decode node, prompts
              go to the prefill node, which answers the first token and hands each session with
              its cache to the decode node (swarm/node/mover.py), decoding it meanwhile.
-In each, --streams sessions decode steadily; every --every seconds a session with a --prompt
+Each node runs on a core of its own (taskset; --no-pin: any), as on two PCs, its threads, DHT
+process and p2pd with it; the client, in this process, runs on any. In each round --streams
+sessions decode steadily; every --every seconds a session with a --prompt
 token prompt arrives and generates --new tokens. Figures: the steady streams' time per output
 token (TPOT, the gap between two of a stream's tokens while prompts arrive), the new sessions'
 time to first token (TTFT) and their TPOT. With --rate-mbps every node sits behind its own
 shaped link (devtools/link_proxy.py, both ways): prompts, results and the handed-on caches
 cross them.
 
-  .venv/bin/python scripts/bench_disagg.py [--prompts 8 --every 5] [--rate-mbps 50]
+  .venv/bin/python scripts/bench_disagg.py [--prompts 8 --every 8] [--rate-mbps 50]
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from swarm.dht import start_dht, visible_maddrs
 
 COMMON = ["--announce-ttl", "10", "--max-host-cache-tokens", "65536", "--max-host-sessions", "64"]
 COMMON += ["--threads", "1"]
-WARMUP_S = 3.0  # streams decode this long before the first prompt
+WARMUP_S = 2.0  # streams decode this long before their quiet steps count
+QUIET_S = 10.0  # ... and then this long before the first prompt: the streams' TPOT alone
 
 
 class Stream:
@@ -77,15 +80,19 @@ class Stream:
         return self.times[0] - self.asked
 
 
-def start(peers, a, name: str, role: str) -> tuple[NodeProcess, subprocess.Popen | None]:
+def start(
+    peers, a, name: str, role: str, core: int | None
+) -> tuple[NodeProcess, subprocess.Popen | None]:
     extra = [*COMMON, "--role", role]
+    # a core each, as on two PCs (its DHT process and p2pd too); the client floats
+    prefix = ["taskset", "-c", str(core)] if core is not None else []
     relay = None
     if a.rate_mbps:
         port, public = free_port(), free_port()
         relay = start_relay(public, port, a.rate_mbps, a.rtt_ms)
         extra += ["--port", str(port), "--public-address", f"127.0.0.1:{public}"]
     log = open(os.path.join(a.logs, f"{name}.log"), "w") if a.logs else subprocess.DEVNULL
-    node = start_node((0, a.layers), peers, extra=extra, stderr=log)
+    node = start_node((0, a.layers), peers, extra=extra, stderr=log, prefix=prefix)
     node.wait_serving()
     return node, relay
 
@@ -96,8 +103,10 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
     stop = threading.Event()
     rng = random.Random(5)
     try:
+        cores = sorted(os.sched_getaffinity(0))
         for i, role in enumerate(roles):
-            node, relay = start(peers, a, f"{'-'.join(roles)}-{i}", role)
+            core = cores[i % len(cores)] if a.pin else None
+            node, relay = start(peers, a, f"{'-'.join(roles)}-{i}", role, core)
             nodes.append(node)
             relays += [relay] if relay else []
         client = Client(peers, step_timeout=60)
@@ -111,6 +120,8 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
         for s in streams:
             s.primed.wait(600)
         time.sleep(WARMUP_S)
+        quiet = time.monotonic()
+        time.sleep(QUIET_S)
         begin = time.monotonic()
         arrivals = []
         for k in range(a.prompts):
@@ -132,6 +143,7 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
         steady = [g for s in streams for g in s.gaps(begin, end)]
         new = [s for s, _ in arrivals]
         return {
+            "quiet": [g for s in streams for g in s.gaps(quiet, begin)],
             "tpot": steady,
             "ttft": [s.ttft for s in new],
             "new_tpot": [g for s in new for g in s.gaps()],
@@ -152,7 +164,8 @@ def summary(r: dict) -> str:
     ms = lambda x: f"{1000 * x:.0f}"  # noqa: E731
     return (
         f"steady TPOT p50 {ms(pct(r['tpot'], 0.5))} ms, p99 {ms(pct(r['tpot'], 0.99))} ms"
-        f" ({len(r['tpot'])} tokens); new sessions: TTFT p50 {pct(r['ttft'], 0.5):.2f} s,"
+        f" ({len(r['tpot'])} tokens; before the prompts p50 {ms(pct(r['quiet'], 0.5))},"
+        f" p99 {ms(pct(r['quiet'], 0.99))}); new sessions: TTFT p50 {pct(r['ttft'], 0.5):.2f} s,"
         f" max {max(r['ttft']):.2f} s, TPOT p50 {ms(pct(r['new_tpot'], 0.5))} ms,"
         f" p99 {ms(pct(r['new_tpot'], 0.99))} ms; {r['moves']} handed on, {r['replays']}"
         f" replayed, {r['seconds']:.0f} s"
@@ -164,19 +177,23 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=4, help="sessions decoding steadily")
     p.add_argument("--prompts", type=int, default=8, help="long prompts arriving, one by one")
     p.add_argument("--prompt", type=int, default=2000, help="tokens of each")
-    p.add_argument("--every", type=float, default=5.0, help="seconds between their arrivals")
+    p.add_argument("--every", type=float, default=8.0, help="seconds between their arrivals")
     p.add_argument("--new", type=int, default=32, help="tokens each new session generates")
     p.add_argument("--layers", type=int, default=30, help="the model's layer count")
     p.add_argument("--rate-mbps", type=float, default=0.0, help="shape every node's link")
     p.add_argument("--rtt-ms", type=float, default=20.0, help="its round trip, when shaped")
     p.add_argument("--logs", help="a folder for the nodes' logs")
+    p.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="let the nodes share every core"
+    )
     p.add_argument("--node-args", default="", help="more options for every node")
     a = p.parse_args()
     COMMON.extend(shlex.split(a.node_args))
     bootstrap = start_dht()
     peers = visible_maddrs(bootstrap)[:1]
     link = f"{a.rate_mbps:g} Mbit/s, RTT {a.rtt_ms:g} ms" if a.rate_mbps else "loopback"
-    print(f"CPU: {cpu_model()}; every node's link: {link}", flush=True)
+    pinned = "each node on a core of its own" if a.pin else "nodes on any core"
+    print(f"CPU: {cpu_model()}; every node's link: {link}; {pinned}", flush=True)
     print(
         f"{a.streams} steady streams; {a.prompts} prompts of {a.prompt} tokens, one every"
         f" {a.every:g} s, each then generating {a.new}",
