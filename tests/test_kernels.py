@@ -126,12 +126,13 @@ def test_quantized_real_weights_give_float_results_within_a_percent_or_1e_4(isa,
 @pytest.mark.parametrize("isa", ISAS)
 def test_threads_split_the_rows_without_changing_a_bit(isa):
     lib = lib_for(isa)
-    blocks = random_blocks("Q4_K", 200, 512, seed=4)
+    # 11 x 2000 x 512 multiply-adds: above MIN_SPLIT_MACS, under which one thread does it all
+    blocks = random_blocks("Q4_K", 2000, 512, seed=4)
     packed = lib.pack("Q4_K", blocks, 512)
     x = torch.randn(11, 512)
-    one = lib.matmul("Q4_K", packed, 200, 512, x, 1)
-    assert torch.equal(one, lib.matmul("Q4_K", packed, 200, 512, x, 2))
-    assert torch.equal(one, lib.matmul("Q4_K", packed, 200, 512, x, 3))
+    one = lib.matmul("Q4_K", packed, 2000, 512, x, 1)
+    assert torch.equal(one, lib.matmul("Q4_K", packed, 2000, 512, x, 2))
+    assert torch.equal(one, lib.matmul("Q4_K", packed, 2000, 512, x, 3))
 
 
 @needs_kernels
