@@ -56,8 +56,8 @@ QUIET_POLL_S = 0.005
 KV_VOLUME_BYTES = 256 * 1024
 
 
-# a prefill node's handoff, from the prompt's end: the transfer, then the client's next step
-# (which learns where the session went) and the last steps passed on
+# a prefill node's handoff, from the prompt's first pass: the rest of the prompt, the transfer,
+# then the client's next step (which learns where the session went) and the last steps passed on
 HANDOFF_S = 120.0
 
 
@@ -83,7 +83,6 @@ async def hand_off(node: Node, s: Session, say=print) -> None:
         log.exception("handing session %s... on to %s failed", s.sid[:8], to.link)
         if not s.state.closed:
             s.unpause()
-            s.moving = False
 
 
 async def hand_over_all(
@@ -115,7 +114,6 @@ async def hand_over_all(
             log.exception("handing session %s... over failed", s.sid[:8])
             if not s.state.closed:
                 s.unpause()
-                s.moving = False
 
     with trio.move_on_at(deadline):
         async with trio.open_nursery() as nursery:
@@ -143,7 +141,6 @@ async def hand_over(
             times.append(time.monotonic())
             if sent is None:
                 s.unpause()
-                s.moving = False
                 return False
         length, parts = sent
         if say is not None:

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -431,8 +431,10 @@ class Session:
         self.paused_at = time.monotonic()
 
     def unpause(self) -> None:
-        """The handover failed: compute the held steps here after all."""
+        """The handover failed: compute the held steps here after all (a later drain or
+        prompt may try again)."""
         self.paused = False
+        self.moving = False
         held, self.held = self.held, []
         for msg in held:
             hidden = unpack_tensor(
@@ -590,15 +592,5 @@ class Session:
 
 
 def _forwarded(msg: Open, origin: str) -> Open:
-    """The open for the next hop."""
-    return Open(
-        sid=msg.sid,
-        route=msg.route,
-        hop=msg.hop + 1,
-        fingerprint=msg.fingerprint,
-        wire_dtype=msg.wire_dtype,
-        max_length=msg.max_length,
-        sink_token=msg.sink_token,
-        origin=origin,
-        handoff=msg.handoff,
-    )
+    """The open for the next hop: every field as it came (a new one needs no line here)."""
+    return replace(msg, hop=msg.hop + 1, origin=origin)
