@@ -455,13 +455,13 @@ async def foreign_sessions(
 
 
 async def slowloris(node: NodeProcess, ledger: Ledger, trickle: bool) -> None:
-    """Connect and never finish a frame: closed once connection-idle passes, or sooner if the
-    concurrent churn fills the node's connections and it evicts this idle one for a newcomer."""
+    """Connect and never finish a frame: closed once connection-idle passes, not before."""
+    # timed from before the dial: under the churn this process may resume from the connect
+    # well after the node accepted and started its idle timer (2.4 s seen in CI)
+    t0 = time.monotonic()
     conn = await raw_connect(node)
     frame = encode_frame({"t": "ping", "nonce": 1, "pad": "x" * 200})
-    t0 = time.monotonic()
     closed_after = None
-    evicted = False
     with trio.move_on_after(IDLE + MARGIN):
         async with trio.open_nursery() as nursery:
             if trickle:
@@ -477,18 +477,14 @@ async def slowloris(node: NodeProcess, ledger: Ledger, trickle: bool) -> None:
                     msg = await conn.receive()
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     msg = None
-                if isinstance(msg, Error) and msg.code == "busy":
-                    evicted = True
                 if msg is None:
                     closed_after = time.monotonic() - t0
                     nursery.cancel_scope.cancel()
                     break
     name = "slowloris (trickle)" if trickle else "slowloris (silent)"
     assert closed_after is not None, f"{name}: still open after {IDLE + MARGIN} s"
-    if not evicted:
-        assert closed_after >= IDLE - 0.5, f"{name}: closed after only {closed_after:.1f} s"
-    how = "evicted" if evicted else "closed"
-    ledger.add(f"{name} {how} after {closed_after:.1f} s", "closed")
+    assert closed_after >= IDLE - 0.1, f"{name}: closed after only {closed_after:.1f} s"
+    ledger.add(f"{name} closed after {closed_after:.1f} s", "closed")
     await conn.aclose()
 
 
