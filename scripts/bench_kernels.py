@@ -266,8 +266,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode-calls", type=int, default=20)
     p.add_argument("--json", type=Path, help="also write every round's figures here")
+    p.add_argument(
+        "--isa",
+        help="swarm's kernels for this instruction set (avx2 measures an AVX2-only machine's on"
+        " an AVX-512 one; build llama.cpp with GGML_NATIVE=OFF GGML_AVX2=ON to match)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.isa:
+        from swarm.model import kernels
+
+        os.environ[kernels.ISA_ENV] = a.isa  # the children inherit it
     if a.child:
         print(json.dumps(swarm_child(a.child, int(a.threads), a.decode_calls)))
         return

@@ -4,6 +4,8 @@ this CPU runs: what they compute against the dequantized weights, and what they 
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -230,3 +232,21 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind):
     together = lib.matmul(kind, packed, 64, 512, x, 1)
     for i in (0, 5, 12):
         assert torch.equal(lib.matmul(kind, packed, 64, 512, x[i : i + 1], 1)[0], together[i])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_environment_picks_an_instruction_set_this_cpu_runs(isa):
+    """What an AVX2-only machine runs can be measured on an AVX-512 one."""
+    code = "from swarm.model import kernels; lib = kernels.load(); print(lib and lib.isa)"
+    env = {**os.environ, kernels.ISA_ENV: isa}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == isa, out.stderr
+
+
+@needs_kernels
+def test_an_instruction_set_this_cpu_lacks_falls_back_to_the_best():
+    code = "from swarm.model import kernels; lib = kernels.load(); print(lib and lib.isa)"
+    env = {**os.environ, kernels.ISA_ENV: "avx9000"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == ISAS[0]
+    assert "avx9000" in out.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,11 +142,19 @@ def runnable_isas(flags: set[str] | None = None) -> list[str]:
     return [isa for isa in ISA_FLAGS if ISA_CPU_FLAGS[isa] <= flags]
 
 
+ISA_ENV = "SWARM_KERNELS_ISA"  # e.g. avx2 on an AVX-512 CPU: what an AVX2-only machine runs
+
+
 @functools.cache
 def load(isa: str | None = None) -> Kernels | None:
-    """The kernels for `isa` (default: the best this CPU runs), built if need be; None where
-    there are none (the reason is logged once)."""
+    """The kernels for `isa` (default: $SWARM_KERNELS_ISA if set, else the best this CPU
+    runs), built if need be; None where there are none (the reason is logged once)."""
     isas = runnable_isas()
+    if isa is None and os.environ.get(ISA_ENV):
+        isa = os.environ[ISA_ENV]
+        if isa not in isas:
+            log.warning("%s=%s: this CPU runs %s; the best of them instead", ISA_ENV, isa, isas)
+            isa = None
     if isa is not None:
         if isa not in isas:
             return None
