@@ -103,18 +103,21 @@ class CacheIntake:
             if not isinstance(obj, dict) or obj.get("dtype") != self.dtype:
                 got = obj.get("dtype") if isinstance(obj, dict) else type(obj).__name__
                 raise HandoverRefused(f"{name} come as {got!r}; this cache holds {self.dtype}")
-            tensors.append(unpack_tensor(obj, hidden=self.width, max_tokens=left))
+            tensors.append(unpack_tensor(obj, hidden=self.width, max_tokens=left, native=True))
         keys, values = tensors
         n = keys.shape[1]
         if values.shape[1] != n:
             raise HandoverRefused(f"chunk carries {n} key positions but {values.shape[1]} values")
-        slots = torch.arange(chunk.pos, chunk.pos + n) % self.cache.keys[chunk.layer].shape[2]
+        size = self.cache.keys[chunk.layer].shape[2]
+        first = chunk.pos % size
+        # a ring holds position p in slot p % size; a chunk that does not wrap is one slice
+        slots = (
+            slice(first, first + n) if first + n <= size else torch.arange(first, first + n) % size
+        )
         for dst, src in ((self.cache.keys, keys), (self.cache.values, values)):
             heads = dst[chunk.layer].shape[1]
             # [1, n, kv_heads * head_dim] -> [kv_heads, n, head_dim]
-            dst[chunk.layer][0][:, slots] = (
-                src[0].view(n, heads, -1).transpose(0, 1).to(dst[chunk.layer].dtype)
-            )
+            dst[chunk.layer][0][:, slots] = src[0].view(n, heads, -1).transpose(0, 1)
         hk, hv = self._hashes[chunk.layer]
         hk.update(chunk.keys["data"])
         hv.update(chunk.values["data"])
