@@ -121,7 +121,7 @@ def _layer_figures(span, hidden: int, decode_calls: int, threads: int) -> dict:
     return fig
 
 
-def run_swarm(path: Path, threads: int, decode_calls: int) -> dict:
+def run_swarm(path: Path, threads: int, decode_calls: int, input_terms: int) -> dict:
     cmd = [
         sys.executable,
         __file__,
@@ -131,6 +131,8 @@ def run_swarm(path: Path, threads: int, decode_calls: int) -> dict:
         str(threads),
         "--decode-calls",
         str(decode_calls),
+        "--input-terms",
+        str(input_terms),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -271,6 +273,7 @@ def main() -> None:
         help="swarm's kernels for this instruction set (avx2 measures an AVX2-only machine's on"
         " an AVX-512 one; build llama.cpp with GGML_NATIVE=OFF GGML_AVX2=ON to match)",
     )
+    p.add_argument("--input-terms", type=int, default=2, help="as a node's --input-terms")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.isa:
@@ -278,6 +281,9 @@ def main() -> None:
 
         os.environ[kernels.ISA_ENV] = a.isa  # the children inherit it
     if a.child:
+        from swarm.model import kernels
+
+        kernels.set_input_terms(a.input_terms)
         print(json.dumps(swarm_child(a.child, int(a.threads), a.decode_calls)))
         return
     qtypes, threads = a.qtypes.split(","), [int(t) for t in a.threads.split(",")]
@@ -293,7 +299,7 @@ def main() -> None:
     for rnd in range(a.repeats):
         for q in qtypes:
             for t in threads:
-                fig = run_swarm(files[q][0], t, a.decode_calls)
+                fig = run_swarm(files[q][0], t, a.decode_calls, a.input_terms)
                 formats[q] = fig.pop("formats")
                 for v in ("torch", "swarm"):
                     results[(q, t)][v].append(fig[v])

@@ -31,9 +31,13 @@ def main() -> None:
     p.add_argument("--formats", default="auto,int4,int8,bfloat16,float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=100, help="reference answer length")
+    p.add_argument("--input-terms", type=int, default=2, help="as a node's --input-terms")
     a = p.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(a.threads)
+    from swarm.model import kernels
+
+    kernels.set_input_terms(a.input_terms)
     from transformers import AutoModelForCausalLM
 
     source = open_model(a.model)

@@ -250,3 +250,25 @@ def test_an_instruction_set_this_cpu_lacks_falls_back_to_the_best():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == ISAS[0]
     assert "avx9000" in out.stderr
+
+
+@needs_kernels
+def test_the_process_input_terms_reach_every_blocks_matmul():
+    raw = RawTensor("w", "Q4_K", random_blocks("Q4_K", 64, 512))
+    linear = make_linear(raw, "auto", usable=(*TORCH_KERNELS, BLOCKS))
+    x = torch.randn(3, 512)
+    lib = kernels.load()
+    want = {t: lib.matmul("Q4_K", linear.packed, 64, 512, x, 1, t) for t in (1, 2)}
+    assert not torch.equal(want[1], want[2])
+    try:
+        for terms in (1, 2):
+            kernels.set_input_terms(terms)
+            assert torch.equal(linear(x).float(), want[terms])
+    finally:
+        kernels.set_input_terms(2)
+
+
+def test_input_terms_other_than_one_or_two_are_refused():
+    with pytest.raises(ValueError, match="1 or 2"):
+        kernels.set_input_terms(3)
+    assert kernels.input_terms() == 2

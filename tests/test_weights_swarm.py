@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
+from swarm.model import kernels
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +42,19 @@ def test_a_route_of_float32_nodes_gets_the_float32_head(tiny_swarm, tiny_model_d
         assert client.head(client.route()).weights == "float32"
     finally:
         client.close()
+
+
+@pytest.mark.skipif(not kernels.runnable_isas(), reason="this CPU runs none of swarm's kernels")
+def test_a_node_takes_its_matmul_inputs_in_the_int8_terms_it_is_told():
+    nodes = start_swarm([(0, 30)], extra=["--input-terms", "1", "--threads", "1"])
+    try:
+        assert any("inputs in 1 int8 term(s)" in line for line in nodes[0].lines), nodes[0].lines
+        client = Client(nodes[0].maddrs[:1])
+        try:
+            with client.session(16) as s:
+                logits = s.feed([1, 2, 3, 4])
+                assert torch.isfinite(logits).all() and logits.shape == (client.config.vocab,)
+        finally:
+            client.close()
+    finally:
+        stop_all(nodes)

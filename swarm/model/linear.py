@@ -487,7 +487,8 @@ def usable_formats(say: Callable[[str], None] = log.warning) -> tuple[str, ...]:
         return tuple(usable)
     say(
         f"quantized matmuls: swarm's {lib.isa} kernels on the file's blocks"
-        f" ({', '.join(kernels.FORMATS)}), {torch.get_num_threads()} thread(s)"
+        f" ({', '.join(kernels.FORMATS)}), {torch.get_num_threads()} thread(s), inputs in"
+        f" {kernels.input_terms()} int8 term(s)"
     )
     return (*usable, BLOCKS)
 

@@ -174,6 +174,13 @@ class NodeConfig:
         " matches transformers token for token (4-8x the memory)",
         choices=WEIGHT_FORMATS,
     )
+    input_terms: int = option(
+        2,
+        "int8 terms in which swarm's quantized matmuls take their inputs: 2 (the default"
+        " model's top-1 agreement with float32 0.997) or 1, llama.cpp's precision (0.956),"
+        " for 1.4-1.6x faster decode",
+        choices=[1, 2],
+    )
     initial_peers: tuple[str, ...] = initial_peers_option(new_swarm=True)
     host: str = option("127.0.0.1", "data-plane listen address")
     port: int = option(0, "data-plane port (0: any free port)")

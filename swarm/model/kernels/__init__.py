@@ -95,12 +95,13 @@ class Kernels:
         k: int,
         x: torch.Tensor,
         threads: int,
-        terms: int = 2,
+        terms: int | None = None,
     ) -> torch.Tensor:
         """x [rows, k] float32 -> x W^T [rows, n] float32, W packed by `pack`. x is taken as
-        `terms` int8 terms: 1 rounds each input by up to half a step of its group's largest
-        (llama.cpp's precision), 2 adds that rounding's own int8 (within 2^-16 of the largest)
-        for ~1.5x the arithmetic."""
+        `terms` int8 terms (default: the process's, `set_input_terms`): 1 rounds each input by
+        up to half a step of its group's largest (llama.cpp's precision), 2 adds that
+        rounding's own int8 (within 2^-16 of the largest) for ~1.5x the arithmetic."""
+        terms = _input_terms if terms is None else terms
         x = x.float().contiguous()
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         self._check(
@@ -140,6 +141,23 @@ def runnable_isas(flags: set[str] | None = None) -> list[str]:
     """The instruction sets of ISA_FLAGS this CPU runs, best first."""
     flags = cpu_flags() if flags is None else flags
     return [isa for isa in ISA_FLAGS if ISA_CPU_FLAGS[isa] <= flags]
+
+
+# int8 terms each matmul takes its input rows in, for the process (a node's --input-terms):
+# 2 keeps the default model's top-1 agreement with float32 at 0.997, 1 (llama.cpp's precision)
+# at 0.956 for 1.4-1.6x less decode time (docs/benchmarks.md, 2026-11-26)
+_input_terms = 2
+
+
+def set_input_terms(terms: int) -> None:
+    global _input_terms
+    if terms not in (1, 2):
+        raise ValueError(f"input terms: 1 or 2, not {terms}")
+    _input_terms = terms
+
+
+def input_terms() -> int:
+    return _input_terms
 
 
 ISA_ENV = "SWARM_KERNELS_ISA"  # e.g. avx2 on an AVX-512 CPU: what an AVX2-only machine runs
