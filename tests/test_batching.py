@@ -162,9 +162,41 @@ def test_the_leading_step_cancelled_while_its_pass_runs_leaves_the_others_their_
     assert results == {2: 4, 3: 6}
 
 
-async def _cancellable(queue, scope, run_batch):
+async def _cancellable(queue, scope, run_batch, item=1):
     with scope:
-        await queue.decode("a", 1, run_batch)
+        await queue.decode("a", item, run_batch)
+
+
+def test_a_step_taken_into_a_pass_and_cancelled_leaves_only_once_the_pass_is_done():
+    """Its session's cache is freed when it leaves; the pass still reads it until it ends."""
+    doomed = trio.CancelScope()
+    in_pass, finish = threading.Event(), threading.Event()
+    passes_done, seen_on_leaving = [], []
+
+    def slow(items):
+        in_pass.set()
+        finish.wait(10)
+        passes_done.append(list(items))
+        return [outcome.Value(2 * i) for i in items]
+
+    async def body(queue, nursery):
+        async def rider():
+            await _cancellable(queue, doomed, slow, item=2)
+            seen_on_leaving.append(list(passes_done))
+
+        release = await with_busy_lane(queue, nursery)
+        async with trio.open_nursery() as inner:
+            await decode_all(queue, inner, [("a", 1)], slow)  # queued first: it leads
+            inner.start_soon(rider)
+            await trio.sleep(0.01)
+            release.set()
+            await trio.to_thread.run_sync(in_pass.wait, 10)
+            doomed.cancel()
+            await trio.sleep(0.05)  # time to leave, were it free to
+            finish.set()
+
+    trio.run(run_with_queue, body)
+    assert seen_on_leaving == [[[1, 2]]]
 
 
 @pytest.fixture(scope="module")

@@ -171,6 +171,7 @@ class _Rider:
     ready: trio.Event = field(default_factory=trio.Event)
     ticket: Ticket | None = None
     done: Done | None = None
+    taken: bool = False  # into another step's pass
 
 
 class Ticket:
@@ -273,7 +274,15 @@ class ComputeQueue:
         waiting.append(rider)
         ticket = rider.ticket = self.reserve(DECODE, go=rider.ready)
         try:
-            await rider.ready.wait()
+            try:
+                await rider.ready.wait()
+            except trio.Cancelled:
+                if rider.taken:
+                    # another step's pass reads this session's cache: leaving (which frees
+                    # it) waits until that pass is done, as the leading step's does
+                    with trio.CancelScope(shield=True):
+                        await rider.ready.wait()
+                raise
             if rider.done is None:  # our turn: take everything waiting with us
                 await self._decode_pass(rider, waiting, run_batch)
         finally:
@@ -294,6 +303,7 @@ class ComputeQueue:
         batch = [leader, *waiting[: self.max_batch - 1]]
         del waiting[: self.max_batch - 1]
         for rider in batch[1:]:
+            rider.taken = True
             rider.ticket.release()  # taken along: its own place in the queue goes unused
         ticket = leader.ticket
 
