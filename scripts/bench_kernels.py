@@ -276,13 +276,11 @@ def main() -> None:
     p.add_argument("--input-terms", type=int, default=2, help="as a node's --input-terms")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.isa:
-        from swarm.model import kernels
+    from swarm.model import kernels
 
+    if a.isa:
         os.environ[kernels.ISA_ENV] = a.isa  # the children inherit it
     if a.child:
-        from swarm.model import kernels
-
         kernels.set_input_terms(a.input_terms)
         print(json.dumps(swarm_child(a.child, int(a.threads), a.decode_calls)))
         return

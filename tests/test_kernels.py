@@ -234,20 +234,23 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind):
         assert torch.equal(lib.matmul(kind, packed, 64, 512, x[i : i + 1], 1)[0], together[i])
 
 
+def load_with_isa_env(value: str) -> subprocess.CompletedProcess:
+    """A fresh process loads the kernels with $SWARM_KERNELS_ISA set: it prints their isa."""
+    code = "from swarm.model import kernels; lib = kernels.load(); print(lib and lib.isa)"
+    env = {**os.environ, kernels.ISA_ENV: value}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_the_environment_picks_an_instruction_set_this_cpu_runs(isa):
     """What an AVX2-only machine runs can be measured on an AVX-512 one."""
-    code = "from swarm.model import kernels; lib = kernels.load(); print(lib and lib.isa)"
-    env = {**os.environ, kernels.ISA_ENV: isa}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = load_with_isa_env(isa)
     assert out.stdout.strip() == isa, out.stderr
 
 
 @needs_kernels
 def test_an_instruction_set_this_cpu_lacks_falls_back_to_the_best():
-    code = "from swarm.model import kernels; lib = kernels.load(); print(lib and lib.isa)"
-    env = {**os.environ, kernels.ISA_ENV: "avx9000"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = load_with_isa_env("avx9000")
     assert out.stdout.strip() == ISAS[0]
     assert "avx9000" in out.stderr
 
