@@ -72,7 +72,8 @@ static inline vi vshl16(vi a, int n) { return _mm256_slli_epi16(a, n); }
 static inline vi vadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
 static inline vi vmul32(vi a, vi b) { return _mm256_mullo_epi32(a, b); }
 static inline vi vmadd16(vi a, vi b) { return _mm256_madd_epi16(a, b); }
-/* u <= 63 wherever this is used, so vpmaddubsw's int16 pair sums never saturate */
+/* vpmaddubsw's int16 pair sums never saturate where this is used: u <= 63 (Q6_K), or |q| <= 128
+ * against |x| <= 127 (Q8_0's sign trick), 32512 at most */
 static inline vi vdot(vi acc, vi u, vi s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
@@ -355,6 +356,33 @@ ALWAYS_INLINE vi hi4(vi v) { return vand(vshr16(v, 4), vset8(0x0F)); }
 #define CHAINS(R, T) ((R) * (T) >= 4 ? 1 : 2)
 ALWAYS_INLINE vi chains(vi p[2], const int C) { return C == 2 ? vadd32(p[0], p[1]) : p[0]; }
 
+/* Sums of 4-bit codes against x for up to 32 inputs a lane: dot16 accumulates, dot32 gives the
+ * lane's int32 sum (times a per-lane scale in dot32s). VNNI: int32 lanes throughout. AVX2 has no
+ * vpdpbusd, and vpmaddubsw + vpmaddwd + vpaddd per vector kept its two multiply ports busy twice
+ * over: the int16 pair sums are added as int16 (8 vectors of codes <= 15 against |x| <= 127
+ * reach 30480 at most, under int16's 32767) and widened once by vpmaddwd, against ones or the
+ * sub-block's scale in both halves of the lane, which also replaces a vpmulld. */
+#if defined(VNNI)
+#define CHAINS4(R, T) CHAINS(R, T)
+ALWAYS_INLINE vi dot16(vi acc, vi u, const int8_t *p) { return vdotb(acc, u, p); }
+ALWAYS_INLINE vi dot32(vi p[2], const int C) { return chains(p, C); }
+ALWAYS_INLINE vi dot32s(vi p[2], const int C, vi sc) { return vmul32(chains(p, C), sc); }
+#else
+/* the int16 chain waits one cycle a link */
+#define CHAINS4(R, T) 1
+ALWAYS_INLINE vi dot16(vi acc, vi u, const int8_t *p) {
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, bcast4(p)));
+}
+ALWAYS_INLINE vi dot32(vi p[2], const int C) {
+    (void)C;
+    return _mm256_madd_epi16(p[0], _mm256_set1_epi16(1));
+}
+ALWAYS_INLINE vi dot32s(vi p[2], const int C, vi sc) {
+    (void)C;
+    return _mm256_madd_epi16(p[0], _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
+}
+#endif
+
 /* row r's integer sums of its T terms as one float vector, in steps of its first term */
 ALWAYS_INLINE vf terms(const vi *p, int r, const int T) {
     vf s = vtof(p[r * T]);
@@ -375,18 +403,19 @@ ALWAYS_INLINE void group_q4_0(const uint8_t *w, int64_t nb, const Acts *A, int64
         const uint8_t *blk = w + 18 * ROWS * b;
         const int8_t *a[TILE];
         vi p[TILE], ch[TILE][2];
-        const int C = CHAINS(R, T);
-        /* codes are q - 8: each lane starts at -8 * sum(x) */
+        int32_t base[TILE];
+        const int C = CHAINS4(R, T);
+        /* codes are q - 8: each lane's sum less 8 * sum(x) */
         EACH_V {
             const int64_t tr = (r0 + v / T) * T + v % T;
-            a[v] = A->q + tr * A->k + 32 * b, ch[v][0] = vset32(-8 * A->s32[tr * nb + b]), ch[v][1] = vzero();
+            a[v] = A->q + tr * A->k + 32 * b, base[v] = -8 * A->s32[tr * nb + b], ch[v][0] = ch[v][1] = vzero();
         }
         EACH(i, 4) {
             const vi c = vld(blk + HB + VB * i), lo = lo4(c), hi = hi4(c);
-            EACH_V ch[v][0] = vdotb(ch[v][0], lo, a[v] + 4 * i);
-            EACH_V ch[v][C - 1] = vdotb(ch[v][C - 1], hi, a[v] + 16 + 4 * i);
+            EACH_V ch[v][0] = dot16(ch[v][0], lo, a[v] + 4 * i);
+            EACH_V ch[v][C - 1] = dot16(ch[v][C - 1], hi, a[v] + 16 + 4 * i);
         }
-        EACH_V p[v] = chains(ch[v], C);
+        EACH_V p[v] = vadd32(dot32(ch[v], C), vset32(base[v]));
         const vf d = vf16(blk);
         EACH_ROW acc[r] = vfma(terms(p, r, T), vfmul(d, vfset(A->d[(r0 + r) * nb + b])), acc[r]);
     }
@@ -401,14 +430,14 @@ ALWAYS_INLINE void group_q4_1(const uint8_t *w, int64_t nb, const Acts *A, int64
         const uint8_t *blk = w + 20 * ROWS * b;
         const int8_t *a[TILE];
         vi p[TILE], ch[TILE][2];
-        const int C = CHAINS(R, T);
+        const int C = CHAINS4(R, T);
         EACH_V a[v] = A->q + ((r0 + v / T) * T + v % T) * A->k + 32 * b, ch[v][0] = ch[v][1] = vzero();
         EACH(i, 4) {
             const vi c = vld(blk + 2 * HB + VB * i), lo = lo4(c), hi = hi4(c);
-            EACH_V ch[v][0] = vdotb(ch[v][0], lo, a[v] + 4 * i);
-            EACH_V ch[v][C - 1] = vdotb(ch[v][C - 1], hi, a[v] + 16 + 4 * i);
+            EACH_V ch[v][0] = dot16(ch[v][0], lo, a[v] + 4 * i);
+            EACH_V ch[v][C - 1] = dot16(ch[v][C - 1], hi, a[v] + 16 + 4 * i);
         }
-        EACH_V p[v] = chains(ch[v], C);
+        EACH_V p[v] = dot32(ch[v], C);
         const vf d = vf16(blk), m = vf16(blk + HB);
         EACH_ROW {
             const float da = A->d[(r0 + r) * nb + b];
@@ -476,14 +505,14 @@ ALWAYS_INLINE void group_q4_k(const uint8_t *w, int64_t nb, const Acts *A, int64
         EACH(j, 8) { /* sub-block j: run j / 2, low nibbles for even j */
             const uint8_t *codes = blk + 20 * ROWS + 8 * VB * (j / 2);
             vi ch[TILE][2];
-            const int C = CHAINS(R, T);
+            const int C = CHAINS4(R, T);
             EACH_V ch[v][0] = ch[v][1] = vzero();
             EACH(c, 8) {
                 const vi cv = vld(codes + VB * c), q = j % 2 ? hi4(cv) : lo4(cv);
-                EACH_V ch[v][c % C] = vdotb(ch[v][c % C], q, a[v] + 32 * j + 4 * c);
+                EACH_V ch[v][c % C] = dot16(ch[v][c % C], q, a[v] + 32 * j + 4 * c);
             }
             const vi sc = vu8to32(blk + 2 * HB + ROWS * j);
-            EACH_V isum[v] = vadd32(isum[v], vmul32(chains(ch[v], C), sc));
+            EACH_V isum[v] = vadd32(isum[v], dot32s(ch[v], C, sc));
         }
         const vf d = vf16(blk), dmin = vf16(blk + HB);
         EACH_ROW {
