@@ -6,7 +6,8 @@ same cores in both):
              prompt delays the decode steps of the streams it serves.
   P/D:       one --role prefill, one --role decode; streams decode on the decode node, prompts
              go to the prefill node, which answers the first token and hands each session with
-             its cache to the decode node (swarm/node/mover.py), decoding it meanwhile.
+             its cache to the decode node (swarm/node/mover.py), decoding it meanwhile; a
+             session generating fewer than --handoff-min-new tokens stays there.
 Each node runs on a core of its own (taskset; --no-pin: any), as on two PCs, its threads, DHT
 process and p2pd with it; the client, in this process, runs on any. In each round --streams
 sessions decode steadily; every --every seconds a session with a --prompt
@@ -30,9 +31,11 @@ import subprocess
 import threading
 import time
 
+import torch
 from bench_handover import cpu_model, free_port, pct, start_relay
 
 from devtools.launch import NodeProcess, start_node, stop_all
+from swarm.client import routing
 from swarm.client.client import Client
 from swarm.dht import start_dht, visible_maddrs
 
@@ -103,12 +106,14 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
     stop = threading.Event()
     rng = random.Random(5)
     try:
-        cores = sorted(os.sched_getaffinity(0))
+        cores = a.cores
         for i, role in enumerate(roles):
             core = cores[i % len(cores)] if a.pin else None
             node, relay = start(peers, a, f"{'-'.join(roles)}-{i}", role, core)
             nodes.append(node)
             relays += [relay] if relay else []
+        if a.client_core is not None:  # first call on its core, as on a machine of its own:
+            os.setpriority(os.PRIO_PROCESS, 0, -5)  # the threads started from here inherit it
         client = Client(peers, step_timeout=60)
         streams = [
             Stream(client, [rng.randrange(100, 40000) for _ in range(32)], 32 + 4000)
@@ -155,6 +160,7 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
         stop.set()
         if client is not None:
             client.close()
+        os.setpriority(os.PRIO_PROCESS, 0, 0)  # the next round's nodes start at the default
         stop_all(nodes)
         for relay in relays:
             relay.kill()
@@ -187,16 +193,38 @@ def main() -> None:
         "--no-pin", dest="pin", action="store_false", help="let the nodes share every core"
     )
     p.add_argument("--node-args", default="", help="more options for every node")
+    p.add_argument(
+        "--client-core",
+        type=int,
+        help="run the client (this process, one torch thread, nice -5) on this core only: 0"
+        " shares the first node's core (P/D: the prefill node's) but comes first there, as if"
+        " the user's machine were not a node",
+    )
+    p.add_argument(
+        "--handoff-min-new",
+        type=int,
+        default=routing.HANDOFF_MIN_NEW_TOKENS,
+        help="the client's rule: sessions generating fewer new tokens stay on the prefill node"
+        " (0: every session is handed on)",
+    )
     a = p.parse_args()
+    routing.HANDOFF_MIN_NEW_TOKENS = a.handoff_min_new
     COMMON.extend(shlex.split(a.node_args))
+    a.cores = sorted(os.sched_getaffinity(0))  # the nodes', before the client is confined
+    if a.client_core is not None:
+        os.sched_setaffinity(0, {a.client_core})
+        torch.set_num_threads(1)
     bootstrap = start_dht()
     peers = visible_maddrs(bootstrap)[:1]
     link = f"{a.rate_mbps:g} Mbit/s, RTT {a.rtt_ms:g} ms" if a.rate_mbps else "loopback"
     pinned = "each node on a core of its own" if a.pin else "nodes on any core"
+    if a.client_core is not None:
+        pinned += f", the client on core {a.client_core}"
     print(f"CPU: {cpu_model()}; every node's link: {link}; {pinned}", flush=True)
     print(
         f"{a.streams} steady streams; {a.prompts} prompts of {a.prompt} tokens, one every"
-        f" {a.every:g} s, each then generating {a.new}",
+        f" {a.every:g} s, each then generating {a.new}; sessions generating fewer than"
+        f" {a.handoff_min_new} stay on the prefill node",
         flush=True,
     )
     results = {}

@@ -11,7 +11,7 @@ import pytest
 
 from devtools.launch import stop_all
 from swarm.client.client import Client
-from swarm.client.routing import PREFILL_MIN_TOKENS
+from swarm.client.routing import HANDOFF_MIN_NEW_TOKENS, PREFILL_MIN_TOKENS
 from swarm.errors import NodeBusy, ProtocolError
 from swarm.protocol import Error, Open
 from swarm.transport import dial_hop
@@ -26,24 +26,28 @@ from tests.test_handover import (
 )
 
 PROMPT = [*LONG_PROMPT, *PROMPTS[0], *PROMPTS[2]]  # 64 tokens
-NEW = 16
+NEW = HANDOFF_MIN_NEW_TOKENS  # long enough an answer to be handed on
+SHORT = 16
 
 
-def generate(client: Client, prompt: list[int], handed=None) -> tuple[list[int], int, list[str]]:
+def generate(
+    client: Client, prompt: list[int], handed=None, new: int = NEW
+) -> tuple[list[int], int, list[str]]:
     """Greedy tokens of one session; `handed()` runs once the prompt is in. With the hops its
     route moved and the peers it ended on."""
-    with client.session(len(prompt) + NEW) as s:
+    with client.session(len(prompt) + new) as s:
         logits = s.feed(prompt)
         out = [int(logits.argmax())]
         if handed is not None:
             handed()
-        while len(out) < NEW:
+        while len(out) < new:
             out.append(int(s.feed([out[-1]]).argmax()))
         return out, s.remote.moves, [h.peer for h in s.remote.route]
 
 
 def test_the_prompt_long_enough_for_a_prefill_node(tiny_model_dir):
     assert len(PROMPT) >= PREFILL_MIN_TOKENS
+    assert SHORT < HANDOFF_MIN_NEW_TOKENS
 
 
 def test_a_p_d_route_gives_the_colocated_tokens_and_the_decode_node_computes_no_prompt(
@@ -79,6 +83,27 @@ def test_a_p_d_route_gives_the_colocated_tokens_and_the_decode_node_computes_no_
         colocated.close()
         split.close()
         stop_all(nodes)
+
+
+def test_a_short_answer_stays_on_the_prefill_node(
+    dht_peers,  # noqa: F811
+    tiny_model_dir,
+    tiny_reference,
+):
+    """Fewer new tokens than HANDOFF_MIN_NEW_TOKENS: moving the cache would cost more than
+    decoding them where the prompt was computed."""
+    decode = start_full_node(tiny_model_dir, dht_peers, "--role", "decode")
+    prefill = start_full_node(tiny_model_dir, dht_peers, "--role", "prefill")
+    client = Client(dht_peers, model=str(tiny_model_dir), wire_dtype="float32")
+    try:
+        out, moves, peers = generate(client, PROMPT, new=SHORT)
+        assert out == reference_greedy(tiny_reference, PROMPT, SHORT)
+        assert (moves, peers) == (0, [prefill.peer])
+        assert left_with(prefill)[2] == 0  # nothing moved out
+        assert left_with(decode)[0] == 0  # no prompt pass on the decode node
+    finally:
+        client.close()
+        stop_all([decode, prefill])
 
 
 def test_a_handoff_the_decode_node_cannot_take_leaves_the_session_on_the_prefill_node(

@@ -12,6 +12,7 @@ from collections.abc import Generator, Sequence
 import torch
 import trio
 
+from swarm.client import routing
 from swarm.client.head_batch import LogitsBatcher
 from swarm.client.reply import ReplyStream, ReplyText, Sampler
 from swarm.client.router import Router
@@ -340,7 +341,12 @@ class InferenceSession:
         self._route = list(route)
         handoff = None
         prefill = self.client.prefill_hop(route[-1], tokens, self.max_length, self.excluded)
-        if prefill is not None:
+        if prefill is not None and self.max_length - tokens < routing.HANDOFF_MIN_NEW_TOKENS:
+            # a short answer: the session stays where its prompt is computed
+            self.client.release_route(route, self._held)
+            route = self._route = [*route[:-1], prefill]
+            self._held = self.client.router.opened(route)
+        elif prefill is not None:
             handoff, route = route[-1], [*route[:-1], prefill]
         remote = self.client.remote_session(route, self.max_length, handoff)
         try:
