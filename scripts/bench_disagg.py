@@ -9,9 +9,10 @@ same cores in both):
              its cache to the decode node (swarm/node/mover.py), decoding it meanwhile; a
              session generating fewer than --handoff-min-new tokens stays there.
 Each node runs on a core of its own (taskset; --no-pin: any), as on two PCs, its threads, DHT
-process and p2pd with it; the client, in this process, runs on any. In each round --streams
-sessions decode steadily; every --every seconds a session with a --prompt
-token prompt arrives and generates --new tokens. Figures: the steady streams' time per output
+process and p2pd with it; the clients run on any core (--client-core: one). In each round
+--streams sessions decode steadily (clients of this process); every --every seconds a session
+with a --prompt token prompt arrives and generates --new tokens (another user's: a client
+process of their own; --one-client: this one). Figures: the steady streams' time per output
 token (TPOT, the gap between two of a stream's tokens while prompts arrive), the new sessions'
 time to first token (TTFT) and their TPOT. With --rate-mbps every node sits behind its own
 shaped link (devtools/link_proxy.py, both ways): prompts, results and the handed-on caches
@@ -23,6 +24,7 @@ cross them.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import random
 import shlex
@@ -100,9 +102,49 @@ def start(
     return node, relay
 
 
+def arrive(client: Client, a, rng: random.Random, stop: threading.Event) -> dict:
+    """The --prompts new sessions, one every --every s; their figures and when they ran."""
+    begin = time.monotonic()
+    arrivals = []
+    for k in range(a.prompts):
+        prompt = [rng.randrange(100, 40000) for _ in range(a.prompt)]
+        s = Stream(client, prompt, a.prompt + a.new + 1, new=a.new)
+        t = threading.Thread(target=s.run, args=(stop,))
+        t.start()
+        arrivals.append((s, t))
+        time.sleep(max(0.0, begin + (k + 1) * a.every - time.monotonic()))
+    for _, t in arrivals:
+        t.join(600)
+    new = [s for s, _ in arrivals]
+    errors = [repr(s.error) for s in new if s.error]
+    return {
+        "begin": begin,
+        "end": time.monotonic(),
+        "ttft": [s.ttft for s in new],
+        "new_tpot": [g for s in new for g in s.gaps()],
+        "moves": sum(s.moves for s in new),
+        "replays": sum(s.replays for s in new),
+        "error": errors[0] if errors else None,
+    }
+
+
+def arrivals_process(peers, a, ready, go, out) -> None:
+    """arrive() in a process of its own: the new sessions are other users than the streams',
+    whose clients would not share one Python process (its GIL, its network loop) with them."""
+    if a.client_core is not None:
+        torch.set_num_threads(1)
+    client = Client(peers, step_timeout=60)
+    try:
+        ready.set()
+        go.wait()
+        out.put(arrive(client, a, random.Random(7), threading.Event()))
+    finally:
+        client.close()
+
+
 def run_round(peers, a, roles: tuple[str, str]) -> dict:
     nodes, relays = [], []
-    client = None
+    client = proc = None
     stop = threading.Event()
     rng = random.Random(5)
     try:
@@ -114,6 +156,13 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
             relays += [relay] if relay else []
         if a.client_core is not None:  # first call on its core, as on a machine of its own:
             os.setpriority(os.PRIO_PROCESS, 0, -5)  # the threads started from here inherit it
+        if not a.one_client:
+            ctx = multiprocessing.get_context("spawn")
+            ready, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
+            proc = ctx.Process(target=arrivals_process, args=(peers, a, ready, go, out))
+            proc.start()
+            if not ready.wait(300):
+                raise RuntimeError("the new sessions' client did not start")
         client = Client(peers, step_timeout=60)
         streams = [
             Stream(client, [rng.randrange(100, 40000) for _ in range(32)], 32 + 4000)
@@ -127,39 +176,33 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
         time.sleep(WARMUP_S)
         quiet = time.monotonic()
         time.sleep(QUIET_S)
-        begin = time.monotonic()
-        arrivals = []
-        for k in range(a.prompts):
-            prompt = [rng.randrange(100, 40000) for _ in range(a.prompt)]
-            s = Stream(client, prompt, a.prompt + a.new + 1, new=a.new)
-            t = threading.Thread(target=s.run, args=(stop,))
-            t.start()
-            arrivals.append((s, t))
-            time.sleep(max(0.0, begin + (k + 1) * a.every - time.monotonic()))
-        for _, t in arrivals:
-            t.join(600)
-        end = time.monotonic()
+        if a.one_client:
+            new = arrive(client, a, rng, stop)
+        else:
+            go.set()
+            new = out.get(timeout=1200)
         stop.set()
         for t in threads:
             t.join(120)
-        errors = [s.error for s in streams + [s for s, _ in arrivals] if s.error]
-        if errors:
-            raise errors[0]
-        steady = [g for s in streams for g in s.gaps(begin, end)]
-        new = [s for s, _ in arrivals]
+        errors = [repr(s.error) for s in streams if s.error] + [new["error"]]
+        if errors[0]:
+            raise RuntimeError(errors[0])
+        begin, end = new["begin"], new["end"]
         return {
+            **new,
             "quiet": [g for s in streams for g in s.gaps(quiet, begin)],
-            "tpot": steady,
-            "ttft": [s.ttft for s in new],
-            "new_tpot": [g for s in new for g in s.gaps()],
-            "moves": sum(s.moves for s in new),
-            "replays": sum(s.replays for s in new + streams),
+            "tpot": [g for s in streams for g in s.gaps(begin, end)],
+            "replays": new["replays"] + sum(s.replays for s in streams),
             "seconds": end - begin,
         }
     finally:
         stop.set()
         if client is not None:
             client.close()
+        if proc is not None:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
         os.setpriority(os.PRIO_PROCESS, 0, 0)  # the next round's nodes start at the default
         stop_all(nodes)
         for relay in relays:
@@ -193,6 +236,11 @@ def main() -> None:
         "--no-pin", dest="pin", action="store_false", help="let the nodes share every core"
     )
     p.add_argument("--node-args", default="", help="more options for every node")
+    p.add_argument(
+        "--one-client",
+        action="store_true",
+        help="the new sessions in the streams' client process (default: a process of their own)",
+    )
     p.add_argument(
         "--client-core",
         type=int,
