@@ -341,13 +341,13 @@ class InferenceSession:
         self._route = list(route)
         handoff = None
         prefill = self.client.prefill_hop(route[-1], tokens, self.max_length, self.excluded)
-        if prefill is not None and self.max_length - tokens < routing.HANDOFF_MIN_NEW_TOKENS:
-            # a short answer: the session stays where its prompt is computed
-            self.client.release_route(route, self._held)
-            route = self._route = [*route[:-1], prefill]
-            self._held = self.client.router.opened(route)
-        elif prefill is not None:
-            handoff, route = route[-1], [*route[:-1], prefill]
+        if prefill is not None:
+            if self.max_length - tokens >= routing.HANDOFF_MIN_NEW_TOKENS:
+                handoff, route = route[-1], [*route[:-1], prefill]
+            else:  # a short answer: the session stays where its prompt is computed
+                self.client.release_route(route, self._held)
+                route = self._route = [*route[:-1], prefill]
+                self._held = self.client.router.opened(route)
         remote = self.client.remote_session(route, self.max_length, handoff)
         try:
             self.client.loop.run(remote.open)
