@@ -94,7 +94,9 @@ def start(
     relay = None
     if a.rate_mbps:
         port, public = free_port(), free_port()
-        relay = start_relay(public, port, a.rate_mbps, a.rtt_ms)
+        # the relay is the node's uplink; its Python work lands on the node's own core, not on
+        # the other node's (--no-pin: anywhere)
+        relay = start_relay(public, port, a.rate_mbps, a.rtt_ms, prefix)
         extra += ["--port", str(port), "--public-address", f"127.0.0.1:{public}"]
     log = open(os.path.join(a.logs, f"{name}.log"), "w") if a.logs else subprocess.DEVNULL
     node = start_node((0, a.layers), peers, extra=extra, stderr=log, prefix=prefix)
@@ -175,12 +177,14 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
             s.primed.wait(600)
         time.sleep(WARMUP_S)
         quiet = time.monotonic()
+        relay_cpu = [cpu_seconds(r.pid) for r in relays]
         time.sleep(QUIET_S)
         if a.one_client:
             new = arrive(client, a, rng, stop)
         else:
             go.set()
             new = out.get(timeout=1200)
+        relay_cpu = [cpu_seconds(r.pid) - c for r, c in zip(relays, relay_cpu)]
         stop.set()
         for t in threads:
             t.join(120)
@@ -194,6 +198,8 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
             "tpot": [g for s in streams for g in s.gaps(begin, end)],
             "replays": new["replays"] + sum(s.replays for s in streams),
             "seconds": end - begin,
+            # each relay's share of a core from the quiet phase to the last new token
+            "relay_cpu": [c / (end - quiet) for c in relay_cpu],
         }
     finally:
         stop.set()
@@ -209,6 +215,13 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
             relay.kill()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def summary(r: dict) -> str:
     ms = lambda x: f"{1000 * x:.0f}"  # noqa: E731
     return (
@@ -218,6 +231,11 @@ def summary(r: dict) -> str:
         f" max {max(r['ttft']):.2f} s, TPOT p50 {ms(pct(r['new_tpot'], 0.5))} ms,"
         f" p99 {ms(pct(r['new_tpot'], 0.99))} ms; {r['moves']} handed on, {r['replays']}"
         f" replayed, {r['seconds']:.0f} s"
+        + (
+            "; relays' CPU " + ", ".join(f"{c:.0%}" for c in r["relay_cpu"]) + " of a core"
+            if r["relay_cpu"]
+            else ""
+        )
     )
 
 
