@@ -12,16 +12,13 @@ count (1, 2), every round:
             pass), pp128, pp512. Only with --llama-bench: a yardstick built in a scratch folder
             from the package index's sdist, never a dependency.
 
-Clocks. The cores are shared with other work (load averages of 10-40 while this was written),
-which stretches wall-clock figures by whatever else ran. At 1 thread every figure is CPU time,
-which the others' work does not stretch: swarm's the calling thread's (the kernels run on it),
-llama.cpp's from getrusage around llama-bench runs without warm-up: prompts, runs of 1 and 3
-repetitions (the difference is 2); decode, runs of 32 and 64 tokens (the difference is 32, the
-model's load and a depth's prompt cancel out). At 2 threads the
-figures are wall-clock, the fastest of each call's repeats, and only as good as the machine's
-quiet; llama.cpp's threads spin while waiting, so their CPU time would overstate. Each figure is
-the median over --repeats rounds. The CPU's flags that pick the kernels and the kernels the
-node uses are printed first.
+Clocks. swarm: at 1 thread the calling thread's CPU time (the kernels run on it), the median of
+the calls; at 2 threads wall-clock, the fastest of each call's repeats. llama.cpp: the fastest
+of 5 timed repetitions after llama-bench's own warm-up (wall-clock; a depth's prompt is outside
+its timing). Each figure is the median over --repeats rounds; the ratios are the medians of each
+round's own ratio, as the host's memory bandwidth drifts from minute to minute (a 33 MB matrix
+took 1.2-3.2 ms). Wall-clock figures are only as good as the machine's quiet: run nothing else.
+The CPU's flags that pick the kernels and the kernels the node uses are printed first.
 
 Example: nice .venv/bin/python scripts/bench_kernels.py --files /tmp/l8b \\
              --llama-bench /tmp/lcpp/build/bin/llama-bench --repeats 3
@@ -32,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -142,32 +138,17 @@ def run_swarm(path: Path, threads: int, decode_calls: int, input_terms: int) -> 
 # llama.cpp: llama-bench on the 1- and 4-layer files
 
 
-def _llama_bench(binary: str, path: Path, threads: int, args: list[str], reps: int) -> tuple:
-    """(its JSON, the CPU seconds the run took)."""
+def _llama_bench(binary: str, path: Path, threads: int, args: list[str], reps: int) -> dict:
     cmd = [binary, "-m", str(path), "-t", str(threads), "-r", str(reps), "-o", "json", *args]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return json.loads(done.stdout), cpu
+    (run,) = json.loads(done.stdout)
+    return run
 
 
-def llama_seconds(
-    binary: str, path: Path, threads: int, args: list[str], gen: int = 0, extra: int = 2
-) -> float:
-    """Seconds of the prompt test `args`, or of one generated token if `gen`: CPU time at 1
-    thread (see Clocks), else the fastest sample. At 1 thread the figure is the difference of
-    two runs, `extra` repetitions (or `extra` x `gen` tokens) apart: more where one is short, so
-    that the run-to-run noise of the model's load stays small beside it."""
-    if threads == 1:
-        args = [*args, "--no-warmup"]
-        if gen:  # runs of gen and (1 + extra) gen tokens: the load and any depth cancel out
-            long = _llama_bench(binary, path, 1, [*args, "-n", str((1 + extra) * gen)], 1)[1]
-            short = _llama_bench(binary, path, 1, [*args, "-n", str(gen)], 1)[1]
-            return (long - short) / (extra * gen)
-        long = _llama_bench(binary, path, 1, args, 1 + extra)[1]
-        return (long - _llama_bench(binary, path, 1, args, 1)[1]) / extra
-    (run,), _cpu = _llama_bench(binary, path, threads, [*args, "-n", str(gen)], 5)
+def llama_seconds(binary: str, path: Path, threads: int, args: list[str], gen: int = 0) -> float:
+    """Seconds of the prompt test `args`, or of one generated token if `gen`: the fastest of 5
+    timed repetitions after llama-bench's warm-up (a depth's prompt is outside its timing)."""
+    run = _llama_bench(binary, path, threads, [*args, "-n", str(gen)], 5)
     return min(run["samples_ns"]) * 1e-9 / max(gen, 1)
 
 
@@ -235,6 +216,15 @@ def _speedup(ours: float, theirs: float, higher_better: bool) -> float:
     return ours / theirs if higher_better else theirs / ours
 
 
+def paired_speedup(runs: dict, key: str, higher_better: bool) -> float:
+    """The median of each round's own swarm / llama.cpp speedup: the two ran a minute apart at
+    most, while this host's memory bandwidth drifts from minute to minute."""
+    return statistics.median(
+        _speedup(ours[key], theirs[key], higher_better)
+        for ours, theirs in zip(runs["swarm"], runs["llama.cpp"])
+    )
+
+
 def table(results: dict, qtypes: list[str], threads: list[int]) -> str:
     have_llama = any("llama.cpp" in r for r in results.values())
     head = "| per 8B-shaped layer | torch kernels | swarm kernels | swarm / torch |"
@@ -253,7 +243,7 @@ def table(results: dict, qtypes: list[str], threads: list[int]) -> str:
                     f" {_speedup(med['swarm'], med['torch'], higher_better):.2f}x |"
                 )
                 if have_llama:
-                    ratio = _speedup(med["swarm"], med["llama.cpp"], higher_better)
+                    ratio = paired_speedup(runs, key, higher_better)
                     row += f" {med['llama.cpp']:.2f} | {ratio:.2f}x |"
                 lines.append(row)
     return "\n".join(lines)
@@ -314,11 +304,7 @@ def main() -> None:
     print(f"medians of {a.repeats} rounds; load average at the end: {os.getloadavg()[0]:.1f}")
     print(table(results, qtypes, threads))
     if a.llama_bench:
-        worst = max(
-            statistics.median(r["decode_ms"] for r in results[k]["swarm"])
-            / statistics.median(r["decode_ms"] for r in results[k]["llama.cpp"])
-            for k in results
-        )
+        worst = 1 / min(paired_speedup(r, "decode_ms", False) for r in results.values())
         print(f"decode goal: within {GOAL_DECODE}x of llama.cpp; worst here {worst:.2f}x")
     if a.json:
         a.json.write_text(json.dumps({f"{q} {t}": r for (q, t), r in results.items()}, indent=1))
