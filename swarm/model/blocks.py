@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from swarm.model import kernels
 from swarm.model.config import ModelConfig
 from swarm.model.experts import MLP, Experts
 from swarm.model.families import block_tensors
@@ -79,7 +80,8 @@ class Block:
     """One decoder layer. The residual stream, norms and rotary run in float32; the matmuls in
     each Linear's own format (bfloat16 out of the quantized ones); attention in float32 over the
     cache (a bfloat16 cache is widened for the pass: CPU attention in bfloat16 measured 7x
-    slower for one query). With float32 weights every cast is a no-op, so that path is
+    slower for one query; a decode step's, by swarm's kernels where they load, row by row as
+    it reads the cache). With float32 weights every cast is a no-op, so that path is
     transformers' float32 math."""
 
     def __init__(
@@ -248,14 +250,18 @@ class Block:
             k_cache[0, :, pos % slots] = k[i]
             v_cache[0, :, pos % slots] = v[i]
             seen = min(pos + 1, slots)
-            out.append(
-                self._attend(
-                    q[i, :, None].unsqueeze(0),  # [1, heads, 1, head_dim]
-                    k_cache[:, :, :seen].float(),
-                    v_cache[:, :, :seen].float(),
-                )
+            lib = kernels.load() if k_cache.dtype == torch.bfloat16 else None
+            if lib is not None and c.attn_softcap is None:
+                # 3.3x torch's at 500 positions of 8B shape, 5.7x at 2,000 (docs/benchmarks.md)
+                out.append(lib.attend(q[i], k_cache, v_cache, seen, c.scale))
+                continue
+            attn = self._attend(
+                q[i, :, None].unsqueeze(0),  # [1, heads, 1, head_dim]
+                k_cache[:, :, :seen].float(),
+                v_cache[:, :, :seen].float(),
             )
-        attn = torch.cat(out).view(len(positions), c.heads * c.head_dim)
+            out.append(attn[0, :, 0])
+        attn = torch.stack(out).view(len(positions), c.heads * c.head_dim)
         return self._finish(h, attn)
 
 

@@ -67,6 +67,9 @@ class Kernels:
             ctypes.c_int,
             ctypes.c_int,
         ]
+        ci = ctypes.c_int
+        lib.swq_attn_scores.argtypes = [ptr, ptr, i64, ci, ci, ci, i64, ctypes.c_float, ptr]
+        lib.swq_attn_mix.argtypes = [ptr, ptr, i64, ci, ci, ci, i64, ptr]
         return cls(lib, lib.swq_isa().decode(), lib.swq_rows())
 
     def pack(self, kind: str, blocks: np.ndarray, k: int) -> torch.Tensor:
@@ -118,6 +121,52 @@ class Kernels:
             )
         )
         return y
+
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: int, scale: float
+    ) -> torch.Tensor:
+        """One decode step's attention: q [heads, d] float32 against the first `seen` rows of a
+        bfloat16 cache, keys and values [1, kv_heads, capacity, d] (head h reads kv head
+        h // (heads / kv_heads)) -> [heads, d] float32, softmax(scale q K^T) V."""
+        heads, d = q.shape
+        _, kv_heads, capacity, d_cache = keys.shape
+        if (
+            keys.dtype != torch.bfloat16
+            or values.shape != keys.shape
+            or values.dtype != keys.dtype
+            or not (keys.is_contiguous() and values.is_contiguous())
+            or d_cache != d
+            or heads % kv_heads
+            or not 0 < seen <= capacity
+        ):
+            raise KernelError(
+                f"attention of q {tuple(q.shape)} over a {keys.dtype} cache"
+                f" {tuple(keys.shape)}, {seen} rows seen"
+            )
+        q = q.float().contiguous()
+        group, stride = heads // kv_heads, capacity * d
+        scores = torch.empty(heads, seen, dtype=torch.float32)
+        self._check(
+            self.lib.swq_attn_scores(
+                q.data_ptr(),
+                keys.data_ptr(),
+                stride,
+                kv_heads,
+                group,
+                d,
+                seen,
+                scale,
+                scores.data_ptr(),
+            )
+        )
+        p = torch.softmax(scores, dim=-1)
+        out = torch.empty(heads, d, dtype=torch.float32)
+        self._check(
+            self.lib.swq_attn_mix(
+                p.data_ptr(), values.data_ptr(), stride, kv_heads, group, d, seen, out.data_ptr()
+            )
+        )
+        return out
 
     @staticmethod
     def _check(rc: int) -> None:
