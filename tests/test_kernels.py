@@ -275,3 +275,37 @@ def test_input_terms_other_than_one_or_two_are_refused():
     with pytest.raises(ValueError, match="1 or 2"):
         kernels.set_input_terms(3)
     assert kernels.input_terms() == 2
+
+
+def smaps_entry(address: int) -> dict[str, str]:
+    """The fields /proc/self/smaps gives for the mapping holding `address`."""
+    fields, inside = {}, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            start, end = (int(a, 16) for a in head.split("-"))
+            inside = start <= address < end
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+@needs_kernels
+def test_a_matrix_of_2_mib_or_more_is_packed_on_memory_advised_for_huge_pages():
+    lib = lib_for(ISAS[0])
+    blocks = random_blocks("Q4_0", 4096, 1024, seed=3)  # 2.25 MiB packed
+    packed = lib.pack("Q4_0", blocks, 1024)
+    assert packed.data_ptr() % kernels.HUGE_PAGE == 0
+    assert np.array_equal(lib.unpack("Q4_0", packed, 4096, 1024), blocks)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("this kernel has transparent huge pages off")
+    assert smaps_entry(packed.data_ptr()).get("THPeligible") == "1"
+
+
+@needs_kernels
+def test_a_small_matrix_is_packed_on_torchs_own_memory():
+    lib = lib_for(ISAS[0])
+    packed = lib.pack("Q4_0", random_blocks("Q4_0", 64, 512), 512)
+    assert packed.numel() < kernels.HUGE_PAGE and packed._base is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +81,7 @@ class Kernels:
         size = self.lib.swq_packed_bytes(FORMATS[kind], n, k)
         if size < 0 or blocks.shape[1] != k // BLOCKS[kind][0] * BLOCKS[kind][1]:
             raise KernelError(f"{kind}: a matrix of {n} x {k} does not fit {blocks.shape} bytes")
-        out = torch.empty(size, dtype=torch.uint8)
+        out = huge_page_tensor(size)
         self._check(self.lib.swq_pack(FORMATS[kind], blocks.ctypes.data, n, k, out.data_ptr()))
         return out
 
@@ -174,6 +175,28 @@ class Kernels:
             raise MemoryError("swarm kernels: no memory for the input's int8 copy")
         if rc != 0:
             raise KernelError(f"swarm kernels refused the call (code {rc})")
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_tensor(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes], from a 2 MiB boundary of anonymous memory the OS is asked to back with
+    2 MiB pages (where transparent huge pages are on or "madvise"; elsewhere it has 4 KiB ones
+    as torch's would). A decode step streams every matrix once: on 4 KiB pages each page costs
+    a TLB walk. One 14336 x 4096 Q4_0 matrix, 1 thread: 2.3-2.7 ms on torch's memory, 1.76 ms
+    here; Q8_0 3.3-4.6 against 2.71 (which allocation it got moved torch's figure)."""
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` while any view lives
+    start = -whole.data_ptr() % HUGE_PAGE
+    tail = start + nbytes // HUGE_PAGE * HUGE_PAGE  # the last 2 MiB only partly used: 4 KiB
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, start, tail - start)
+    except OSError:  # a kernel without transparent huge pages: 4 KiB pages, as before
+        pass
+    return whole[start : start + nbytes]
 
 
 def cpu_flags() -> set[str]:

@@ -1,8 +1,8 @@
-"""Compile quantmm.c into one shared library per instruction set: `python -m
+"""Compile quantmm.c and attention.c into one shared library per instruction set: `python -m
 swarm.model.kernels` (scripts/setup.sh runs it). Needs a C compiler (`cc`, or $CC);
-without one, swarm keeps torch's int4/int8 kernels.
+without one, swarm keeps torch's int4/int8 kernels and attention.
 
-A library's name carries a hash of the source and flags, so a changed quantmm.c is rebuilt
+A library's name carries a hash of the sources and flags, so a changed source is rebuilt
 rather than loaded stale. Libraries go next to the source (`_build/`), or to
 ~/.cache/swarm/kernels where the package folder is read-only.
 """
@@ -17,7 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("quantmm.c")
+# quantmm.c first: its object code and place in the library stay as they were before
+# attention.c joined (the matmuls' speed moved with their layout)
+SOURCES = [Path(__file__).with_name(name) for name in ("quantmm.c", "attention.c")]
 
 # instruction set -> compiler flags, best first; each needs the CPU flags in ISA_CPU_FLAGS
 ISA_FLAGS = {
@@ -59,13 +61,15 @@ def compiler() -> str | None:
 
 
 def library_name(isa: str) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
     h.update(" ".join(COMMON_FLAGS + ISA_FLAGS[isa]).encode())
     return f"quantmm-{isa}-{h.hexdigest()[:12]}.so"
 
 
 def build_dirs() -> list[Path]:
-    return [SOURCE.with_name("_build"), Path.home() / ".cache" / "swarm" / "kernels"]
+    return [SOURCES[0].with_name("_build"), Path.home() / ".cache" / "swarm" / "kernels"]
 
 
 def find(isa: str) -> Path | None:
@@ -93,7 +97,7 @@ def build(isa: str) -> Path:
         except OSError as exc:
             last = exc
             continue
-        cmd = [cc, *COMMON_FLAGS, *ISA_FLAGS[isa], "-o", tmp, str(SOURCE)]
+        cmd = [cc, *COMMON_FLAGS, *ISA_FLAGS[isa], "-o", tmp, *map(str, SOURCES)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             os.unlink(tmp)
