@@ -91,14 +91,44 @@ def test_decode_attention_refuses_what_it_cannot_compute(change, seen):
         lib.attend(q, keys, values, seen, 0.125)
 
 
-def test_batched_decode_through_the_kernels_matches_torchs_attention(tmp_path, monkeypatch):
-    """Span.decode of three sessions at different depths, bfloat16 caches: the kernels' attention
-    against the same steps with torch's (kernels.load() returning None for attention only)."""
+def small_span(tmp_path) -> Span:
     shapes = synthetic_gguf.Shapes(
         hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, vocab=512, layers=2
     )
     path = synthetic_gguf.write_synthetic_gguf(tmp_path / "s.Q8_0.gguf", shapes, "Q8_0")
-    span = Span.load(open_model(path), 0, 2, weights="auto")
+    return Span.load(open_model(path), 0, 2, weights="auto")
+
+
+def test_a_lone_sessions_step_takes_the_kernels_attention_as_a_batched_one(tmp_path, monkeypatch):
+    """Span.forward of one token (a node's step of a session decoding alone) gives what
+    Span.decode gives that session, to the bit, and torch's attention within float rounding."""
+    span = small_span(tmp_path)
+    torch.manual_seed(1)
+    prompt, steps = torch.randn(1, 30, 256), torch.randn(4, 1, 1, 256)
+    outs = {}
+    for way in ("forward", "decode", "torch"):
+        cache = span.allocate_cache(0, 2, 40)
+        span.forward(prompt, cache, 0, 0, 2)
+        rows = []
+        for i, x in enumerate(steps):
+            if way == "decode":
+                rows.append(span.decode(x[0], [cache], [30 + i], 0, 2).view(1, 1, -1))
+            else:
+                rows.append(span.forward(x, cache, 30 + i, 0, 2))
+        outs[way] = torch.cat(rows)
+        if way == "decode":
+            from swarm.model import blocks
+
+            monkeypatch.setattr(blocks.kernels, "load", lambda isa=None: None)
+    assert torch.equal(outs["forward"], outs["decode"])
+    assert not torch.equal(outs["forward"], outs["torch"])  # the kernels did take it
+    torch.testing.assert_close(outs["forward"], outs["torch"], rtol=1e-4, atol=1e-4)
+
+
+def test_batched_decode_through_the_kernels_matches_torchs_attention(tmp_path, monkeypatch):
+    """Span.decode of three sessions at different depths, bfloat16 caches: the kernels' attention
+    against the same steps with torch's (kernels.load() returning None for attention only)."""
+    span = small_span(tmp_path)
     lengths = [1, 9, 40]
 
     def run() -> torch.Tensor:
@@ -119,7 +149,8 @@ def test_batched_decode_through_the_kernels_matches_torchs_attention(tmp_path, m
         kernels.Kernels, "attend", lambda self, *a: calls.append(a[3]) or attend(self, *a)
     )
     with_kernels = run()
-    assert sorted(calls) == sorted([2, 3, 4, 10, 11, 12, 41, 42, 43] * 2)  # rows seen, 2 layers
+    # rows seen, 2 layers; the 1-token session's prompt is a step of its own
+    assert sorted(calls) == sorted([1, 2, 3, 4, 10, 11, 12, 41, 42, 43] * 2)
     from swarm.model import blocks
 
     monkeypatch.setattr(blocks.kernels, "load", lambda isa=None: None)
