@@ -204,14 +204,12 @@ class Block:
         c = self.c
         n = h.shape[0]
         q, k, v = self._attention_inputs(h, cos, sin)
-        if n == 1 and (lib := self._kernels_for(k_cache)) is not None:
+        if n == 1 and self._kernels_for(k_cache) is not None:
             # a lone session's decode step: attended as Block.decode's are, ring or not (only
             # a ring wraps: a position past a full cache stays an error)
             slots = k_cache.shape[2]
             slot = pos % slots if window is not None else pos
-            k_cache[0, :, slot] = k[0]
-            v_cache[0, :, slot] = v[0]
-            attn = lib.attend(q[0], k_cache, v_cache, min(pos + 1, slots), c.scale)
+            attn = self._step_attention(q[0], k[0], v[0], k_cache, v_cache, slot, pos)
             return self._finish(h, attn.view(1, c.heads * c.head_dim))
         q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, tokens, head_dim]
         if window is not None and pos + n > window:
@@ -255,27 +253,31 @@ class Block:
             return None
         return kernels.load()
 
+    def _step_attention(self, q, k, v, k_cache, v_cache, slot: int, pos: int) -> torch.Tensor:
+        """One token at `pos`: its k, v [kv_heads, head_dim] into cache slot `slot`, then its
+        q [heads, head_dim] over the positions the cache holds for it -> [heads, head_dim]."""
+        k_cache[0, :, slot] = k
+        v_cache[0, :, slot] = v
+        seen = min(pos + 1, k_cache.shape[2])
+        if (lib := self._kernels_for(k_cache)) is not None:
+            return lib.attend(q, k_cache, v_cache, seen, self.c.scale)
+        attn = self._attend(
+            q[:, None].unsqueeze(0),  # [1, heads, 1, head_dim]
+            k_cache[:, :, :seen].float(),
+            v_cache[:, :, :seen].float(),
+        )
+        return attn[0, :, 0]
+
     def decode(self, h, caches, positions: list[int], cos, sin) -> torch.Tensor:
         """One token for each of several sessions, h [rows, hidden], row i at positions[i] in
         its own cache: the matmuls run on the stacked rows, attention per session. A ring
         cache (sliding window) holds exactly the positions the token sees, in slot order."""
         c = self.c
         q, k, v = self._attention_inputs(h, cos, sin)
-        out = []
-        for i, ((k_cache, v_cache), pos) in enumerate(zip(caches, positions)):
-            slots = k_cache.shape[2]
-            k_cache[0, :, pos % slots] = k[i]
-            v_cache[0, :, pos % slots] = v[i]
-            seen = min(pos + 1, slots)
-            if (lib := self._kernels_for(k_cache)) is not None:
-                out.append(lib.attend(q[i], k_cache, v_cache, seen, c.scale))
-                continue
-            attn = self._attend(
-                q[i, :, None].unsqueeze(0),  # [1, heads, 1, head_dim]
-                k_cache[:, :, :seen].float(),
-                v_cache[:, :, :seen].float(),
-            )
-            out.append(attn[0, :, 0])
+        out = [
+            self._step_attention(q[i], k[i], v[i], k_cache, v_cache, pos % k_cache.shape[2], pos)
+            for i, ((k_cache, v_cache), pos) in enumerate(zip(caches, positions))
+        ]
         attn = torch.stack(out).view(len(positions), c.heads * c.head_dim)
         return self._finish(h, attn)
 

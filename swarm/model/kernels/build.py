@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 # quantmm.c first: its object code and place in the library stay as they were before
-# attention.c joined (the matmuls' speed moved with their layout)
+# attention.c joined
 SOURCES = [Path(__file__).with_name(name) for name in ("quantmm.c", "attention.c")]
 
 # instruction set -> compiler flags, best first; each needs the CPU flags in ISA_CPU_FLAGS
