@@ -22,8 +22,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-QTYPES = {n: gguf.GGMLQuantizationType[n] for n in ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")}
-FILE_TYPES = {n: gguf.LlamaFileType[f"MOSTLY_{n}" + ("_M" if n == "Q4_K" else "")] for n in QTYPES}
+QTYPES = {n: gguf.GGMLQuantizationType[n] for n in ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0")}
+FILE_TYPES = {
+    n: gguf.LlamaFileType[f"MOSTLY_{n}" + ("_M" if n in ("Q4_K", "Q5_K") else "")] for n in QTYPES
+}
 _CHUNK_ROWS = 512  # rows generated and quantized at once: bounds the float32 temporaries
 
 
@@ -100,8 +102,8 @@ def _quantized(name: str, shape: tuple[int, ...], qtype, seed: int) -> np.ndarra
 
 def quantize(w: np.ndarray, qtype: str) -> np.ndarray:
     """float32 [rows, cols] -> the GGUF blocks of `qtype`, uint8 [rows, bytes per row]."""
-    if qtype == "Q4_K":
-        return _q4_k(w)
+    if qtype in ("Q4_K", "Q5_K"):
+        return _qk(w, 4 if qtype == "Q4_K" else 5)
     if qtype == "Q6_K":
         return _q6_k(w)
     return gguf.quants.quantize(w, QTYPES[qtype])
@@ -111,27 +113,34 @@ def _f16_bytes(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.astype(np.float16)[..., None]).view(np.uint8)
 
 
-def _q4_k(w: np.ndarray) -> np.ndarray:
+def _qk(w: np.ndarray, bits: int) -> np.ndarray:
     # super-blocks of 256: w = d * sc[j] * q - dmin * m[j] over eight sub-blocks j of 32, with
-    # 6-bit sc and m, 4-bit q (layout as swarm/model/quant.py reads it)
+    # 6-bit sc and m, 4-bit q (Q4_K, layout as swarm/model/quant.py reads it) or 5-bit (Q5_K: the
+    # fifth bits of sub-block j are bit j of 32 bytes qh before the low nibbles)
     rows = w.shape[0]
+    top = (1 << bits) - 1
     g = w.reshape(rows, -1, 8, 32)
     lo = np.minimum(g.min(-1), 0.0)
-    scale = np.maximum(g.max(-1) - lo, 1e-12) / 15.0
+    scale = np.maximum(g.max(-1) - lo, 1e-12) / top
     d = scale.max(-1) / 63.0
     dmin = np.maximum((-lo).max(-1) / 63.0, 1e-12)
     d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
     sc = np.clip(np.rint(scale / d[..., None]), 1, 63).astype(np.uint8)
     m = np.clip(np.rint(-lo / dmin[..., None]), 0, 63).astype(np.uint8)
     step = (d[..., None] * sc)[..., None]
-    q = np.clip(np.rint((g + (dmin[..., None] * m)[..., None]) / step), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint((g + (dmin[..., None] * m)[..., None]) / step), 0, top).astype(np.uint8)
     packed = np.empty((*d.shape, 12), dtype=np.uint8)
     packed[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
     packed[..., 4:8] = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
     packed[..., 8:12] = (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)
-    runs = q.reshape(*d.shape, 4, 2, 32)  # four runs of 64: low nibbles, then high
+    runs = (q & 0xF).reshape(*d.shape, 4, 2, 32)  # four runs of 64: low nibbles, then high
     qs = (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(*d.shape, 128)
-    blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, qs], axis=-1)
+    high = (
+        []
+        if bits == 4
+        else [((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)]
+    )
+    blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, *high, qs], axis=-1)
     return blocks.reshape(rows, -1)
 
 

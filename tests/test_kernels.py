@@ -31,7 +31,14 @@ ISAS = kernels.runnable_isas()
 KINDS = list(kernels.FORMATS)
 TORCH_KERNELS = ("float32", "bfloat16", "int8", "int4")
 # where each block's float16 scales sit: (offset, count)
-_HALVES = {"Q4_0": (0, 1), "Q4_1": (0, 2), "Q8_0": (0, 1), "Q4_K": (0, 2), "Q6_K": (208, 1)}
+_HALVES = {
+    "Q4_0": (0, 1),
+    "Q4_1": (0, 2),
+    "Q8_0": (0, 1),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208, 1),
+}
 
 needs_kernels = pytest.mark.skipif(not ISAS, reason="this CPU runs none of swarm's kernels")
 
@@ -107,7 +114,7 @@ def test_kernels_multiply_by_the_dequantized_weights_within_the_inputs_int8_roun
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_quantized_real_weights_give_float_results_within_a_percent_or_1e_4(isa, kind):
     """Trained-like weights (quantized from N(0, 0.02)) and inputs: the result's error is small
     beside the output itself, not only within the worst-case bound: a percent with one int8
@@ -147,7 +154,14 @@ def test_a_width_the_format_cannot_hold_is_refused():
 @needs_kernels
 @pytest.mark.parametrize(
     "kind, fmt",
-    [("Q4_0", "int4"), ("Q4_K", "int4"), ("Q8_0", "int8"), ("Q6_K", "int8"), ("Q4_1", "int4")],
+    [
+        ("Q4_0", "int4"),
+        ("Q4_K", "int4"),
+        ("Q8_0", "int8"),
+        ("Q6_K", "int8"),
+        ("Q4_1", "int4"),
+        ("Q5_K", "int8"),
+    ],
 )
 def test_auto_keeps_the_files_blocks_and_names_their_kind_of_format(kind, fmt):
     raw = RawTensor("w", kind, random_blocks(kind, 48, 512))
@@ -200,7 +214,7 @@ def test_a_non_native_format_is_not_kept_in_blocks():
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
 def test_a_gguf_span_on_the_kernels_computes_what_its_weights_give_in_float32(tmp_path, qtype):
     """Prompt pass and decode steps of a synthetic Llama file, every matrix in the file's blocks,
     against the same span with the blocks dequantized to float32."""
@@ -222,7 +236,7 @@ def test_a_gguf_span_on_the_kernels_computes_what_its_weights_give_in_float32(tm
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind):
     """Batched decode gives each session what it would get alone, to the bit."""
     lib = lib_for(ISAS[0])

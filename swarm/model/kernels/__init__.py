@@ -1,4 +1,4 @@
-"""Quantized matmuls on the blocks GGUF files keep (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K).
+"""Quantized matmuls on the blocks GGUF files keep (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K).
 
 quantmm.c is swarm's own C: at load a matrix's blocks are moved (not converted) so that 8 or 16
 output rows share each vector, and a matmul quantizes its input rows to int8 and multiplies in
@@ -25,13 +25,14 @@ from swarm.model.kernels.build import ISA_CPU_FLAGS, ISA_FLAGS, BuildError, buil
 log = logging.getLogger("swarm.model")
 
 # GGUF type name -> the kernels' format number; elements and bytes per block
-FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4}
+FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4, "Q5_K": 5}
 BLOCKS = {
     "Q4_0": (32, 18),
     "Q4_1": (32, 20),
     "Q8_0": (32, 34),
     "Q4_K": (256, 144),
     "Q6_K": (256, 210),
+    "Q5_K": (256, 176),
 }
 
 

@@ -1,4 +1,4 @@
-/* y = x W^T with W in GGUF's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) and x float32 rows.
+/* y = x W^T with W in GGUF's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and x float32 rows.
  *
  * Layout. At load, swq_pack moves a matrix's bytes so that 8 output rows sit side by side: in
  * each 32-byte vector, 4-byte lane r holds row r's codes for the same 4 inputs. One vpdpbusd
@@ -6,8 +6,8 @@
  * every lane then advances 8 output rows at once, and a lane's int32 sum belongs to one row:
  * no horizontal sums, and a block's float scales for the 8 rows are one vector. Codes, scales
  * and offsets keep the file's bit patterns (Q8_0 codes are stored + 128 as unsigned bytes; Q4_K's
- * packed 6-bit scales and mins are widened to bytes: 1184 bytes per 8 super-blocks against the
- * file's 1152), so swq_unpack gives the file's bytes back exactly.
+ * and Q5_K's packed 6-bit scales and mins are widened to bytes: 1184 bytes per 8 Q4_K
+ * super-blocks against the file's 1152), so swq_unpack gives the file's bytes back exactly.
  *
  * Arithmetic. Each call quantizes x to int8 once: one scale per 32 inputs for the 32-element
  * formats, per 256 for the K formats, with the sums of each 16/32 inputs that the formats'
@@ -97,11 +97,17 @@ static inline void vfst(float *p, vf a) { _mm256_storeu_ps(p, a); }
 #define VB (4 * ROWS)
 #define HB (2 * ROWS)
 
-enum { FMT_Q4_0, FMT_Q4_1, FMT_Q8_0, FMT_Q4_K, FMT_Q6_K, FMT_COUNT };
-static const int BLOCK_ELEMS[FMT_COUNT] = {32, 32, 32, 256, 256};
-static const int BLOCK_BYTES[FMT_COUNT] = {18, 20, 34, 144, 210};
-static const int PACKED_BYTES[FMT_COUNT] = {18 * ROWS, 20 * ROWS, 34 * ROWS, 148 * ROWS, 210 * ROWS};
-static const int ACT_GROUP[FMT_COUNT] = {32, 32, 32, 256, 256};
+enum { FMT_Q4_0, FMT_Q4_1, FMT_Q8_0, FMT_Q4_K, FMT_Q6_K, FMT_Q5_K, FMT_COUNT };
+static const int BLOCK_ELEMS[FMT_COUNT] = {32, 32, 32, 256, 256, 256};
+static const int BLOCK_BYTES[FMT_COUNT] = {18, 20, 34, 144, 210, 176};
+static const int PACKED_BYTES[FMT_COUNT] = {18 * ROWS, 20 * ROWS, 34 * ROWS, 148 * ROWS, 210 * ROWS, 180 * ROWS};
+static const int ACT_GROUP[FMT_COUNT] = {32, 32, 32, 256, 256, 256};
+
+/* Q4_K and Q5_K: the widened scales and mins after d[R] | dmin[R], then (Q5_K) the high bits */
+#define K_SCALES (2 * HB)
+#define K_MINS (2 * HB + 8 * ROWS)
+#define Q5_QH (20 * ROWS)
+#define Q5_QS (52 * ROWS)
 
 /* Q6_K: the vectors of each half h (128 inputs) in the order the kernel first reads them:
  * high 2 bits [c], then low 4 bits [t][c] */
@@ -121,12 +127,37 @@ int64_t swq_packed_bytes(int fmt, int64_t n, int64_t k) {
     return (n + ROWS - 1) / ROWS * (k / BLOCK_ELEMS[fmt]) * PACKED_BYTES[fmt];
 }
 
+/* the K formats' 12 bytes of 6-bit scales and mins (p) <-> bytes at dst + K_SCALES: scales [8 j][R],
+ * mins as int16-ready pairs [4][R][2] */
+static void widen_scales(const uint8_t *p, int r, uint8_t *dst) {
+    for (int j = 0; j < 4; j++) {
+        dst[K_SCALES + ROWS * j + r] = p[j] & 63;
+        dst[K_SCALES + ROWS * (j + 4) + r] = (p[j + 8] & 0x0F) | ((p[j] >> 6) << 4);
+        const uint8_t m0 = p[j + 4] & 63, m1 = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+        dst[K_MINS + HB * (j / 2) + 2 * r + (j % 2)] = m0;
+        dst[K_MINS + HB * ((j + 4) / 2) + 2 * r + (j % 2)] = m1;
+    }
+}
+
+static void narrow_scales(const uint8_t *src, int r, uint8_t *p) {
+    uint8_t sc[8], mn[8];
+    for (int j = 0; j < 8; j++)
+        sc[j] = src[K_SCALES + ROWS * j + r], mn[j] = src[K_MINS + HB * (j / 2) + 2 * r + (j % 2)];
+    for (int j = 0; j < 4; j++) {
+        p[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        p[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
+        p[j + 8] = (sc[j + 4] & 0x0F) | ((mn[j + 4] & 0x0F) << 4);
+    }
+}
+
 /* one block of ROWS rows: src[r] is row r's block in the file (NULL past the last row).
  * Q4_0:  d[R] | codes: vector i, lane r = qs_r[4i .. 4i+3] (low nibbles: inputs 4i.., high: 16+4i..)
  * Q4_1:  d[R] | m[R] | codes as Q4_0
  * Q8_0:  d[R] | codes + 128: vector c, lane r = qs_r[4c .. 4c+3]
  * Q4_K:  d[R] | dmin[R] | scales [8 j][R] | mins [4 pairs][R][2] | codes: run i (64 inputs),
  *        vector c, lane r = qs_r[32i + 4c .. +3] (low nibbles: sub-block 2i, high: 2i+1)
+ * Q5_K:  as Q4_K, with the high bits between mins and codes: vector c, lane r = qh_r[4c .. +3]
+ *        (bit j: sub-block j)
  * Q6_K:  d[R] | scales [16][R] | for each half h: qh vectors [c] = qh_r[32h + 4c ..], then
  *        ql vectors [t][c] = ql_r[64h + 32t + 4c ..] */
 static void pack_block(int fmt, const uint8_t *src[ROWS], uint8_t *dst) {
@@ -151,23 +182,22 @@ static void pack_block(int fmt, const uint8_t *src[ROWS], uint8_t *dst) {
                     for (int j = 0; j < 4; j++) dst[HB + VB * c + 4 * r + j] = s[r][2 + 4 * c + j] ^ 0x80;
             break;
         case FMT_Q4_K:
+        case FMT_Q5_K: {
+            const int qs = fmt == FMT_Q4_K ? 20 * ROWS : Q5_QS, file_qs = fmt == FMT_Q4_K ? 16 : 48;
             for (int r = 0; r < ROWS; r++) {
-                const uint8_t *p = s[r] + 4;
                 memcpy(dst + 2 * r, s[r], 2);
                 memcpy(dst + HB + 2 * r, s[r] + 2, 2);
-                for (int j = 0; j < 4; j++) {
-                    dst[2 * HB + ROWS * j + r] = p[j] & 63;
-                    dst[2 * HB + ROWS * (j + 4) + r] = (p[j + 8] & 0x0F) | ((p[j] >> 6) << 4);
-                    const uint8_t m0 = p[j + 4] & 63, m1 = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
-                    dst[2 * HB + 8 * ROWS + HB * (j / 2) + 2 * r + (j % 2)] = m0;
-                    dst[2 * HB + 8 * ROWS + HB * ((j + 4) / 2) + 2 * r + (j % 2)] = m1;
-                }
+                widen_scales(s[r] + 4, r, dst);
             }
+            if (fmt == FMT_Q5_K)
+                for (int c = 0; c < 8; c++)
+                    for (int r = 0; r < ROWS; r++) memcpy(dst + Q5_QH + VB * c + 4 * r, s[r] + 16 + 4 * c, 4);
             for (int i = 0; i < 4; i++)
                 for (int c = 0; c < 8; c++)
                     for (int r = 0; r < ROWS; r++)
-                        memcpy(dst + 20 * ROWS + 8 * VB * i + VB * c + 4 * r, s[r] + 16 + 32 * i + 4 * c, 4);
+                        memcpy(dst + qs + 8 * VB * i + VB * c + 4 * r, s[r] + file_qs + 32 * i + 4 * c, 4);
             break;
+        }
         case FMT_Q6_K:
             for (int r = 0; r < ROWS; r++) {
                 memcpy(dst + 2 * r, s[r] + 208, 2);
@@ -202,18 +232,16 @@ static void unpack_block(int fmt, const uint8_t *src, int r, uint8_t *out) {
             for (int c = 0; c < 8; c++)
                 for (int j = 0; j < 4; j++) out[2 + 4 * c + j] = src[HB + VB * c + 4 * r + j] ^ 0x80;
             break;
-        case FMT_Q4_K: {
-            uint8_t sc[8], mn[8], *p = out + 4;
+        case FMT_Q4_K:
+        case FMT_Q5_K: {
+            const int qs = fmt == FMT_Q4_K ? 20 * ROWS : Q5_QS, file_qs = fmt == FMT_Q4_K ? 16 : 48;
             memcpy(out, src + 2 * r, 2), memcpy(out + 2, src + HB + 2 * r, 2);
-            for (int j = 0; j < 8; j++)
-                sc[j] = src[2 * HB + ROWS * j + r], mn[j] = src[2 * HB + 8 * ROWS + HB * (j / 2) + 2 * r + (j % 2)];
-            for (int j = 0; j < 4; j++) {
-                p[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
-                p[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
-                p[j + 8] = (sc[j + 4] & 0x0F) | ((mn[j + 4] & 0x0F) << 4);
-            }
+            narrow_scales(src, r, out + 4);
+            if (fmt == FMT_Q5_K)
+                for (int c = 0; c < 8; c++) memcpy(out + 16 + 4 * c, src + Q5_QH + VB * c + 4 * r, 4);
             for (int i = 0; i < 4; i++)
-                for (int c = 0; c < 8; c++) memcpy(out + 16 + 32 * i + 4 * c, src + 20 * ROWS + 8 * VB * i + VB * c + 4 * r, 4);
+                for (int c = 0; c < 8; c++)
+                    memcpy(out + file_qs + 32 * i + 4 * c, src + qs + 8 * VB * i + VB * c + 4 * r, 4);
             break;
         }
         case FMT_Q6_K:
@@ -401,6 +429,27 @@ ALWAYS_INLINE vi dot32s(vi p[2], const int C, vi sc) {
 }
 #endif
 
+/* 5-bit codes (Q5_K): AVX2's int16 sums hold 4 vectors of them (4 * 2 * 31 * 127 = 31496), so
+ * there every sub-block takes two chains of 4 */
+#if defined(VNNI)
+#define CHAINS5(R, T) CHAINS(R, T)
+#define LINK5(c, C) ((c) % (C))
+ALWAYS_INLINE vi dot32s5(vi p[2], const int C, vi sc) { return dot32s(p, C, sc); }
+#else
+#define CHAINS5(R, T) 2
+#define LINK5(c, C) ((c) / 4)
+ALWAYS_INLINE vi dot32s5(vi p[2], const int C, vi sc) {
+    (void)C;
+    const vi both = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+    return _mm256_add_epi32(_mm256_madd_epi16(p[0], both), _mm256_madd_epi16(p[1], both));
+}
+#endif
+
+/* bit j of each byte of h, at bit 4 (16-bit shifts by <= 4 keep each byte's bits in its byte) */
+ALWAYS_INLINE vi bit_to_4(vi h, const int j) {
+    return vand(j < 4 ? vshl16(h, 4 - j) : j > 4 ? vshr16(h, j - 4) : h, vset8(0x10));
+}
+
 /* row r's integer sums of its T terms as one float vector, in steps of its first term */
 ALWAYS_INLINE vf terms(const vi *p, int r, const int T) {
     vf s = vtof(p[r * T]);
@@ -505,18 +554,20 @@ ALWAYS_INLINE void group_q8_0(const uint8_t *w, int64_t nb, const Acts *A, int64
     EACH_ROW vfst(y + r * ldy, acc[r]);
 }
 
-ALWAYS_INLINE void group_q4_k(const uint8_t *w, int64_t nb, const Acts *A, int64_t r0, const int R,
-                              const int T, float *y, int64_t ldy) {
+/* Q4_K, and Q5_K (five: a fifth bit per code from its high-bit vectors) */
+ALWAYS_INLINE void group_k(const uint8_t *w, int64_t nb, const Acts *A, int64_t r0, const int R,
+                           const int T, float *y, int64_t ldy, const int five) {
     vf acc[TILE];
+    const int bytes = five ? 180 * ROWS : 148 * ROWS;
     EACH_ROW acc[r] = vfzero();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + 148 * ROWS * b;
+        const uint8_t *blk = w + bytes * b;
         const int8_t *a[TILE];
         vi isum[TILE], imin[TILE];
         EACH_V a[v] = A->q + ((r0 + v / T) * T + v % T) * A->k + 256 * b, isum[v] = imin[v] = vzero();
         /* sum over sub-blocks j of min_rj * sum(x over j): int16 pairs of mins per lane */
         EACH(pr, 4) {
-            const vi mins = vu8to16(blk + 2 * HB + 8 * ROWS + HB * pr);
+            const vi mins = vu8to16(blk + K_MINS + HB * pr);
             EACH_V {
                 int32_t pair;
                 memcpy(&pair, A->s32 + ((r0 + v / T) * T + v % T) * (A->k / 32) + 8 * b + 2 * pr, 4);
@@ -524,17 +575,20 @@ ALWAYS_INLINE void group_q4_k(const uint8_t *w, int64_t nb, const Acts *A, int64
             }
         }
         EACH(j, 8) { /* sub-block j: run j / 2, low nibbles for even j */
-            const uint8_t *codes = blk + 20 * ROWS + 8 * VB * (j / 2);
-            prefetch_part(blk, j, 8, 148 * ROWS, 2 * R * T);
+            const uint8_t *codes = blk + (five ? Q5_QS : 20 * ROWS) + 8 * VB * (j / 2);
+            prefetch_part(blk, j, 8, bytes, (five ? 4 : 2) * R * T);
             vi ch[TILE][2];
-            const int C = CHAINS4(R, T);
+            const int C = five ? CHAINS5(R, T) : CHAINS4(R, T);
             EACH_V ch[v][0] = ch[v][1] = vzero();
             EACH(c, 8) {
-                const vi cv = vld(codes + VB * c), q = j % 2 ? hi4(cv) : lo4(cv);
-                EACH_V ch[v][c % C] = dot16(ch[v][c % C], q, a[v] + 32 * j + 4 * c);
+                const vi cv = vld(codes + VB * c);
+                vi q = j % 2 ? hi4(cv) : lo4(cv);
+                if (five) q = vor(q, bit_to_4(vld(blk + Q5_QH + VB * c), j));
+                const int link = five ? LINK5(c, C) : c % C;
+                EACH_V ch[v][link] = dot16(ch[v][link], q, a[v] + 32 * j + 4 * c);
             }
-            const vi sc = vu8to32(blk + 2 * HB + ROWS * j);
-            EACH_V isum[v] = vadd32(isum[v], dot32s(ch[v], C, sc));
+            const vi sc = vu8to32(blk + K_SCALES + ROWS * j);
+            EACH_V isum[v] = vadd32(isum[v], five ? dot32s5(ch[v], C, sc) : dot32s(ch[v], C, sc));
         }
         const vf d = vf16(blk), dmin = vf16(blk + HB);
         EACH_ROW {
@@ -544,6 +598,16 @@ ALWAYS_INLINE void group_q4_k(const uint8_t *w, int64_t nb, const Acts *A, int64
         }
     }
     EACH_ROW vfst(y + r * ldy, acc[r]);
+}
+
+ALWAYS_INLINE void group_q4_k(const uint8_t *w, int64_t nb, const Acts *A, int64_t r0, const int R,
+                              const int T, float *y, int64_t ldy) {
+    group_k(w, nb, A, r0, R, T, y, ldy, 0);
+}
+
+ALWAYS_INLINE void group_q5_k(const uint8_t *w, int64_t nb, const Acts *A, int64_t r0, const int R,
+                              const int T, float *y, int64_t ldy) {
+    group_k(w, nb, A, r0, R, T, y, ldy, 1);
 }
 
 /* Q6_K's 6-bit codes of inputs 128h + 32e + 4c .. +3 for the ROWS rows (e: which quarter) */
@@ -631,6 +695,7 @@ static void group_kernel(int fmt, const uint8_t *w, int64_t nb, const Acts *A, i
         case FMT_Q8_0: DISPATCH(group_q8_0); break;
         case FMT_Q4_K: DISPATCH(group_q4_k); break;
         case FMT_Q6_K: DISPATCH(group_q6_k); break;
+        case FMT_Q5_K: DISPATCH(group_q5_k); break;
     }
 }
 
