@@ -30,7 +30,8 @@
 #define SWQ_ISA "avx512vnni"
 #define VNNI 1
 /* 16 rows side by side in 512-bit registers: Zen 4 retires vpdpbusd zmm as fast as ymm */
-enum { ROWS = 16, TILE = 8 };
+enum { ROWS = 16 };
+#define TILE 8 /* (x row, term) pairs a pass over a group's weights */
 typedef __m512i vi;
 typedef __m512 vf;
 static inline vi vld(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
@@ -58,7 +59,10 @@ static inline vf vtof(vi a) { return _mm512_cvtepi32_ps(a); }
 static inline void vfst(float *p, vf a) { _mm512_storeu_ps(p, a); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SWQ_ISA "avx2"
-enum { ROWS = 8, TILE = 8 };
+enum { ROWS = 8 };
+/* 16 ymm registers: 8 pairs a pass spilled, 10-23% slower at 8-64 rows than 4 (one thread,
+ * 14336x4096: Q4_K 64 rows, two terms 110 -> 94 ms; Q6_K 181 -> 140; 2 pairs lost on Q6_K) */
+#define TILE 4
 typedef __m256i vi;
 typedef __m256 vf;
 static inline vi vld(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
@@ -668,6 +672,7 @@ typedef struct {
 } Job;
 
 /* R x rows of T terms, R * T <= TILE */
+#if TILE == 8
 #define DISPATCH(KERNEL)                                                     \
     if (T == 1) switch (R) {                                                 \
             case 1: KERNEL(w, nb, A, r0, 1, 1, y, ldy); break;               \
@@ -685,6 +690,19 @@ typedef struct {
             case 3: KERNEL(w, nb, A, r0, 3, 2, y, ldy); break;               \
             default: KERNEL(w, nb, A, r0, 4, 2, y, ldy); break;              \
         }
+#else
+#define DISPATCH(KERNEL)                                                     \
+    if (T == 1) switch (R) {                                                 \
+            case 1: KERNEL(w, nb, A, r0, 1, 1, y, ldy); break;               \
+            case 2: KERNEL(w, nb, A, r0, 2, 1, y, ldy); break;               \
+            case 3: KERNEL(w, nb, A, r0, 3, 1, y, ldy); break;               \
+            default: KERNEL(w, nb, A, r0, 4, 1, y, ldy); break;              \
+        }                                                                    \
+    else switch (R) {                                                        \
+            case 1: KERNEL(w, nb, A, r0, 1, 2, y, ldy); break;               \
+            default: KERNEL(w, nb, A, r0, 2, 2, y, ldy); break;              \
+        }
+#endif
 
 static void group_kernel(int fmt, const uint8_t *w, int64_t nb, const Acts *A, int64_t r0, int R,
                          float *y, int64_t ldy) {
