@@ -38,6 +38,8 @@ from pathlib import Path
 import checkout  # noqa: F401 (devtools/ from this checkout)
 import torch
 
+from swarm.options import input_terms_arg
+
 QTYPES = ["Q4_0", "Q4_K", "Q8_0"]
 TORCH_KERNELS = ("float32", "bfloat16", "int8", "int4")
 FLAGS = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"]
@@ -117,7 +119,7 @@ def _layer_figures(span, hidden: int, decode_calls: int, threads: int) -> dict:
     return fig
 
 
-def run_swarm(path: Path, threads: int, decode_calls: int, input_terms: int) -> dict:
+def run_swarm(path: Path, threads: int, decode_calls: int, input_terms: int | None) -> dict:
     cmd = [
         sys.executable,
         __file__,
@@ -128,7 +130,7 @@ def run_swarm(path: Path, threads: int, decode_calls: int, input_terms: int) -> 
         "--decode-calls",
         str(decode_calls),
         "--input-terms",
-        str(input_terms),
+        str(input_terms or "auto"),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -263,7 +265,9 @@ def main() -> None:
         help="swarm's kernels for this instruction set (avx2 measures an AVX2-only machine's on"
         " an AVX-512 one; build llama.cpp with GGML_NATIVE=OFF GGML_AVX2=ON to match)",
     )
-    p.add_argument("--input-terms", type=int, default=2, help="as a node's --input-terms")
+    p.add_argument(
+        "--input-terms", type=input_terms_arg, default=None, help="as a node's: auto, 1 or 2"
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     from swarm.model import kernels

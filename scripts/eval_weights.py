@@ -17,6 +17,7 @@ from swarm.model.blocks import Span
 from swarm.model.fidelity import SAMPLE_TEXT, agreement, perplexity, reference_logits, span_logits
 from swarm.model.head import Head
 from swarm.model.source import open_model
+from swarm.options import input_terms_arg
 
 PROMPTS = [
     "Why is the sky blue?",
@@ -31,7 +32,9 @@ def main() -> None:
     p.add_argument("--formats", default="auto,int4,int8,bfloat16,float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=100, help="reference answer length")
-    p.add_argument("--input-terms", type=int, default=2, help="as a node's --input-terms")
+    p.add_argument(
+        "--input-terms", type=input_terms_arg, default=None, help="as a node's: auto, 1 or 2"
+    )
     a = p.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(a.threads)

@@ -45,6 +45,15 @@ def nice_steps(text: str) -> int:
     return value
 
 
+def input_terms_arg(text: str) -> int | None:
+    """--input-terms: auto (None: each instruction set's own), 1 or 2."""
+    if text == "auto":
+        return None
+    if text in ("1", "2"):
+        return int(text)
+    raise argparse.ArgumentTypeError(f"auto, 1 or 2, not {text!r}")
+
+
 def _metavar(name: str, default, ms: bool) -> str:
     if ms:
         return "MS"

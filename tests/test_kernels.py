@@ -282,13 +282,32 @@ def test_the_process_input_terms_reach_every_blocks_matmul():
             kernels.set_input_terms(terms)
             assert torch.equal(linear(x).float(), want[terms])
     finally:
-        kernels.set_input_terms(2)
+        kernels.set_input_terms(None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+def test_unset_input_terms_follow_the_instruction_set(isa):
+    """Two where vpdpbusd makes the second cheap, one on AVX2, where it slows prompt passes."""
+    lib = lib_for(isa)
+    blocks = random_blocks("Q4_0", 32, 256)
+    packed = lib.pack("Q4_0", blocks, 256)
+    x = torch.randn(2, 256)
+    own = {"avx512vnni": 2, "avx2": 1}[isa]
+    assert kernels.input_terms(isa) == own
+    assert torch.equal(
+        lib.matmul("Q4_0", packed, 32, 256, x, 1), lib.matmul("Q4_0", packed, 32, 256, x, 1, own)
+    )
+    assert not torch.equal(
+        lib.matmul("Q4_0", packed, 32, 256, x, 1),
+        lib.matmul("Q4_0", packed, 32, 256, x, 1, 3 - own),
+    )
 
 
 def test_input_terms_other_than_one_or_two_are_refused():
-    with pytest.raises(ValueError, match="1 or 2"):
+    with pytest.raises(ValueError, match="1, 2 or auto"):
         kernels.set_input_terms(3)
-    assert kernels.input_terms() == 2
+    assert kernels.input_terms("avx2") == 1
 
 
 def smaps_entry(address: int) -> dict[str, str]:

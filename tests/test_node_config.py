@@ -49,6 +49,15 @@ def test_nice_steps_are_0_to_19(capsys):
         assert "must be 0..19" in capsys.readouterr().err
 
 
+def test_input_terms_are_auto_unless_one_or_two_is_asked_for(capsys):
+    assert parse_args(["--layers", "0:10"]).input_terms is None
+    assert parse_args(["--layers", "0:10", "--input-terms", "auto"]).input_terms is None
+    assert parse_args(["--layers", "0:10", "--input-terms", "1"]).input_terms == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--layers", "0:10", "--input-terms", "3"])
+    assert "auto, 1 or 2" in capsys.readouterr().err
+
+
 def test_pacing_and_a_timed_chunk_floor_are_asked_for_in_milliseconds():
     argv = ["--layers", "0:10", "--link-pacing", "--link-pace-lead-ms", "15"]
     options = LinkScheduler(parse_args([*argv, "--link-min-chunk-ms", "40"]).link).options

@@ -7,6 +7,7 @@ import torch
 
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
+from swarm.model import kernels
 from swarm.model.blocks import Span
 from swarm.model.fidelity import SAMPLE_TEXT, agreement, perplexity, reference_logits, span_logits
 from swarm.model.head import Head
@@ -29,18 +30,28 @@ def text_ids(default_reference):
     return tok(SAMPLE_TEXT)["input_ids"]
 
 
-# int8 rows requantize the file's Q4_1 groups and its Q8_0 head: a format for memory, not fidelity
-@pytest.mark.parametrize("weights, least_agreement", [("auto", 0.97), ("int8", 0.94)])
+# int8 rows requantize the file's Q4_1 groups and its Q8_0 head: a format for memory, not
+# fidelity. At auto, swarm's kernels take inputs in two int8 terms on AVX-512 VNNI and in one
+# (llama.cpp's precision) on AVX2; each is held to its own bar on any machine.
+@pytest.mark.parametrize(
+    "weights, terms, least_agreement", [("auto", 2, 0.97), ("auto", 1, 0.95), ("int8", None, 0.94)]
+)
 def test_kept_weights_agree_with_float32_transformers_and_keep_its_perplexity(
-    source, default_reference, text_ids, weights, least_agreement
+    source, default_reference, text_ids, weights, terms, least_agreement
 ):
     model, _tok = default_reference
     reference = reference_logits(model, text_ids)
-    span = Span.load(source, 0, source.config.num_layers, weights=weights)
-    logits = span_logits(span, Head.load(source, weights), text_ids)
+    kernels.set_input_terms(terms)
+    try:
+        span = Span.load(source, 0, source.config.num_layers, weights=weights)
+        logits = span_logits(span, Head.load(source, weights), text_ids)
+    finally:
+        kernels.set_input_terms(None)
     rate = agreement(logits, reference)
     ppl, ref_ppl = perplexity(logits, text_ids), perplexity(reference, text_ids)
-    print(f"{weights}: top-1 agreement {rate:.3f}, perplexity {ppl:.3f} vs {ref_ppl:.3f}")
+    print(
+        f"{weights}, {terms} term(s): agreement {rate:.3f}, perplexity {ppl:.3f} vs {ref_ppl:.3f}"
+    )
     assert rate >= least_agreement
     assert abs(ppl / ref_ppl - 1) <= 0.02
 

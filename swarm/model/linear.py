@@ -488,7 +488,7 @@ def usable_formats(say: Callable[[str], None] = log.warning) -> tuple[str, ...]:
     say(
         f"quantized matmuls: swarm's {lib.isa} kernels on the file's blocks"
         f" ({', '.join(kernels.FORMATS)}), {torch.get_num_threads()} thread(s), inputs in"
-        f" {kernels.input_terms()} int8 term(s)"
+        f" {kernels.input_terms(lib.isa)} int8 term(s)"
     )
     return (*usable, BLOCKS)
 

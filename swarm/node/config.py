@@ -16,6 +16,7 @@ from swarm.link.options import LinkOptions
 from swarm.model.linear import WEIGHT_FORMATS
 from swarm.options import (
     add_option,
+    input_terms_arg,
     is_option,
     nice_steps,
     non_negative_float,
@@ -174,12 +175,14 @@ class NodeConfig:
         " matches transformers token for token (4-8x the memory)",
         choices=WEIGHT_FORMATS,
     )
-    input_terms: int = option(
-        2,
+    input_terms: int | None = option(
+        None,
         "int8 terms in which swarm's quantized matmuls take their inputs: 2 (the default"
-        " model's top-1 agreement with float32 0.997) or 1, llama.cpp's precision (0.956),"
-        " for 1.4-1.6x faster decode",
-        choices=[1, 2],
+        " model's top-1 agreement with float32 0.997), 1, llama.cpp's precision (0.956), or"
+        " auto (the default): 2 on AVX-512 VNNI, 1 on AVX2, whose prompt passes two terms"
+        " slow to below llama.cpp's speed",
+        type=input_terms_arg,
+        metavar="auto|1|2",
     )
     initial_peers: tuple[str, ...] = initial_peers_option(new_swarm=True)
     host: str = option("127.0.0.1", "data-plane listen address")
