@@ -135,7 +135,7 @@ def arrivals_process(peers, a, ready, go, out) -> None:
     whose clients would not share one Python process (its GIL, its network loop) with them."""
     if a.client_core is not None:
         torch.set_num_threads(1)
-    client = Client(peers, step_timeout=60)
+    client = Client(peers, step_timeout=60, handoff_min_new=a.handoff_min_new)
     try:
         ready.set()
         go.wait()
@@ -165,7 +165,7 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
             proc.start()
             if not ready.wait(300):
                 raise RuntimeError("the new sessions' client did not start")
-        client = Client(peers, step_timeout=60)
+        client = Client(peers, step_timeout=60, handoff_min_new=a.handoff_min_new)
         streams = [
             Stream(client, [rng.randrange(100, 40000) for _ in range(32)], 32 + 4000)
             for _ in range(a.streams)
@@ -274,7 +274,6 @@ def main() -> None:
         " (0: every session is handed on)",
     )
     a = p.parse_args()
-    routing.HANDOFF_MIN_NEW_TOKENS = a.handoff_min_new
     COMMON.extend(shlex.split(a.node_args))
     a.cores = sorted(os.sched_getaffinity(0))  # the nodes', before the client is confined
     if a.client_core is not None:

@@ -106,6 +106,30 @@ def test_a_short_answer_stays_on_the_prefill_node(
         stop_all([decode, prefill])
 
 
+def test_a_client_may_hand_on_shorter_answers(
+    dht_peers,  # noqa: F811
+    tiny_model_dir,
+    tiny_reference,
+):
+    """Client(handoff_min_new=...) lowers the bar: a session of SHORT new tokens moves to the
+    decode node too, with the tokens it would have had."""
+    decode = start_full_node(tiny_model_dir, dht_peers, "--role", "decode")
+    prefill = start_full_node(tiny_model_dir, dht_peers, "--role", "prefill")
+    client = Client(
+        dht_peers, model=str(tiny_model_dir), wire_dtype="float32", handoff_min_new=SHORT
+    )
+    try:
+        out, moves, peers = generate(
+            client, PROMPT, lambda: wait_for_lines(prefill, "handed over to", 1), new=SHORT
+        )
+        assert out == reference_greedy(tiny_reference, PROMPT, SHORT)
+        assert (moves, peers) == (1, [decode.peer])
+        assert left_with(prefill)[2] == 1  # moved out
+    finally:
+        client.close()
+        stop_all([decode, prefill])
+
+
 def test_a_handoff_the_decode_node_cannot_take_leaves_the_session_on_the_prefill_node(
     dht_peers,  # noqa: F811
     tiny_model_dir,

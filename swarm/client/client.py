@@ -64,12 +64,14 @@ class Client:
         prefill_chunk: int = PREFILL_CHUNK,
         plaintext: bool = False,
         disaggregate: bool = True,
+        handoff_min_new: int = routing.HANDOFF_MIN_NEW_TOKENS,
     ):
         """`plaintext`: also route through nodes run with --plaintext (an experiment; by
         default every connection is TLS, checked against the key each node's record names).
         `disaggregate`: send long prompts to prefill nodes where the swarm has them (P/D,
         swarm.client.routing.pick_prefill); False: every session computes its prompt where
-        it decodes."""
+        it decodes. `handoff_min_new`: a session sent to a prefill node moves on to decode
+        elsewhere only if it may generate at least this many tokens after its prompt."""
         if not initial_peers:
             raise ValueError("initial_peers is empty: pass the multiaddr a node printed")
         self.source = open_model(model)
@@ -83,6 +85,7 @@ class Client:
         self.prefill_chunk = prefill_chunk
         self.plaintext = plaintext
         self.disaggregate = disaggregate
+        self.handoff_min_new = handoff_min_new
         self._tokenizer = None
         self._loading = threading.Lock()  # tokenizer and heads load once, whatever the threads
         self.dht = start_dht(initial_peers, client_mode=True)
@@ -342,7 +345,7 @@ class InferenceSession:
         handoff = None
         prefill = self.client.prefill_hop(route[-1], tokens, self.max_length, self.excluded)
         if prefill is not None:
-            if self.max_length - tokens >= routing.HANDOFF_MIN_NEW_TOKENS:
+            if self.max_length - tokens >= self.client.handoff_min_new:
                 handoff, route = route[-1], [*route[:-1], prefill]
             else:  # a short answer: the session stays where its prompt is computed
                 self.client.release_route(route, self._held)
