@@ -365,12 +365,12 @@ static void quantize_row(const float *x, const Acts *A, int64_t row) {
 
 /* Software prefetch PREFETCH_AHEAD bytes ahead of the block being read, into L2, where a kernel
  * does enough arithmetic per byte of weights (`work`: vpdpbusd passes over each code byte, 2 for
- * 4-bit codes per (x row, term), 1 for Q8_0, 4 for Q6_K's two-load codes). There, the hardware
- * prefetcher alone left the stream and the arithmetic one after the other: a 14336x4096 Q4_K
- * matrix against one row took 1.33 ms with one term and 1.8 with two, 1.2 with two and this
- * (8 KiB ahead; 4 KiB 1.64, 16 KiB 1.23), and two rows 3.0 -> 1.9 ms. Below PREFETCH_MIN_WORK
- * it cost 1.2-1.4x (one row, one term: Q4_K 1.33 -> 1.62 ms; Q8_0 2.2 -> 3.0; prefetching to
- * L1 or 32 KiB ahead the same), the hardware's own prefetch then keeping up by itself. */
+ * 4-bit codes per (x row, term), 1 for Q8_0, 4 for Q5_K's and Q6_K's two-load codes). There, the
+ * hardware prefetcher alone left the stream and the arithmetic one after the other: a 14336x4096
+ * Q4_K matrix against one row took 1.33 ms with one term and 1.8 with two, 1.2 with two and this
+ * (8 KiB ahead; 4 KiB 1.64, 16 KiB 1.23), and two rows 3.0 -> 1.9 ms. Below PREFETCH_MIN_WORK it
+ * cost 1.2-1.4x (one row, one term: Q4_K 1.33 -> 1.62 ms; Q8_0 2.2 -> 3.0; prefetching to L1 or 32
+ * KiB ahead the same), the hardware's own prefetch then keeping up by itself. */
 enum { PREFETCH_AHEAD = 8192, PREFETCH_MIN_WORK = 4 };
 
 /* the part-th of `parts` shares of the cache lines of `bytes` at blk + PREFETCH_AHEAD: a block's
