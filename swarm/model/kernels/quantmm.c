@@ -107,11 +107,13 @@ static const int BLOCK_BYTES[FMT_COUNT] = {18, 20, 34, 144, 210, 176};
 static const int PACKED_BYTES[FMT_COUNT] = {18 * ROWS, 20 * ROWS, 34 * ROWS, 148 * ROWS, 210 * ROWS, 180 * ROWS};
 static const int ACT_GROUP[FMT_COUNT] = {32, 32, 32, 256, 256, 256};
 
-/* Q4_K and Q5_K: the widened scales and mins after d[R] | dmin[R], then (Q5_K) the high bits */
+/* Q4_K and Q5_K: the widened scales and mins after d[R] | dmin[R], then (Q5_K) the high bits,
+ * then the codes (K_QS; in the file's block at K_FILE_QS) */
 #define K_SCALES (2 * HB)
 #define K_MINS (2 * HB + 8 * ROWS)
 #define Q5_QH (20 * ROWS)
-#define Q5_QS (52 * ROWS)
+#define K_QS(fmt) ((fmt) == FMT_Q4_K ? 20 * ROWS : 52 * ROWS)
+#define K_FILE_QS(fmt) ((fmt) == FMT_Q4_K ? 16 : 48)
 
 /* Q6_K: the vectors of each half h (128 inputs) in the order the kernel first reads them:
  * high 2 bits [c], then low 4 bits [t][c] */
@@ -186,8 +188,7 @@ static void pack_block(int fmt, const uint8_t *src[ROWS], uint8_t *dst) {
                     for (int j = 0; j < 4; j++) dst[HB + VB * c + 4 * r + j] = s[r][2 + 4 * c + j] ^ 0x80;
             break;
         case FMT_Q4_K:
-        case FMT_Q5_K: {
-            const int qs = fmt == FMT_Q4_K ? 20 * ROWS : Q5_QS, file_qs = fmt == FMT_Q4_K ? 16 : 48;
+        case FMT_Q5_K:
             for (int r = 0; r < ROWS; r++) {
                 memcpy(dst + 2 * r, s[r], 2);
                 memcpy(dst + HB + 2 * r, s[r] + 2, 2);
@@ -199,9 +200,8 @@ static void pack_block(int fmt, const uint8_t *src[ROWS], uint8_t *dst) {
             for (int i = 0; i < 4; i++)
                 for (int c = 0; c < 8; c++)
                     for (int r = 0; r < ROWS; r++)
-                        memcpy(dst + qs + 8 * VB * i + VB * c + 4 * r, s[r] + file_qs + 32 * i + 4 * c, 4);
+                        memcpy(dst + K_QS(fmt) + 8 * VB * i + VB * c + 4 * r, s[r] + K_FILE_QS(fmt) + 32 * i + 4 * c, 4);
             break;
-        }
         case FMT_Q6_K:
             for (int r = 0; r < ROWS; r++) {
                 memcpy(dst + 2 * r, s[r] + 208, 2);
@@ -237,17 +237,15 @@ static void unpack_block(int fmt, const uint8_t *src, int r, uint8_t *out) {
                 for (int j = 0; j < 4; j++) out[2 + 4 * c + j] = src[HB + VB * c + 4 * r + j] ^ 0x80;
             break;
         case FMT_Q4_K:
-        case FMT_Q5_K: {
-            const int qs = fmt == FMT_Q4_K ? 20 * ROWS : Q5_QS, file_qs = fmt == FMT_Q4_K ? 16 : 48;
+        case FMT_Q5_K:
             memcpy(out, src + 2 * r, 2), memcpy(out + 2, src + HB + 2 * r, 2);
             narrow_scales(src, r, out + 4);
             if (fmt == FMT_Q5_K)
                 for (int c = 0; c < 8; c++) memcpy(out + 16 + 4 * c, src + Q5_QH + VB * c + 4 * r, 4);
             for (int i = 0; i < 4; i++)
                 for (int c = 0; c < 8; c++)
-                    memcpy(out + file_qs + 32 * i + 4 * c, src + qs + 8 * VB * i + VB * c + 4 * r, 4);
+                    memcpy(out + K_FILE_QS(fmt) + 32 * i + 4 * c, src + K_QS(fmt) + 8 * VB * i + VB * c + 4 * r, 4);
             break;
-        }
         case FMT_Q6_K:
             memcpy(out + 208, src + 2 * r, 2);
             for (int k = 0; k < 16; k++) out[192 + k] = src[HB + ROWS * k + r];
@@ -471,8 +469,8 @@ ALWAYS_INLINE void group_q4_0(const uint8_t *w, int64_t nb, const Acts *A, int64
     vf acc[TILE];
     EACH_ROW acc[r] = vfzero();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + 18 * ROWS * b;
-        prefetch_part(blk, 0, 1, 18 * ROWS, 2 * R * T);
+        const uint8_t *blk = w + PACKED_BYTES[FMT_Q4_0] * b;
+        prefetch_part(blk, 0, 1, PACKED_BYTES[FMT_Q4_0], 2 * R * T);
         const int8_t *a[TILE];
         vi p[TILE], ch[TILE][2];
         int32_t base[TILE];
@@ -499,8 +497,8 @@ ALWAYS_INLINE void group_q4_1(const uint8_t *w, int64_t nb, const Acts *A, int64
     vf acc[TILE];
     EACH_ROW acc[r] = vfzero();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + 20 * ROWS * b;
-        prefetch_part(blk, 0, 1, 20 * ROWS, 2 * R * T);
+        const uint8_t *blk = w + PACKED_BYTES[FMT_Q4_1] * b;
+        prefetch_part(blk, 0, 1, PACKED_BYTES[FMT_Q4_1], 2 * R * T);
         const int8_t *a[TILE];
         vi p[TILE], ch[TILE][2];
         const int C = CHAINS4(R, T);
@@ -528,8 +526,8 @@ ALWAYS_INLINE void group_q8_0(const uint8_t *w, int64_t nb, const Acts *A, int64
     vf acc[TILE];
     EACH_ROW acc[r] = vfzero();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + 34 * ROWS * b;
-        prefetch_part(blk, 0, 1, 34 * ROWS, 1 * R * T);
+        const uint8_t *blk = w + PACKED_BYTES[FMT_Q8_0] * b;
+        prefetch_part(blk, 0, 1, PACKED_BYTES[FMT_Q8_0], 1 * R * T);
         const int8_t *a[TILE];
         vi p[TILE], ch[TILE][2];
         const int C = CHAINS(R, T);
@@ -562,7 +560,7 @@ ALWAYS_INLINE void group_q8_0(const uint8_t *w, int64_t nb, const Acts *A, int64
 ALWAYS_INLINE void group_k(const uint8_t *w, int64_t nb, const Acts *A, int64_t r0, const int R,
                            const int T, float *y, int64_t ldy, const int five) {
     vf acc[TILE];
-    const int bytes = five ? 180 * ROWS : 148 * ROWS;
+    const int fmt = five ? FMT_Q5_K : FMT_Q4_K, bytes = PACKED_BYTES[fmt];
     EACH_ROW acc[r] = vfzero();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + bytes * b;
@@ -579,7 +577,7 @@ ALWAYS_INLINE void group_k(const uint8_t *w, int64_t nb, const Acts *A, int64_t 
             }
         }
         EACH(j, 8) { /* sub-block j: run j / 2, low nibbles for even j */
-            const uint8_t *codes = blk + (five ? Q5_QS : 20 * ROWS) + 8 * VB * (j / 2);
+            const uint8_t *codes = blk + K_QS(fmt) + 8 * VB * (j / 2);
             prefetch_part(blk, j, 8, bytes, (five ? 4 : 2) * R * T);
             vi ch[TILE][2];
             const int C = five ? CHAINS5(R, T) : CHAINS4(R, T);
@@ -627,7 +625,7 @@ ALWAYS_INLINE void group_q6_k(const uint8_t *w, int64_t nb, const Acts *A, int64
     vf acc[TILE];
     EACH_ROW acc[r] = vfzero();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + 210 * ROWS * b;
+        const uint8_t *blk = w + PACKED_BYTES[FMT_Q6_K] * b;
         const int8_t *a[TILE];
         const int16_t *s[TILE];
         vi isum[TILE];
@@ -640,7 +638,7 @@ ALWAYS_INLINE void group_q6_k(const uint8_t *w, int64_t nb, const Acts *A, int64
         EACH(i, 16) { /* sub-block k16 (inputs 16 k16 .. +15), in the order of the layout */
             const int h = i / 8, t = (i / 4) % 2, half = (i / 2) % 2, e = t + 2 * (i % 2);
             const int k16 = 8 * h + 2 * e + half, c0 = 4 * half;
-            prefetch_part(blk, i, 16, 210 * ROWS, 4 * R * T);
+            prefetch_part(blk, i, 16, PACKED_BYTES[FMT_Q6_K], 4 * R * T);
             vi ch[TILE][2];
             const int C = CHAINS(R, T);
             /* codes are q - 32: each lane starts at -32 * sum(x over the 16) */
