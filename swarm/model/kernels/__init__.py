@@ -104,9 +104,9 @@ class Kernels:
     ) -> torch.Tensor:
         """x [rows, k] float32 -> x W^T [rows, n] float32, W packed by `pack`. x is taken as
         `terms` int8 terms (default: the process's, `set_input_terms`, else this instruction
-        set's, TERMS_BY_ISA): 1 rounds each input by
-        up to half a step of its group's largest (llama.cpp's precision), 2 adds that
-        rounding's own int8 (within 2^-16 of the largest) for ~1.5x the arithmetic."""
+        set's, TERMS_BY_ISA): 1 rounds each input by up to half a step of its group's largest
+        (llama.cpp's precision), 2 adds that rounding's own int8 (within 2^-16 of the largest)
+        for ~1.5x the arithmetic."""
         terms = input_terms(self.isa) if terms is None else terms
         x = x.float().contiguous()
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
