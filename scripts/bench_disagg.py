@@ -18,7 +18,7 @@ time to first token (TTFT) and their TPOT. With --rate-mbps every node sits behi
 shaped link (devtools/link_proxy.py, both ways): prompts, results and the handed-on caches
 cross them.
 
-  .venv/bin/python scripts/bench_disagg.py [--prompts 8 --every 8] [--rate-mbps 50]
+  .venv/bin/python scripts/bench_disagg.py [--prompts 8 --every 8] [--rate-mbps 50] [--cpu-report]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from bench_handover import cpu_model, free_port, pct, start_relay
 from devtools.launch import NodeProcess, start_node, stop_all
 from swarm.client import routing
 from swarm.client.client import Client
-from swarm.dht import start_dht, visible_maddrs
+from swarm.dht import read_swarm, start_dht, visible_maddrs
 
 COMMON = ["--announce-ttl", "10", "--max-host-cache-tokens", "65536", "--max-host-sessions", "64"]
 COMMON += ["--threads", "1"]
@@ -144,7 +144,7 @@ def arrivals_process(peers, a, ready, go, out) -> None:
         client.close()
 
 
-def run_round(peers, a, roles: tuple[str, str]) -> dict:
+def run_round(peers, a, roles: tuple[str, str], dht=None) -> dict:
     nodes, relays = [], []
     client = proc = None
     stop = threading.Event()
@@ -175,16 +175,35 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
             t.start()
         for s in streams:
             s.primed.wait(600)
+        report = None
+        if a.cpu_report:
+            groups = {
+                f"node {i} ({r})": process_tree(n.proc.pid)
+                for i, (n, r) in enumerate(zip(nodes, roles))
+            }
+            groups |= {f"relay {i}": [r.pid] for i, r in enumerate(relays)}
+            # this process's threads only: the streams' client (its DHT is a process apart)
+            groups["streams' client"] = [os.getpid()]
+            if proc is not None:
+                groups["new sessions' client"] = process_tree(proc.pid)
+            report = CpuReport(groups)
         time.sleep(WARMUP_S)
         quiet = time.monotonic()
         relay_cpu = [cpu_seconds(r.pid) for r in relays]
+        if report is not None:
+            report.mark()
         time.sleep(QUIET_S)
+        if report is not None:
+            report.mark()
         if a.one_client:
             new = arrive(client, a, rng, stop)
         else:
             go.set()
             new = out.get(timeout=1200)
         relay_cpu = [cpu_seconds(r.pid) - c for r, c in zip(relays, relay_cpu)]
+        if report is not None:
+            report.mark()
+        batches = decode_batches(dht) if dht is not None and a.cpu_report else {}
         stop.set()
         for t in threads:
             t.join(120)
@@ -200,6 +219,8 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
             "seconds": end - begin,
             # each relay's share of a core from the quiet phase to the last new token
             "relay_cpu": [c / (end - quiet) for c in relay_cpu],
+            "cpu_report": report.lines(["quiet", "prompts"]) if report is not None else [],
+            "batches": batches,
         }
     finally:
         stop.set()
@@ -213,6 +234,76 @@ def run_round(peers, a, roles: tuple[str, str]) -> dict:
         stop_all(nodes)
         for relay in relays:
             relay.kill()
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (Linux /proc)."""
+    out = [pid]
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            out += process_tree(kid)
+    return out
+
+
+def thread_times(pids: list[int]) -> dict[int, tuple[int, int]]:
+    """Each thread of `pids`: nanoseconds on a CPU and waiting for one (Linux schedstat)."""
+    out = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    run, wait, _ = f.read().split()
+            except (OSError, ValueError):
+                continue
+            out[int(tid)] = (int(run), int(wait))
+    return out
+
+
+class CpuReport:
+    """Where the CPU went in each phase of a round, by process group: the share of a core
+    each group ran, its busiest thread's, and the share its threads waited for a CPU."""
+
+    def __init__(self, groups: dict[str, list[int]]):
+        self.groups = groups  # name -> its processes
+        self.marks: list[tuple[float, dict[str, dict[int, tuple[int, int]]]]] = []
+
+    def mark(self) -> None:
+        times = {name: thread_times(pids) for name, pids in self.groups.items()}
+        self.marks.append((time.monotonic(), times))
+
+    def lines(self, phases: list[str]) -> list[str]:
+        out = []
+        for name in self.groups:
+            cells = []
+            for (t0, a), (t1, b) in zip(self.marks, self.marks[1:]):
+                secs = (t1 - t0) * 1e9
+                before, after = a[name], b[name]
+                run = {t: after[t][0] - before.get(t, (0, 0))[0] for t in after}
+                wait = sum(after[t][1] - before.get(t, (0, 0))[1] for t in after)
+                busiest = max(run.values(), default=0)
+                ran = sum(run.values()) / secs
+                cells.append(f"{ran:4.0%} ({busiest / secs:3.0%}), waited {wait / secs:4.0%}")
+            out.append(f"  {name:>22}: " + "; ".join(f"{p} {c}" for p, c in zip(phases, cells)))
+        return out
+
+
+def decode_batches(dht) -> dict[str, float]:
+    """Each node's decode steps per decode pass so far, by role, as its record tells."""
+    view = read_swarm(dht)
+    return {f"{r.role} {r.peer[-6:]}": r.decode_batch for rs in view.nodes.values() for r in rs}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -267,6 +358,12 @@ def main() -> None:
         " the user's machine were not a node",
     )
     p.add_argument(
+        "--cpu-report",
+        action="store_true",
+        help="print where the CPU went before and during the prompts: each node (with its DHT"
+        " process and p2pd), relay and client, and how long their threads waited for a CPU",
+    )
+    p.add_argument(
         "--handoff-min-new",
         type=int,
         default=routing.HANDOFF_MIN_NEW_TOKENS,
@@ -295,8 +392,13 @@ def main() -> None:
     results = {}
     try:
         for name, roles in (("colocated", ("both", "both")), ("P/D", ("prefill", "decode"))):
-            results[name] = r = run_round(peers, a, roles)
+            results[name] = r = run_round(peers, a, roles, bootstrap)
             print(f"{name:>9}: {summary(r)}", flush=True)
+            if r["cpu_report"]:
+                print("  share of a core (busiest thread), share waiting for a CPU, by phase:")
+                print("\n".join(r["cpu_report"]), flush=True)
+                batches = ", ".join(f"{k} {v:.2f}" for k, v in r["batches"].items())
+                print(f"  decode steps per decode pass: {batches}", flush=True)
     finally:
         bootstrap.shutdown()
     c, d = results["colocated"], results["P/D"]
