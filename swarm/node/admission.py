@@ -15,6 +15,12 @@ previous hop counts as forwarding: each of its sessions counts in the share of t
 (`origin`, as the first node saw it) behind that node, and all it forwards together in a larger
 share of its own (`--max-forwarded-sessions`), which bounds what anyone claiming to forward can
 take.
+
+A session a node hands over here (a leaving node's, or a prefill node's handing on) arrives
+from that node's address too: counted as its own, one drain or one prefill node's handoffs
+would be refused past a single address's share. So it counts as forwarded, in its user's share
+and in what the sender may forward together (`handed_share`), until whoever owns it on the
+route claims it here; from then on it counts as that owner's open would (`share_of`).
 """
 
 from __future__ import annotations
@@ -61,6 +67,13 @@ def share_of(source: str, msg: Open) -> Share:
         if source == source_host((prev.host, 0)):
             return Share(f"{msg.origin} via {source}", source, msg.origin)
     return Share(source, "", source)  # a first hop, or not from the node the route names
+
+
+def handed_share(source: str, msg: Open) -> Share:
+    """The shares of a session that a node at `source` hands over here, `msg` its open."""
+    if msg.origin:
+        return Share(f"{msg.origin} via {source}", source, msg.origin)
+    return Share(source, "", source)  # a sender that does not say whose it is
 
 
 @dataclass(eq=False)

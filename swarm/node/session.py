@@ -27,7 +27,7 @@ import torch
 import trio
 
 from swarm.errors import HandoverRefused, PeerFailed, ProtocolError, SessionNotFound, SwarmError
-from swarm.node.admission import peer_host, share_of
+from swarm.node.admission import Share, peer_host, share_of
 from swarm.node.passes import DecodeItem, decode_pass, forward_pass
 from swarm.node.prompt import PromptPieces
 from swarm.node.session_state import Fail, SessionState, SinkGone, StepIn
@@ -105,7 +105,15 @@ async def send_quietly(conn: FramedStream, msg) -> None:
 class Session:
     """One session on this node: blocks start:end of route hop `hop`."""
 
-    def __init__(self, ctx: SessionContext, owner: FramedStream, msg: Open, now: float):
+    def __init__(
+        self,
+        ctx: SessionContext,
+        owner: FramedStream,
+        msg: Open,
+        now: float,
+        share: Share | None = None,
+    ):
+        """`share`: whose shares it counts in, if not those of an open from `owner`."""
         hop = msg.route[msg.hop]
         self.ctx = ctx
         self.open_msg = msg
@@ -114,10 +122,7 @@ class Session:
         self.wire_dtype = msg.wire_dtype or ctx.config.wire_dtype or ctx.span.config.wire_dtype
         self.max_length = msg.max_length
         self.owner = owner  # only it may send steps
-        share = share_of(peer_host(owner), msg)
-        self.host = share.host  # whose share it counts in
-        self.via = share.via  # the node forwarding it here, if one does (its share too)
-        self.origin = share.origin  # the user's host, for the next hop
+        self._count_in(share or share_of(peer_host(owner), msg))
         self.sink: FramedStream | None = None  # the client's connection, on the last hop
         self.downstream: str | None = None  # "host:port" of the next hop
         self.state = SessionState(msg.sid, msg.max_length, last=self.is_last, now=now)
@@ -260,10 +265,17 @@ class Session:
             uplink.send_control(ds, Release(sid=self.sid))
         log.info("session %s... follows its next hop to %s", self.sid[:8], dest)
 
+    def _count_in(self, share: Share) -> None:
+        self.host = share.host  # whose share it counts in
+        self.via = share.via  # the node forwarding it here, if one does (its share too)
+        self.origin = share.origin  # the user's host, for the next hop
+
     def _pass_ownership(self) -> None:
         if not self._handed or self._next_owner is None:
             return
         self.owner, self._next_owner = self._next_owner, None
+        # handed over, it counted as its sender's forwarding; now as its owner's open would
+        self._count_in(share_of(peer_host(self.owner), self.open_msg))
         early, self._early = self._early, []
         for step in early:
             self.take_step(step)
