@@ -15,7 +15,7 @@ import trio
 
 from devtools.launch import NodeProcess, stop_all
 from swarm.model.source import open_model
-from swarm.node.admission import handed_share
+from swarm.node.admission import share_of
 from swarm.node.session import Session
 from swarm.protocol import PREFILL, Attach, Attached, Hop, Open, Opened, Result, Resume, Step
 from swarm.tls import dial
@@ -120,7 +120,7 @@ def test_a_handed_over_session_counts_as_forwarded_then_as_its_owners_once_claim
     )
     config = SimpleNamespace(wire_dtype="float32")
     ctx = SimpleNamespace(config=config, span=SimpleNamespace(config=config))
-    s = Session(ctx, sender, opening, 0.0, handed_share("127.0.0.1", opening))
+    s = Session(ctx, sender, opening, 0.0, share_of("127.0.0.1", opening, handed=True))
     assert (s.host, s.via, s.origin) == ("127.0.0.9 via 127.0.0.1", "127.0.0.1", "127.0.0.9")
     s.intake = object()  # its cache came and was checked
     s.ready.set()

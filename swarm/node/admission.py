@@ -19,8 +19,8 @@ take.
 A session a node hands over here (a leaving node's, or a prefill node's handing on) arrives
 from that node's address too: counted as its own, one drain or one prefill node's handoffs
 would be refused past a single address's share. So it counts as forwarded, in its user's share
-and in what the sender may forward together (`handed_share`), until whoever owns it on the
-route claims it here; from then on it counts as that owner's open would (`share_of`).
+and in what the sender may forward together (`share_of(..., handed=True)`), until whoever owns
+it on the route claims it here; from then on it counts as that owner's open would.
 """
 
 from __future__ import annotations
@@ -60,20 +60,20 @@ class Share:
     origin: str
 
 
-def share_of(source: str, msg: Open) -> Share:
-    """The shares of a session `msg` opens on a connection from `source`."""
-    if msg.hop > 0 and msg.origin:
-        prev = msg.route[msg.hop - 1]
-        if source == source_host((prev.host, 0)):
-            return Share(f"{msg.origin} via {source}", source, msg.origin)
-    return Share(source, "", source)  # a first hop, or not from the node the route names
-
-
-def handed_share(source: str, msg: Open) -> Share:
-    """The shares of a session that a node at `source` hands over here, `msg` its open."""
-    if msg.origin:
+def share_of(source: str, msg: Open, handed: bool = False) -> Share:
+    """The shares of a session `msg` opens on a connection from `source`; `handed`: a node
+    at `source` hands it over here with its cache (it counts as forwarded by that node)."""
+    if msg.origin and (handed or _from_previous_hop(source, msg)):
         return Share(f"{msg.origin} via {source}", source, msg.origin)
-    return Share(source, "", source)  # a sender that does not say whose it is
+    # a first hop, not from the node the route names, or a sender not saying whose it is
+    return Share(source, "", source)
+
+
+def _from_previous_hop(source: str, msg: Open) -> bool:
+    if msg.hop == 0:
+        return False
+    prev = msg.route[msg.hop - 1]
+    return source == source_host((prev.host, 0))
 
 
 @dataclass(eq=False)

@@ -28,7 +28,7 @@ from swarm.errors import (
     SwarmError,
 )
 from swarm.model.blocks import Span
-from swarm.node.admission import ConnectionTable, Inbound, Throttle, handed_share, peer_host
+from swarm.node.admission import ConnectionTable, Inbound, Throttle, peer_host, share_of
 from swarm.node.compute import ComputeQueue
 from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
@@ -417,7 +417,7 @@ class Node:
                 raise HandoverRefused(
                     f"cache of {msg.length} positions for a session of {opening.max_length}"
                 )
-            share = handed_share(peer_host(conn), opening)
+            share = share_of(peer_host(conn), opening, handed=True)
             session = Session(self.context, conn, opening, now, share)
             if self.sessions.make_room(session, now):
                 raise NodeBusy("no free place for a handed-over session without evicting one")
