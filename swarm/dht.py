@@ -86,18 +86,42 @@ def id_of(subkey: bytes) -> str:
     return hashlib.sha256(subkey).hexdigest()[:40]
 
 
+@dataclass(frozen=True)
+class Identity:
+    """A node's signing key: its records are written under it and its claims (a hand-over's end,
+    a relay's answer) signed with it; `peer` is the node id that key proves."""
+
+    key: object  # hivemind.utils.crypto.RSAPrivateKey
+
+    @classmethod
+    def process_wide(cls) -> Identity:
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        return cls(RSAPrivateKey.process_wide())
+
+    @property
+    def subkey(self) -> bytes:
+        from hivemind.dht.crypto import RSASignatureValidator
+
+        return RSASignatureValidator(self.key).local_public_key
+
+    @property
+    def peer(self) -> str:
+        return id_of(self.subkey)
+
+    def sign(self, data: bytes) -> tuple[str, str]:
+        """The key as subkeys name it, and its signature of `data`."""
+        return self.subkey.decode(), self.key.sign(data).decode()
+
+
 def node_id() -> str:
     """This process's node id in the swarm: the one its records' signing key proves."""
-    return id_of(owner_subkey())
+    return Identity.process_wide().peer
 
 
 def sign_as_node(data: bytes) -> tuple[str, str]:
-    """This process's signing key (as its subkeys name it) and its signature of `data`: proof,
-    to whoever asks, of the node id its records carry."""
-    from hivemind.utils.crypto import RSAPrivateKey
-
-    marker = owner_subkey()
-    return marker.decode(), RSAPrivateKey.process_wide().sign(data).decode()
+    """Proof, to whoever asks, of the node id this process's records carry."""
+    return Identity.process_wide().sign(data)
 
 
 def proves(peer: str, key: str, data: bytes, proof: str) -> bool:
