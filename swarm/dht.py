@@ -87,14 +87,14 @@ def id_of(subkey: bytes) -> str:
 
 
 @dataclass(frozen=True)
-class Identity:
+class NodeKey:
     """A node's signing key: its records are written under it and its claims (a hand-over's end,
     a relay's answer) signed with it; `peer` is the node id that key proves."""
 
     key: object  # hivemind.utils.crypto.RSAPrivateKey
 
     @classmethod
-    def process_wide(cls) -> Identity:
+    def process_wide(cls) -> NodeKey:
         from hivemind.utils.crypto import RSAPrivateKey
 
         return cls(RSAPrivateKey.process_wide())
@@ -116,12 +116,12 @@ class Identity:
 
 def node_id() -> str:
     """This process's node id in the swarm: the one its records' signing key proves."""
-    return Identity.process_wide().peer
+    return NodeKey.process_wide().peer
 
 
 def sign_as_node(data: bytes) -> tuple[str, str]:
     """Proof, to whoever asks, of the node id this process's records carry."""
-    return Identity.process_wide().sign(data)
+    return NodeKey.process_wide().sign(data)
 
 
 def proves(peer: str, key: str, data: bytes, proof: str) -> bool:
