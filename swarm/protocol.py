@@ -1,12 +1,27 @@
-"""Typed data-plane messages. `parse_message` validates a decoded frame at the edge."""
+"""Typed data-plane messages, each field declared with its bounds (swarm.schema);
+`parse_message` validates a decoded frame at the edge against them, `to_wire` encodes one."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from typing import Any
 
 from swarm.address import join_host_port
-from swarm.errors import ProtocolError, SwarmError, error_from_code
+from swarm.errors import SwarmError, error_from_code
+from swarm.schema import (
+    AnyTrue,
+    Codec,
+    ListOf,
+    Nested,
+    Row,
+    declare,
+    integer,
+    one_of,
+    tag,
+    text,
+    unchecked,
+)
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -38,82 +53,91 @@ class Hop:
         return link_name(self.addr, self.peer, self.relay)
 
     def to_wire(self) -> list:
-        return [self.host, self.port, self.start, self.end, self.peer, self.tls, self.relay]
+        return HOP.write(self)
+
+
+# a hop travels as [host, port, start, end, peer, tls, relay]; peer, tls and relay came later
+HOP = Row(Hop, 5, "route hop")
+
+
+def _last_hop(parsed: dict[str, Any]) -> int:
+    return len(parsed["route"]) - 1
 
 
 @dataclass(frozen=True)
 class Open:
     """Open a session on this node for blocks route[hop], then forward along the route."""
 
-    sid: str
-    route: tuple[Hop, ...]
-    hop: int
-    fingerprint: str
-    wire_dtype: str
-    max_length: int
-    sink_token: str
+    sid: str = text(64)
+    route: tuple[Hop, ...] = declare(ListOf(HOP, 1, 64, "hops"))
+    hop: int = integer(0, _last_hop)
+    fingerprint: str = text(128)
+    wire_dtype: str = text(16)
+    max_length: int = integer(1, 1 << 20)
+    sink_token: str = text(64)
     # the user's host as the first node saw it, forwarded as is: a next hop gives each user
     # behind a forwarding node a share of its own (swarm.node.admission.share_of)
-    origin: str = ""
+    origin: str = text(64, default="")
     # on the last hop only: once the prompt is in, hand the session and its cache over to this
     # node serving the same blocks (prefill on one node, decode on another; swarm.node.mover)
-    handoff: Hop | None = None
-    t: str = field(default="open", init=False)
+    handoff: Hop | None = declare(HOP, default=None)
+    t: str = tag("open")
 
 
 @dataclass(frozen=True)
 class Opened:
-    sid: str
-    t: str = field(default="opened", init=False)
+    sid: str = text(64)
+    t: str = tag("opened")
 
 
 @dataclass(frozen=True)
 class Attach:
     """The client's claim on the last node's output, proven by the token sent in Open."""
 
-    sid: str
-    sink_token: str
-    t: str = field(default="attach", init=False)
+    sid: str = text(64)
+    sink_token: str = text(64)
+    t: str = tag("attach")
 
 
 @dataclass(frozen=True)
 class Attached:
-    sid: str
-    t: str = field(default="attached", init=False)
+    sid: str = text(64)
+    t: str = tag("attached")
 
 
 @dataclass(frozen=True)
 class Step:
     """Activations for tokens [pos, pos + n) of a phase whose input ends at `end`."""
 
-    sid: str
-    phase: str
-    pos: int
-    end: int
-    hidden: Any  # wire tensor map; decoded by the receiver, which knows the expected shape
-    t: str = field(default="step", init=False)
+    sid: str = text(64)
+    phase: str = one_of(PHASES)
+    pos: int = integer()
+    end: int = integer(1)
+    # a wire tensor map: the receiver, which knows the shape expected, decodes and checks it
+    hidden: Any = unchecked()
+    t: str = tag("step")
 
 
 @dataclass(frozen=True)
 class Result:
     """Last node -> client: hidden state of token end-1 after the final block."""
 
-    sid: str
-    end: int
-    hidden: Any
-    t: str = field(default="result", init=False)
+    sid: str = text(64)
+    end: int = integer(1)
+    hidden: Any = unchecked()
+    t: str = tag("result")
 
 
 @dataclass(frozen=True)
 class Close:
-    sid: str
-    t: str = field(default="close", init=False)
+    sid: str = text(64)
+    t: str = tag("close")
 
 
 @dataclass(frozen=True)
 class Ping:
-    nonce: int
-    t: str = field(default="ping", init=False)
+    nonce: int = integer(0, 2**63)
+    t: str = tag("ping")
 
 
 @dataclass(frozen=True)
@@ -121,19 +145,19 @@ class Pong:
     """`rx_bytes` and `rx_us`: how the last large frame before the ping arrived, bytes after the
     first read of it over microseconds until its last byte (0, 0: no such frame)."""
 
-    nonce: int
-    t: str = field(default="pong", init=False)
-    rx_bytes: int = 0
-    rx_us: int = 0
+    nonce: int = integer(0, 2**63)
+    t: str = tag("pong")
+    rx_bytes: int = integer(default=0)
+    rx_us: int = integer(default=0)
 
 
 @dataclass(frozen=True)
 class Error:
-    code: str
-    message: str
-    sid: str = ""
-    hop: int = -1
-    t: str = field(default="error", init=False)
+    code: str = text(64)
+    message: str = text(4096)
+    sid: str = text(64, default="")
+    hop: int = integer(-1, 1024, default=-1)
+    t: str = tag("error")
 
     @classmethod
     def of(cls, exc: SwarmError, sid: str = "", hop: int = -1) -> Error:
@@ -143,6 +167,12 @@ class Error:
         exc = error_from_code(self.code, self.message)
         exc.hop = self.hop  # type: ignore[attr-defined]
         return exc
+
+
+RELAY_OPS = (
+    *("listen", "challenge", "prove", "listening", "splice", "spliced", "reverse", "accept"),
+    *("dialback", "dialed"),
+)
 
 
 @dataclass(frozen=True)
@@ -155,15 +185,15 @@ class Relay:
     `addr`), accept (that connection back), dialback / dialed (dial `addr` with key `tls` and
     say whether it answered: `error` empty if so)."""
 
-    op: str
-    peer: str = ""
-    token: str = ""
-    addr: str = ""
-    tls: str = ""
-    error: str = ""
-    key: str = ""
-    proof: str = ""
-    t: str = field(default="relay", init=False)
+    op: str = one_of(RELAY_OPS, cut=200)
+    peer: str = text(256, default="")
+    token: str = text(256, default="")
+    addr: str = text(256, default="")
+    tls: str = text(256, default="")
+    error: str = text(1024, default="")
+    key: str = text(1024, default="")
+    proof: str = text(1024, default="")
+    t: str = tag("relay")
 
 
 def relay_claim(relay: str, peer: str, nonce: str) -> bytes:
@@ -172,24 +202,16 @@ def relay_claim(relay: str, peer: str, nonce: str) -> bytes:
     return f"swarm relay listen|{relay}|{peer}|{nonce}".encode()
 
 
-RELAY_FIELDS = ("peer", "token", "addr", "tls", "error", "key", "proof")
-RELAY_LONG_FIELDS = ("error", "key", "proof")  # up to 1024 characters; the others 256
-RELAY_OPS = (
-    *("listen", "challenge", "prove", "listening", "splice", "spliced", "reverse", "accept"),
-    *("dialback", "dialed"),
-)
-
-
 @dataclass(frozen=True)
 class Handover:
     """A leaving node -> a replica serving the same blocks: take session `open.sid`, whose
     cache of `length` positions follows as KvChunk frames, then HandoverEnd. `open` is the
     session's open with this replica in the leaving node's place on the route."""
 
-    open: Open
-    length: int
-    peer: str = ""  # the sender's node id, proven by its HandoverEnd
-    t: str = field(default="handover", init=False)
+    open: Open = declare(Nested(Open))
+    length: int = integer(1, 1 << 20)
+    peer: str = text(64, default="")  # the sender's node id, proven by its HandoverEnd
+    t: str = tag("handover")
 
 
 @dataclass(frozen=True)
@@ -198,12 +220,12 @@ class KvChunk:
     `values` as wire tensors [1, n, kv_heads * head_dim] in the cache's own dtype. A layer
     with a sliding window sends only the positions its ring holds."""
 
-    sid: str
-    layer: int
-    pos: int
-    keys: Any
-    values: Any
-    t: str = field(default="kv", init=False)
+    sid: str = text(64)
+    layer: int = integer(0, 4096)
+    pos: int = integer(0, 1 << 20)
+    keys: Any = unchecked()
+    values: Any = unchecked()
+    t: str = tag("kv")
 
 
 @dataclass(frozen=True)
@@ -211,9 +233,9 @@ class HandoverTail:
     """The session went on while its cache was sent: positions up to `length` follow (the
     sender paused it before sending them)."""
 
-    sid: str
-    length: int
-    t: str = field(default="handover_tail", init=False)
+    sid: str = text(64)
+    length: int = integer(1, 1 << 20)
+    t: str = tag("handover_tail")
 
 
 @dataclass(frozen=True)
@@ -221,20 +243,20 @@ class HandoverEnd:
     """The last frame of a handover: the sender `peer` proves its node id by signing
     `handover_claim` with the key behind it (`key`, `proof`, as swarm.dht.sign_as_node)."""
 
-    sid: str
-    digest: str
-    peer: str
-    key: str
-    proof: str
-    t: str = field(default="handover_end", init=False)
+    sid: str = text(64)
+    digest: str = text(64)
+    peer: str = text(64)
+    key: str = text(1024)
+    proof: str = text(1024)
+    t: str = tag("handover_end")
 
 
 @dataclass(frozen=True)
 class Taken:
     """The replica holds the handed-over session and its cache."""
 
-    sid: str
-    t: str = field(default="taken", init=False)
+    sid: str = text(64)
+    t: str = tag("taken")
 
 
 @dataclass(frozen=True)
@@ -242,11 +264,14 @@ class Moved:
     """Session `sid`'s hop `hop` now runs on `to` (its cache moved there, `length` positions):
     whoever sends it steps, or reads its results, goes there with Resume."""
 
-    sid: str
-    hop: int
-    to: Hop
-    length: int
-    t: str = field(default="moved", init=False)
+    sid: str = text(64)
+    hop: int = integer(0, 63)
+    to: Hop = declare(HOP)
+    length: int = integer(1, 1 << 20)
+    t: str = tag("moved")
+
+
+_RESUME_AS = AnyTrue(("owner", "sink"))  # a claim as owner, sink or both; never neither
 
 
 @dataclass(frozen=True)
@@ -254,17 +279,17 @@ class Resume:
     """Claim a handed-over session on its new node, proven by the open's sink token: as its
     `owner` (who sends steps), its `sink` (who reads results), or both."""
 
-    sid: str
-    sink_token: str
-    owner: bool
-    sink: bool
-    t: str = field(default="resume", init=False)
+    sid: str = text(64)
+    sink_token: str = text(64)
+    owner: bool = declare(_RESUME_AS)
+    sink: bool = declare(_RESUME_AS)
+    t: str = tag("resume")
 
 
 @dataclass(frozen=True)
 class Resumed:
-    sid: str
-    t: str = field(default="resumed", init=False)
+    sid: str = text(64)
+    t: str = tag("resumed")
 
 
 @dataclass(frozen=True)
@@ -272,8 +297,8 @@ class Release:
     """Owner -> leaving node (then leaving node -> replica): no more steps of `sid` follow on
     this connection; those sent before it are all in."""
 
-    sid: str
-    t: str = field(default="release", init=False)
+    sid: str = text(64)
+    t: str = tag("release")
 
 
 def handover_claim(receiver: str, sid: str, length: int, digest: str) -> bytes:
@@ -304,168 +329,15 @@ Message = (
     | Resumed
     | Release
 )
-
-
-def to_wire(message: Message) -> dict[str, Any]:
-    out: dict[str, Any] = {"t": message.t}
-    for name in message.__dataclass_fields__:
-        if name == "t":
-            continue
-        value = getattr(message, name)
-        if name == "handoff" and value is None:
-            continue
-        if name == "route":
-            value = [h.to_wire() for h in value]
-        elif name in ("to", "handoff"):
-            value = value.to_wire()
-        elif name == "open":
-            value = to_wire(value)
-        out[name] = value
-    return out
-
-
-def _str(d: dict, key: str, max_len: int = 256) -> str:
-    v = d.get(key)
-    if not isinstance(v, str) or len(v) > max_len:
-        raise ProtocolError(f"field {key!r} must be a string of at most {max_len} characters")
-    return v
-
-
-def _int(d: dict, key: str, lo: int = 0, hi: int = 2**31) -> int:
-    v = d.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise ProtocolError(f"field {key!r} must be an integer in [{lo}, {hi}], got {v!r}")
-    return v
-
-
-def _hop(raw: Any) -> Hop:
-    if (
-        not isinstance(raw, list)
-        or not 5 <= len(raw) <= 7
-        or not isinstance(raw[0], str)
-        or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw[1:4])
-        or not all(isinstance(x, str) for x in raw[4:])
-    ):
-        raise ProtocolError(
-            f"route hop must be [host, port, start, end, peer, tls, relay], got {raw!r}"[:300]
-        )
-    return Hop(*raw)
+_CODEC = Codec(*typing.get_args(Message))
 
 
 def parse_message(d: dict[str, Any]) -> Message:
-    kind = d.get("t")
-    if kind == "open":
-        return _open(d)
-    if kind == "handover":
-        inner = d.get("open")
-        if not isinstance(inner, dict) or inner.get("t") != "open":
-            raise ProtocolError("field 'open' must be an open message")
-        return Handover(
-            open=_open(inner),
-            length=_int(d, "length", 1, 1 << 20),
-            peer=_str(d, "peer", 64) if "peer" in d else "",
-        )
-    if kind == "kv":
-        return KvChunk(
-            sid=_str(d, "sid", 64),
-            layer=_int(d, "layer", 0, 4096),
-            pos=_int(d, "pos", 0, 1 << 20),
-            keys=d.get("keys"),
-            values=d.get("values"),
-        )
-    if kind == "handover_tail":
-        return HandoverTail(sid=_str(d, "sid", 64), length=_int(d, "length", 1, 1 << 20))
-    if kind == "handover_end":
-        return HandoverEnd(
-            sid=_str(d, "sid", 64),
-            digest=_str(d, "digest", 64),
-            peer=_str(d, "peer", 64),
-            key=_str(d, "key", 1024),
-            proof=_str(d, "proof", 1024),
-        )
-    if kind == "moved":
-        return Moved(
-            sid=_str(d, "sid", 64),
-            hop=_int(d, "hop", 0, 63),
-            to=_hop(d.get("to")),
-            length=_int(d, "length", 1, 1 << 20),
-        )
-    if kind == "resume":
-        owner, sink = d.get("owner"), d.get("sink")
-        if not isinstance(owner, bool) or not isinstance(sink, bool) or not (owner or sink):
-            raise ProtocolError("fields 'owner' and 'sink' must be booleans, one of them true")
-        return Resume(
-            sid=_str(d, "sid", 64), sink_token=_str(d, "sink_token", 64), owner=owner, sink=sink
-        )
-    if kind in ("taken", "resumed", "release"):
-        cls = {"taken": Taken, "resumed": Resumed, "release": Release}[kind]
-        return cls(sid=_str(d, "sid", 64))
-    return _others(d, kind)
+    """The message a decoded frame holds, each field checked against its declaration; anything
+    else (an unknown type, a field missing, of the wrong type or out of bounds) a ProtocolError."""
+    return _CODEC.parse(d)
 
 
-def _open(d: dict[str, Any]) -> Open:
-    route = d.get("route")
-    if not isinstance(route, list) or not 1 <= len(route) <= 64:
-        raise ProtocolError("field 'route' must be a list of 1..64 hops")
-    hops = tuple(_hop(h) for h in route)
-    hop = _int(d, "hop", 0, len(hops) - 1)
-    return Open(
-        sid=_str(d, "sid", 64),
-        route=hops,
-        hop=hop,
-        fingerprint=_str(d, "fingerprint", 128),
-        wire_dtype=_str(d, "wire_dtype", 16),
-        max_length=_int(d, "max_length", 1, 1 << 20),
-        sink_token=_str(d, "sink_token", 64),
-        origin=_str(d, "origin", 64) if "origin" in d else "",
-        handoff=_hop(d["handoff"]) if "handoff" in d else None,
-    )
-
-
-def _others(d: dict[str, Any], kind: Any) -> Message:
-    if kind == "step":
-        phase = d.get("phase")
-        if phase not in PHASES:
-            raise ProtocolError(f"field 'phase' must be one of {PHASES}, got {phase!r}")
-        return Step(
-            sid=_str(d, "sid", 64),
-            phase=phase,
-            pos=_int(d, "pos"),
-            end=_int(d, "end", 1),
-            hidden=d.get("hidden"),
-        )
-    if kind == "result":
-        return Result(sid=_str(d, "sid", 64), end=_int(d, "end", 1), hidden=d.get("hidden"))
-    if kind == "attach":
-        return Attach(sid=_str(d, "sid", 64), sink_token=_str(d, "sink_token", 64))
-    if kind in ("opened", "attached", "close"):
-        cls = {"opened": Opened, "attached": Attached, "close": Close}[kind]
-        return cls(sid=_str(d, "sid", 64))
-    if kind == "ping":
-        return Ping(nonce=_int(d, "nonce", 0, 2**63))
-    if kind == "pong":
-        return Pong(
-            nonce=_int(d, "nonce", 0, 2**63),
-            rx_bytes=_int(d, "rx_bytes") if "rx_bytes" in d else 0,
-            rx_us=_int(d, "rx_us") if "rx_us" in d else 0,
-        )
-    if kind == "relay":
-        op = d.get("op")
-        if op not in RELAY_OPS:
-            raise ProtocolError(f"field 'op' must be one of {RELAY_OPS}, got {op!r}"[:200])
-        return Relay(
-            op=op,
-            **{
-                k: _str(d, k, 1024 if k in RELAY_LONG_FIELDS else 256)
-                for k in RELAY_FIELDS
-                if k in d
-            },
-        )
-    if kind == "error":
-        return Error(
-            code=_str(d, "code", 64),
-            message=_str(d, "message", 4096),
-            sid=_str(d, "sid", 64) if "sid" in d else "",
-            hop=_int(d, "hop", -1, 1024) if "hop" in d else -1,
-        )
-    raise ProtocolError(f"unknown message type {kind!r}")
+def to_wire(message: Message) -> dict[str, Any]:
+    """The map `message` travels as (swarm.wire.encode_frame frames it)."""
+    return _CODEC.encode(message)
