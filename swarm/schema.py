@@ -262,6 +262,8 @@ class Codec:
 
     def __init__(self, *classes: type):
         self._by_tag = MappingProxyType({c.t: (c, slots_of(c)) for c in classes})
+        if len(self._by_tag) != len(classes):
+            raise ValueError(f"two message types share a tag: {[c.t for c in classes]}")
         self._by_class = MappingProxyType({c: slots for c, slots in self._by_tag.values()})
 
     def parse(self, raw: dict[str, Any]) -> Any:
