@@ -23,7 +23,7 @@ import statistics
 import time
 from collections import Counter
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+import bench  # noqa: F401 (this checkout first on the path)
 import torch
 import trio
 

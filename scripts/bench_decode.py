@@ -24,7 +24,7 @@ import subprocess
 import time
 import warnings
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+import bench  # noqa: F401 (this checkout first on the path)
 import torch
 
 from swarm.model.blocks import Span

@@ -28,7 +28,7 @@ import platform
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import checkout  # noqa: F401 (swarm/ from this checkout)
+import bench  # noqa: F401 (this checkout first on the path)
 import gguf
 import numpy as np
 import torch

@@ -28,7 +28,7 @@ import time
 import warnings
 from pathlib import Path
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+import bench  # noqa: F401 (this checkout first on the path)
 
 PROMPTS = [
     "The capital of France is",

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+import bench  # noqa: F401 (this checkout first on the path)
 import torch
 
 from swarm.options import input_terms_arg

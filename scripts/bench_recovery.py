@@ -16,7 +16,7 @@ import statistics
 import tempfile
 import time
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+import bench  # noqa: F401 (this checkout first on the path)
 
 from devtools.launch import start_node, stop_all
 from swarm.client.client import Client

@@ -36,7 +36,7 @@ import threading
 import time
 from collections import defaultdict
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+import bench  # noqa: F401 (this checkout first on the path)
 import psutil
 
 from devtools.launch import start_node, stop_all

@@ -9,7 +9,7 @@ import argparse
 import statistics
 import time
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+import bench  # noqa: F401 (this checkout first on the path)
 import torch
 
 from devtools.launch import even_spans, start_swarm, stop_all

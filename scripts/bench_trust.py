@@ -42,7 +42,7 @@ from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+import bench  # noqa: F401 (this checkout first on the path)
 import hivemind
 import trio
 from hivemind.dht.crypto import RSASignatureValidator

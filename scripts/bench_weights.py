@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+import bench  # noqa: F401 (this checkout first on the path)
 import torch
 
 from swarm.model.blocks import KVCache, Span

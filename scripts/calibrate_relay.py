@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+import bench  # noqa: F401 (this checkout first on the path)
 import trio
 
 from devtools.link_proxy import LinkShape, Relay

@@ -54,17 +54,17 @@ class LocalSwarm:
     def __init__(self) -> None:
         self.nodes: list[NodeProcess] = []
         self.relays: list[subprocess.Popen] = []
-        self._bootstrap = None
+        self.dht = None  # the bootstrap's hivemind DHT, to read the swarm's records
         self.peers: list[str] = []
 
     def __enter__(self) -> LocalSwarm:
-        self._bootstrap = start_dht()
-        self.peers = visible_maddrs(self._bootstrap)[:1]
+        self.dht = start_dht()
+        self.peers = visible_maddrs(self.dht)[:1]
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop_nodes()
-        self._bootstrap.shutdown()
+        self.dht.shutdown()
 
     def node(
         self,

@@ -16,7 +16,7 @@ def cpu_seconds(*pids: int, children: bool = False) -> float:
     `children`, their live child processes: a node's DHT daemon); a process gone counts 0."""
     total = 0.0
     for pid in pids:
-        for p in [pid, *(_children(pid) if children else [])]:
+        for p in process_tree(pid) if children else [pid]:
             try:
                 fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
             except OSError:
@@ -25,13 +25,21 @@ def cpu_seconds(*pids: int, children: bool = False) -> float:
     return total
 
 
-def _children(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live process below it, children of any of its threads (Linux /proc)."""
+    out = [pid]
     try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return []
-    kids = [int(c) for c in text.split()]
-    return kids + [g for k in kids for g in _children(k)]
+        return out
+    for tid in tids:
+        try:
+            kids = [int(k) for k in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            out += process_tree(kid)
+    return out
 
 
 def memory(pid: int | str = "self") -> dict[str, int]:

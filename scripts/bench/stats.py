@@ -24,6 +24,8 @@ def summary(values: Iterable[float]) -> tuple[float, float, float]:
 
 
 def p50_p99_ms(values: Iterable[float]) -> str:
-    """"p50 X ms, p99 Y ms" of values in seconds."""
+    """ "p50 X ms, p99 Y ms" of values in seconds."""
     values = list(values)
-    return f"p50 {percentile(values, 0.5) * 1e3:.0f} ms, p99 {percentile(values, 0.99) * 1e3:.0f} ms"
+    return (
+        f"p50 {percentile(values, 0.5) * 1e3:.0f} ms, p99 {percentile(values, 0.99) * 1e3:.0f} ms"
+    )

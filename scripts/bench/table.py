@@ -11,9 +11,7 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], gap: i
     widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(len(cells[0]))]
 
     def line(row: list[str]) -> str:
-        parts = [
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-        ]
+        parts = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
         return (" " * gap).join(parts).rstrip()
 
     return "\n".join(line(r) for r in cells)
