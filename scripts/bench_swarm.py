@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-import bench  # noqa: F401 (this checkout first on the path)
 import torch
+from bench.timing import greedy, session_greedy
 
 from devtools.launch import even_spans, start_swarm, stop_all
 from swarm.client.client import Client
@@ -21,27 +20,18 @@ from swarm.model.source import open_model
 
 def unsplit_run(src, head, span, prompt_ids, new_tokens):
     cache = KVCache.allocate(src.config, span.end - span.start, len(prompt_ids) + new_tokens + 1)
-    t0 = time.perf_counter()
-    h = span.forward(head.embed_tokens(prompt_ids), cache, 0, span.start, span.end)
-    token = int(head.logits(h[:, -1]).argmax())
-    ttft = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    for _ in range(new_tokens):
-        h = span.forward(head.embed_tokens([token]), cache, cache.length, span.start, span.end)
-        token = int(head.logits(h[:, -1]).argmax())
-    return ttft, new_tokens / (time.perf_counter() - t1)
+
+    def feed(tokens):
+        h = span.forward(head.embed_tokens(tokens), cache, cache.length, span.start, span.end)
+        return head.logits(h[:, -1])
+
+    t = greedy(feed, prompt_ids, new_tokens)
+    return t.ttft, t.tokens_per_s
 
 
 def swarm_run(client, prompt_ids, new_tokens):
-    with client.session(len(prompt_ids) + new_tokens + 1) as s:
-        t0 = time.perf_counter()
-        logits = s.feed(prompt_ids)
-        token = int(logits.argmax())
-        ttft = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        for _ in range(new_tokens):
-            token = int(s.feed([token]).argmax())
-        return ttft, new_tokens / (time.perf_counter() - t1)
+    t = session_greedy(client, prompt_ids, new_tokens)
+    return t.ttft, t.tokens_per_s
 
 
 def main() -> None:
