@@ -22,6 +22,7 @@ import threading
 import time
 import warnings
 
+import bench  # noqa: F401 (this checkout first on the path)
 import torch
 
 warnings.filterwarnings("ignore")
@@ -45,13 +46,13 @@ def prompt_passes() -> None:
     print("ready", flush=True)
     with torch.inference_mode():
         while True:
-            cache = KVCache.allocate(span.config, LAYERS, 1024)
+            cache = KVCache.allocate(span.config, 0, LAYERS, 1024)
             for pos in range(0, 1024, PASS_TOKENS):
                 span.forward(torch.randn(1, PASS_TOKENS, span.config.hidden), cache, pos, 0, LAYERS)
 
 
 def decode_steps(span: Span, steps: int) -> list[float]:
-    cache = KVCache.allocate(span.config, LAYERS, steps + 1)
+    cache = KVCache.allocate(span.config, 0, LAYERS, steps + 1)
     times = []
     with torch.inference_mode():
         for pos in range(steps):

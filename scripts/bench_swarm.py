@@ -19,7 +19,7 @@ from swarm.model.source import open_model
 
 
 def unsplit_run(src, head, span, prompt_ids, new_tokens):
-    cache = KVCache.allocate(src.config, span.end - span.start, len(prompt_ids) + new_tokens + 1)
+    cache = KVCache.allocate(src.config, span.start, span.end, len(prompt_ids) + new_tokens + 1)
 
     def feed(tokens):
         h = span.forward(head.embed_tokens(tokens), cache, cache.length, span.start, span.end)

@@ -95,7 +95,7 @@ def synthetic_child(path: str, fmt: str, repeats: int, decode_steps: int, ref: s
     kwargs = {}
     if "dtype" in inspect.signature(KVCache.allocate).parameters:
         kwargs["dtype"] = getattr(span, "cache_dtype", torch.float32)
-    cache = KVCache.allocate(src.config, layers, prompt + decode_steps + 1, **kwargs)
+    cache = KVCache.allocate(src.config, 0, layers, prompt + decode_steps + 1, **kwargs)
     # wall time, and CPU time of this process: on a shared machine the CPU time is what the
     # step cost, the wall time also counts waiting for a core
     prompt_s, decode_s, prompt_cpu, decode_cpu = [], [], [], []
