@@ -9,6 +9,7 @@ import argparse
 import statistics
 
 import torch
+from bench.table import print_table
 from bench.timing import greedy, session_greedy
 
 from devtools.launch import even_spans, start_swarm, stop_all
@@ -63,17 +64,13 @@ def main() -> None:
         f"\n{a.nodes} nodes x {a.threads} threads; prompt {a.prompt_tokens} tokens;"
         f" {a.new_tokens} new tokens; median of {a.repeats}"
     )
-    print(f"{'':10}{'TTFT s':>10}{'decode tok/s':>14}")
-    med = {}
-    for name, runs in rows.items():
-        ttft = statistics.median(r[0] for r in runs)
-        tps = statistics.median(r[1] for r in runs)
-        med[name] = (ttft, tps)
-        print(f"{name:10}{ttft:10.3f}{tps:14.1f}")
-    print(
-        f"{'ratio':10}{med['swarm'][0] / med['unsplit'][0]:10.2f}"
-        f"{med['swarm'][1] / med['unsplit'][1]:14.2f}   (swarm / unsplit)"
+    med = {n: [statistics.median(r[i] for r in runs) for i in (0, 1)] for n, runs in rows.items()}
+    ratio = [f"{s / u:.2f}" for s, u in zip(med["swarm"], med["unsplit"])]
+    print_table(
+        ["", "TTFT s", "decode tok/s"],
+        [*([n, f"{t:.3f}", f"{r:.1f}"] for n, (t, r) in med.items()), ["ratio", *ratio]],
     )
+    print("(ratio: swarm / unsplit)")
 
 
 if __name__ == "__main__":
