@@ -21,6 +21,7 @@ import sys
 import time
 
 from bench.proc import cpu_seconds
+from bench.stats import percentile
 
 GOAL_SPEEDUP_AT_8 = 4.0
 GOAL_P99_AT_8 = 2.5
@@ -87,12 +88,12 @@ def run_sessions(peers: str, n: int, new_tokens: int, node_pids: list[int]) -> d
         p.wait(60)
         runs.append(json.loads(out))
     node_cpu = cpu_seconds(*node_pids, children=True) - node_cpu
-    steps = sorted(s for r in runs for s in r["steps"])
+    steps = [s for r in runs for s in r["steps"]]
     span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
     return {
         "tok_s": len(steps) / span,
-        "p50": steps[len(steps) // 2],
-        "p99": steps[min(len(steps) - 1, int(len(steps) * 0.99))],
+        "p50": percentile(steps, 0.5),
+        "p99": percentile(steps, 0.99),
         # CPU per decode token: where the time goes on a machine shared by nodes and clients
         "node_cpu_ms": node_cpu / len(steps) * 1000,
         "client_cpu_ms": sum(r["cpu"] for r in runs) / len(steps) * 1000,
