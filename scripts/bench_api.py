@@ -17,16 +17,15 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import re
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+from bench.proc import cpu_seconds
+from bench.stats import percentile
 
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
@@ -65,12 +64,6 @@ def api_one(host: str, port: int, model: str, messages, max_tokens: int) -> floa
     return first
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_round(ask, users: int, r: int, cpu) -> tuple[list[float], float, float]:
     """`users` threads asking one question each at once: TTFTs, wall seconds, CPU seconds of
     whoever does the client's work (`cpu()`)."""
@@ -90,11 +83,10 @@ def run_level(ways: dict, cpus: dict, users: int, rounds: int) -> dict[str, dict
             acc[way] = (a[0] + ttfts, a[1] + wall, a[2] + cpu)
     out = {}
     for way, (ttfts, wall, cpu) in acc.items():
-        ttfts.sort()
         out[way] = {
             "rps": users * rounds / wall,
-            "p50": statistics.median(ttfts),
-            "p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
+            "p50": percentile(ttfts, 0.5),
+            "p90": percentile(ttfts, 0.9),
             "cpu_ms": 1000 * cpu / (users * rounds),
         }
     return out

@@ -23,9 +23,9 @@ import statistics
 import time
 from collections import Counter
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
 import torch
 import trio
+from bench.timing import session_greedy
 
 from devtools.launch import NodeProcess, start_swarm, stop_all
 from swarm.client.client import Client
@@ -156,14 +156,8 @@ def flood_process(args, hosts: int, stop_file: str, out: mp.Queue) -> None:
 
 def honest(client: Client, prompt: list[int], new: int) -> tuple[float, float]:
     """(time to first token, mean time per output token) of one greedy generation."""
-    with client.session(len(prompt) + new + 1) as s:
-        t0 = time.perf_counter()
-        token = int(s.feed(prompt).argmax())
-        ttft = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        for _ in range(new):
-            token = int(s.feed([token]).argmax())
-        return ttft, (time.perf_counter() - t1) / new
+    t = session_greedy(client, prompt, new)
+    return t.ttft, t.tpot
 
 
 def measure(client, prompt, new, generations) -> tuple[list, int]:

@@ -20,7 +20,8 @@ import subprocess
 import sys
 import time
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+from bench.proc import cpu_seconds
+from bench.stats import percentile
 
 GOAL_SPEEDUP_AT_8 = 4.0
 GOAL_P99_AT_8 = 2.5
@@ -52,29 +53,6 @@ def client_main(a) -> None:
     client.close()
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU of processes `pids` and their children (the DHT daemons), so far."""
-    total = 0.0
-    for pid in pids:
-        for p in [pid, *_children(pid)]:
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    fields = f.read().rpartition(")")[2].split()
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            except OSError:
-                pass
-    return total
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(k) for k in f.read().split()]
-    except OSError:
-        return []
-    return kids + [g for k in kids for g in _children(k)]
-
-
 def run_sessions(peers: str, n: int, new_tokens: int, node_pids: list[int]) -> dict:
     procs = [
         subprocess.Popen(
@@ -100,7 +78,7 @@ def run_sessions(peers: str, n: int, new_tokens: int, node_pids: list[int]) -> d
         line = p.stdout.readline()
         if line.strip() != "ready":
             raise RuntimeError(f"a client failed before decoding: {line!r}")
-    node_cpu = cpu_seconds(node_pids)
+    node_cpu = cpu_seconds(*node_pids, children=True)
     for p in procs:
         p.stdin.write("go\n")
         p.stdin.flush()
@@ -109,13 +87,13 @@ def run_sessions(peers: str, n: int, new_tokens: int, node_pids: list[int]) -> d
         out = p.stdout.readline()
         p.wait(60)
         runs.append(json.loads(out))
-    node_cpu = cpu_seconds(node_pids) - node_cpu
-    steps = sorted(s for r in runs for s in r["steps"])
+    node_cpu = cpu_seconds(*node_pids, children=True) - node_cpu
+    steps = [s for r in runs for s in r["steps"]]
     span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
     return {
         "tok_s": len(steps) / span,
-        "p50": steps[len(steps) // 2],
-        "p99": steps[min(len(steps) - 1, int(len(steps) * 0.99))],
+        "p50": percentile(steps, 0.5),
+        "p99": percentile(steps, 0.99),
         # CPU per decode token: where the time goes on a machine shared by nodes and clients
         "node_cpu_ms": node_cpu / len(steps) * 1000,
         "client_cpu_ms": sum(r["cpu"] for r in runs) / len(steps) * 1000,

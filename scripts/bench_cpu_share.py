@@ -23,6 +23,7 @@ import time
 import warnings
 
 import torch
+from bench.stats import percentile
 
 warnings.filterwarnings("ignore")
 
@@ -45,13 +46,13 @@ def prompt_passes() -> None:
     print("ready", flush=True)
     with torch.inference_mode():
         while True:
-            cache = KVCache.allocate(span.config, LAYERS, 1024)
+            cache = KVCache.allocate(span.config, 0, LAYERS, 1024)
             for pos in range(0, 1024, PASS_TOKENS):
                 span.forward(torch.randn(1, PASS_TOKENS, span.config.hidden), cache, pos, 0, LAYERS)
 
 
 def decode_steps(span: Span, steps: int) -> list[float]:
-    cache = KVCache.allocate(span.config, LAYERS, steps + 1)
+    cache = KVCache.allocate(span.config, 0, LAYERS, steps + 1)
     times = []
     with torch.inference_mode():
         for pos in range(steps):
@@ -107,7 +108,7 @@ def main() -> None:
         base = base or mean
         print(
             f"  {name:28} mean {mean * 1e3:5.1f} ms, p50 {statistics.median(times) * 1e3:5.1f}"
-            f" ms, p90 {sorted(times)[int(0.9 * len(times))] * 1e3:5.1f} ms ({mean / base:.2f}x)",
+            f" ms, p90 {percentile(times, 0.9) * 1e3:5.1f} ms ({mean / base:.2f}x)",
             flush=True,
         )
 

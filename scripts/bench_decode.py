@@ -24,8 +24,8 @@ import subprocess
 import time
 import warnings
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
 import torch
+from bench.timing import session_greedy
 
 from swarm.model.blocks import Span
 from swarm.model.head import Head
@@ -87,14 +87,8 @@ def transformers_figures(model) -> dict[str, float]:
 
 def swarm_figures(client) -> dict[str, float]:
     def run(n: int, new: int) -> tuple[float, float]:
-        with client.session(n + new + 1) as s:
-            start = time.perf_counter()
-            token = int(s.feed(ids(n, salt=n)).argmax())
-            ttft = time.perf_counter() - start
-            start = time.perf_counter()
-            for _ in range(new):
-                token = int(s.feed([token]).argmax())
-            return ttft, new / (time.perf_counter() - start) if new else 0.0
+        t = session_greedy(client, ids(n, salt=n), new)
+        return t.ttft, t.tokens_per_s
 
     return {
         "prompt": PROMPT / run(PROMPT, 0)[0],

@@ -34,12 +34,14 @@ import threading
 import time
 
 import torch
-from bench_handover import cpu_model, free_port, pct, start_relay
+from bench.local import LocalSwarm, Shape
+from bench.proc import cpu_name, cpu_seconds, process_tree
+from bench.stats import percentile as pct
+from bench.timing import TokenTimes, greedy
 
-from devtools.launch import NodeProcess, start_node, stop_all
 from swarm.client import routing
 from swarm.client.client import Client
-from swarm.dht import read_swarm, start_dht, visible_maddrs
+from swarm.dht import read_swarm
 
 COMMON = ["--announce-ttl", "10", "--max-host-cache-tokens", "65536", "--max-host-sessions", "64"]
 COMMON += ["--threads", "1"]
@@ -52,25 +54,23 @@ class Stream:
 
     def __init__(self, client: Client, prompt: list[int], max_length: int, new: int = 0):
         self.client, self.prompt, self.max_length, self.new = client, prompt, max_length, new
-        self.asked = 0.0
-        self.times: list[float] = []
+        self.timed = TokenTimes(0.0)
         self.moves = 0
         self.replays = 0
         self.primed = threading.Event()
         self.error: BaseException | None = None
 
     def run(self, stop: threading.Event) -> None:
+        def primed(token: int) -> int:
+            self.primed.set()
+            return token
+
+        steps = self.max_length - len(self.prompt) - 1
+        steps = min(steps, self.new - 1) if self.new else steps
         try:
             with self.client.session(self.max_length) as s:
-                self.asked = time.monotonic()
-                logits = s.feed(self.prompt)
-                self.times.append(time.monotonic())
-                self.primed.set()
-                while not stop.is_set() and len(self.prompt) + len(self.times) < self.max_length:
-                    if self.new and len(self.times) >= self.new:
-                        break
-                    logits = s.feed([int(logits.argmax())])
-                    self.times.append(time.monotonic())
+                self.timed.start = time.monotonic()
+                greedy(s.feed, self.prompt, steps, time.monotonic, primed, stop.is_set, self.timed)
                 self.moves = s.remote.moves if s.remote is not None else 0
                 self.replays = len(s.recoveries)
         except BaseException as exc:
@@ -78,30 +78,21 @@ class Stream:
             self.primed.set()
 
     def gaps(self, lo: float = 0.0, hi: float = float("inf")) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:]) if lo <= a and b <= hi]
+        return self.timed.gaps(lo, hi)
 
     @property
     def ttft(self) -> float:
-        return self.times[0] - self.asked
+        return self.timed.ttft
 
 
-def start(
-    peers, a, name: str, role: str, core: int | None
-) -> tuple[NodeProcess, subprocess.Popen | None]:
-    extra = [*COMMON, "--role", role]
-    # a core each, as on two PCs (its DHT process and p2pd too); the client floats
+def start(swarm: LocalSwarm, a, name: str, role: str, core: int | None) -> None:
+    # a core each, as on two PCs (its DHT process and p2pd too); the client floats. The relay is
+    # the node's uplink: its Python work lands on the node's own core, not on the other node's
+    # (--no-pin: anywhere)
     prefix = ["taskset", "-c", str(core)] if core is not None else []
-    relay = None
-    if a.rate_mbps:
-        port, public = free_port(), free_port()
-        # the relay is the node's uplink; its Python work lands on the node's own core, not on
-        # the other node's (--no-pin: anywhere)
-        relay = start_relay(public, port, a.rate_mbps, a.rtt_ms, prefix)
-        extra += ["--port", str(port), "--public-address", f"127.0.0.1:{public}"]
+    shape = Shape(a.rate_mbps, a.rtt_ms) if a.rate_mbps else None
     log = open(os.path.join(a.logs, f"{name}.log"), "w") if a.logs else subprocess.DEVNULL
-    node = start_node((0, a.layers), peers, extra=extra, stderr=log, prefix=prefix)
-    node.wait_serving()
-    return node, relay
+    swarm.node((0, a.layers), [*COMMON, "--role", role], shape, prefix, stderr=log)
 
 
 def arrive(client: Client, a, rng: random.Random, stop: threading.Event) -> dict:
@@ -144,8 +135,8 @@ def arrivals_process(peers, a, ready, go, out) -> None:
         client.close()
 
 
-def run_round(peers, a, roles: tuple[str, str], dht=None) -> dict:
-    nodes, relays = [], []
+def run_round(swarm: LocalSwarm, a, roles: tuple[str, str]) -> dict:
+    peers = swarm.peers
     client = proc = None
     stop = threading.Event()
     rng = random.Random(5)
@@ -153,9 +144,8 @@ def run_round(peers, a, roles: tuple[str, str], dht=None) -> dict:
         cores = a.cores
         for i, role in enumerate(roles):
             core = cores[i % len(cores)] if a.pin else None
-            node, relay = start(peers, a, f"{'-'.join(roles)}-{i}", role, core)
-            nodes.append(node)
-            relays += [relay] if relay else []
+            start(swarm, a, f"{'-'.join(roles)}-{i}", role, core)
+        nodes, relays = swarm.nodes, swarm.relays
         if a.client_core is not None:  # first call on its core, as on a machine of its own:
             os.setpriority(os.PRIO_PROCESS, 0, -5)  # the threads started from here inherit it
         if not a.one_client:
@@ -203,7 +193,7 @@ def run_round(peers, a, roles: tuple[str, str], dht=None) -> dict:
         relay_cpu = [cpu_seconds(r.pid) - c for r, c in zip(relays, relay_cpu)]
         if report is not None:
             report.mark()
-        batches = decode_batches(dht) if dht is not None and a.cpu_report else {}
+        batches = decode_batches(swarm.dht) if a.cpu_report else {}
         stop.set()
         for t in threads:
             t.join(120)
@@ -231,27 +221,7 @@ def run_round(peers, a, roles: tuple[str, str], dht=None) -> dict:
             if proc.is_alive():
                 proc.kill()
         os.setpriority(os.PRIO_PROCESS, 0, 0)  # the next round's nodes start at the default
-        stop_all(nodes)
-        for relay in relays:
-            relay.kill()
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process below it (Linux /proc)."""
-    out = [pid]
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                kids = [int(k) for k in f.read().split()]
-        except OSError:
-            continue
-        for kid in kids:
-            out += process_tree(kid)
-    return out
+        swarm.stop_nodes()
 
 
 def thread_times(pids: list[int]) -> dict[int, tuple[int, int]]:
@@ -304,13 +274,6 @@ def decode_batches(dht) -> dict[str, float]:
     """Each node's decode steps per decode pass so far, by role, as its record tells."""
     view = read_swarm(dht)
     return {f"{r.role} {r.peer[-6:]}": r.decode_batch for rs in view.nodes.values() for r in rs}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process `pid` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summary(r: dict) -> str:
@@ -376,13 +339,11 @@ def main() -> None:
     if a.client_core is not None:
         os.sched_setaffinity(0, {a.client_core})
         torch.set_num_threads(1)
-    bootstrap = start_dht()
-    peers = visible_maddrs(bootstrap)[:1]
     link = f"{a.rate_mbps:g} Mbit/s, RTT {a.rtt_ms:g} ms" if a.rate_mbps else "loopback"
     pinned = "each node on a core of its own" if a.pin else "nodes on any core"
     if a.client_core is not None:
         pinned += f", the client on core {a.client_core}"
-    print(f"CPU: {cpu_model()}; every node's link: {link}; {pinned}", flush=True)
+    print(f"CPU: {cpu_name()}; every node's link: {link}; {pinned}", flush=True)
     print(
         f"{a.streams} steady streams; {a.prompts} prompts of {a.prompt} tokens, one every"
         f" {a.every:g} s, each then generating {a.new}; sessions generating fewer than"
@@ -390,17 +351,15 @@ def main() -> None:
         flush=True,
     )
     results = {}
-    try:
+    with LocalSwarm() as swarm:
         for name, roles in (("colocated", ("both", "both")), ("P/D", ("prefill", "decode"))):
-            results[name] = r = run_round(peers, a, roles, bootstrap)
+            results[name] = r = run_round(swarm, a, roles)
             print(f"{name:>9}: {summary(r)}", flush=True)
             if r["cpu_report"]:
                 print("  share of a core (busiest thread), share waiting for a CPU, by phase:")
                 print("\n".join(r["cpu_report"]), flush=True)
                 batches = ", ".join(f"{k} {v:.2f}" for k, v in r["batches"].items())
                 print(f"  decode steps per decode pass: {batches}", flush=True)
-    finally:
-        bootstrap.shutdown()
     c, d = results["colocated"], results["P/D"]
     tpot = pct(d["tpot"], 0.99) / pct(c["tpot"], 0.99)
     ttft = statistics.median(d["ttft"]) / statistics.median(c["ttft"])

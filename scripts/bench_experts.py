@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import platform
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import checkout  # noqa: F401 (swarm/ from this checkout)
 import gguf
 import numpy as np
 import torch
+from bench.proc import cpu_flags, cpu_name, memory
 from bench_kernels import call_seconds, llama_seconds
 from synthetic_gguf import add_vocab
 
@@ -136,20 +135,12 @@ def write_layer(path: Path, qtype: str, moe: bool, layers: int = 1, seed: int = 
     return block_bytes
 
 
-def rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def measure(path: Path, repeats: int, prompt: int, threads: int) -> dict:
     """In a fresh process (see main), so its RSS is this layer's alone."""
     torch.set_num_threads(threads)
-    before = rss()
+    before = memory()["VmRSS"]
     span = Span.load(open_model(str(path)), 0, 1, weights="auto")
-    held = rss() - before
+    held = memory()["VmRSS"] - before
     gen = torch.Generator().manual_seed(0)
     kinds = sorted({type(lin).__name__ for b in span.blocks for lin in b.linears})
     out = {"rss": held, "formats": f"{span.formats} {'/'.join(kinds)}"}
@@ -204,13 +195,8 @@ def main() -> None:
     p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"))
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    cpu = next((ln.split(":")[1].strip() for ln in open("/proc/cpuinfo") if "model name" in ln), "")
-    flags = [
-        f
-        for f in ("avx512f", "avx512_bf16", "avx512_vnni", "avx2")
-        if f in open("/proc/cpuinfo").read()
-    ]
-    print(f"# {cpu or platform.processor()} ({', '.join(flags)}), {a.threads} thread(s)")
+    flags = cpu_flags(("avx512f", "avx512_bf16", "avx512_vnni", "avx2"))
+    print(f"# {cpu_name()} ({', '.join(flags)}), {a.threads} thread(s)")
     clock = "CPU time" if a.threads == 1 else "wall-clock"
     print(f"# {clock}; decode with {CONTEXT} tokens of context a session; llama.cpp: tg32, pp8")
     head = "| qtype | layer | decode 1 ms | decode 8 ms | prompt tok/s | RSS MiB | file MiB |"

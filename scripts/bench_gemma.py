@@ -28,7 +28,8 @@ import time
 import warnings
 from pathlib import Path
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+from bench.proc import cpu_name, memory
+from bench.timing import session_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -36,16 +37,6 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,",
 ]
 MB = 1e6
-
-
-def proc_status(pid: int | str = "self") -> dict[str, int]:
-    """VmRSS, RssAnon, RssFile, VmHWM of a process, in bytes."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def tokenizer_folder(path: Path) -> Path:
@@ -85,7 +76,7 @@ def tokenizer_child(path: str, source: str) -> dict:
     out = {
         "import_s": import_s,
         "load_s": load_s,
-        "rss": proc_status()["VmRSS"],
+        "rss": memory()["VmRSS"],
         "class": type(tok).__name__,
         "vocab": len(tok),
         "special": [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id],
@@ -162,7 +153,7 @@ def greedy(model, ids: list[int], new: int) -> tuple[list[int], float, float, fl
 
 def run_transformers(path: Path, a) -> dict:
     warnings.filterwarnings("ignore")
-    before = proc_status()
+    before = memory()
     t = time.perf_counter()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -176,14 +167,14 @@ def run_transformers(path: Path, a) -> dict:
     else:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    loaded_tok = proc_status()
+    loaded_tok = memory()
     print("transformers: loading the model in float32 ...", flush=True)
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
     load_s = time.perf_counter() - t
-    loaded = proc_status()
+    loaded = memory()
     params = sum(p.numel() for p in model.parameters())
 
     runs: dict[int, list[list[tuple[list[int], float, float]]]] = {}
@@ -210,7 +201,7 @@ def run_transformers(path: Path, a) -> dict:
         "rss_loaded": loaded["VmRSS"],
         "anon_loaded": loaded["RssAnon"],
         "hwm_loaded": loaded["VmHWM"],
-        "rss_after": proc_status()["VmRSS"],
+        "rss_after": memory()["VmRSS"],
         "prompts": prompts,
         "tokens": reference,
         "threads_agree": all(tokens[t] == reference for t in tokens),
@@ -288,21 +279,15 @@ def client_child(spec: str) -> dict:
     start_s = time.perf_counter() - t
 
     def run(ids: list[int], new: int) -> tuple[list[int], float, float]:
-        with client.session(len(ids) + new + 1) as session:
-            t0 = time.perf_counter()
-            tokens = [int(session.feed(ids).argmax())]
-            ttft = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            for _ in range(new - 1):
-                tokens.append(int(session.feed(tokens[-1:]).argmax()))
-            return tokens, ttft, (new - 1) / (time.perf_counter() - t1)
+        t = session_greedy(client, ids, new - 1)
+        return t.tokens, t.ttft, t.tokens_per_s
 
     t = time.perf_counter()
     run(s["prompts"][0], 4)  # connections, route, the head's load
     warm_s = time.perf_counter() - t
     runs = [[run(p, s["new"]) for p in s["prompts"]] for _ in range(s["repeats"])]
     client.close()
-    status = proc_status()
+    status = memory()
     return {
         "start_s": start_s,
         "warm_s": warm_s,
@@ -353,7 +338,7 @@ def run_swarm(path: Path, ref: dict, a) -> list[dict]:
             try:
                 row["up_s"] = time.perf_counter() - t
                 time.sleep(a.settle)  # the DHT announcement and first health refresh are done
-                row["rss_serving"] = [proc_status(n.pid) for n in nodes]
+                row["rss_serving"] = [memory(n.pid) for n in nodes]
                 spec = {
                     "peers": nodes[0].maddrs[:1],
                     "model": str(path),
@@ -364,7 +349,7 @@ def run_swarm(path: Path, ref: dict, a) -> list[dict]:
                     "wire": wire,
                 }
                 row["client"] = run_child(["--child-client", json.dumps(spec)])
-                row["rss_after"] = [proc_status(n.pid) for n in nodes]
+                row["rss_after"] = [memory(n.pid) for n in nodes]
                 row["said"] = [
                     line.strip()
                     for n in nodes
@@ -458,11 +443,7 @@ def main() -> None:
         path = a.model or gemma3_270m_path()
     except FileNotFoundError as exc:
         sys.exit(str(exc))
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line),
-        "?",
-    )
-    print(f"{path} ({path.stat().st_size / MB:.0f} MB); CPU {cpu}, {os.cpu_count()} cores")
+    print(f"{path} ({path.stat().st_size / MB:.0f} MB); CPU {cpu_name()}, {os.cpu_count()} cores")
     tokenizer = None if a.no_tokenizer else measure_tokenizer(path)
     ref = run_transformers(path, a)
     if tokenizer:

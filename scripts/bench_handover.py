@@ -17,67 +17,29 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 
-from checkout import ROOT
+from bench.local import LocalSwarm, Shape
+from bench.proc import cpu_name
+from bench.stats import percentile as pct
+from bench.timing import TokenTimes, greedy
 
-from devtools.launch import NodeProcess, start_node, stop_all
+from devtools.launch import NodeProcess
 from swarm.client.client import Client
-from swarm.dht import start_dht, visible_maddrs
 
 COMMON = ["--announce-ttl", "10", "--max-host-cache-tokens", "32768", "--max-host-sessions", "32"]
 COMMON += ["--threads", "1"]
 AFTER_S = 3.0  # decoding goes on this long after every session has a token past the node's exit
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_relay(
-    listen: int, target: int, rate: float, rtt_ms: float, prefix: list[str] | None = None
-) -> subprocess.Popen:
-    # the link is not a process beside the nodes: its relay comes before their work wherever
-    # it shares a core with them (without the privilege, nice warns and runs it at 0)
-    cmd = [*(prefix or []), "nice", "-n", "-10", sys.executable, "-m", "devtools.link_proxy"]
-    cmd += ["--listen", f"127.0.0.1:{listen}"]
-    cmd += ["--target", f"127.0.0.1:{target}", "--rate-mbps", str(rate)]
-    cmd += ["--delay-ms", str(rtt_ms / 2), "--buffer-kb", "256"]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def start_replica(peers, a) -> tuple[NodeProcess, subprocess.Popen | None]:
-    extra = list(COMMON)
-    relay = None
-    if a.rate_mbps:
-        port, public = free_port(), free_port()
-        relay = start_relay(public, port, a.rate_mbps, a.rtt_ms)
-        extra += ["--port", str(port), "--public-address", f"127.0.0.1:{public}"]
-    node = start_node((0, a.layers), peers, extra=extra, stderr=log_to(a, "replica"))
-    node.wait_serving()
-    return node, relay
+def start_replica(swarm: LocalSwarm, a) -> NodeProcess:
+    shape = Shape(a.rate_mbps, a.rtt_ms) if a.rate_mbps else None
+    return swarm.node((0, a.layers), COMMON, shape=shape, stderr=log_to(a, "replica"))
 
 
 def log_to(a, name: str):
@@ -92,26 +54,32 @@ class Stream:
 
     def __init__(self, client: Client, prompt: list[int], max_length: int):
         self.client, self.prompt, self.max_length = client, prompt, max_length
-        self.times: list[float] = []
+        self.timed = TokenTimes(time.monotonic())
         self.primed = threading.Event()
         self.error: BaseException | None = None
         self.recoveries: list[float] = []
         self.moves = 0
 
     def run(self, stop: threading.Event, go: threading.Event) -> None:
+        def primed(token: int) -> int:
+            self.primed.set()
+            go.wait()  # all start decoding together: every cache is as deep at the leave
+            return token
+
         try:
             with self.client.session(self.max_length) as s:
-                logits = s.feed(self.prompt)
-                self.primed.set()
-                go.wait()  # all start decoding together: every cache is as deep at the leave
-                while not stop.is_set() and len(self.prompt) + len(self.times) < self.max_length:
-                    logits = s.feed([int(logits.argmax())])
-                    self.times.append(time.monotonic())
+                steps = self.max_length - len(self.prompt)
+                greedy(s.feed, self.prompt, steps, time.monotonic, primed, stop.is_set, self.timed)
                 self.recoveries = s.recoveries
                 self.moves = s.remote.moves if s.remote is not None else 0
         except BaseException as exc:
             self.error = exc
             self.primed.set()
+
+    @property
+    def times(self) -> list[float]:
+        """When each decoded token came (not the prompt pass's)."""
+        return self.timed.times[1:]
 
     def stall(self, since: float) -> tuple[float, float]:
         """The longest gap between tokens from `since` on (the gap spanning it counts), and
@@ -123,17 +91,11 @@ class Stream:
         return max(gaps) if gaps else (float("nan"), float("nan"))
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
-def run_round(peers, a, handover: bool) -> dict:
+def run_round(swarm: LocalSwarm, a, handover: bool) -> dict:
     grace = ["--grace", str(a.grace)] if handover else ["--handover", "off", "--grace", "0"]
     a.round = "handover" if handover else "replay"
-    leaving = start_node((0, a.layers), peers, extra=[*COMMON, *grace], stderr=log_to(a, "leaving"))
-    leaving.wait_serving()
-    client = Client(peers, step_timeout=30)
+    leaving = swarm.node((0, a.layers), [*COMMON, *grace], stderr=log_to(a, "leaving"))
+    client = Client(swarm.peers, step_timeout=30)
     stop = threading.Event()
     streams = [
         Stream(client, [(7 * i + 13 * j) % 5000 + 100 for j in range(a.depth)], a.depth + 2000)
@@ -141,7 +103,6 @@ def run_round(peers, a, handover: bool) -> dict:
     ]
     go = threading.Event()
     threads = [threading.Thread(target=s.run, args=(stop, go)) for s in streams]
-    replica, relay = None, None
     try:
         t0 = time.monotonic()
         for t in threads:
@@ -152,7 +113,7 @@ def run_round(peers, a, handover: bool) -> dict:
         if errors:
             raise errors[0]
         print(f"  {a.sessions} sessions primed in {time.monotonic() - t0:.1f} s", flush=True)
-        replica, relay = start_replica(peers, a)
+        start_replica(swarm, a)
         go.set()
         time.sleep(2.0)  # a few tokens of steady decoding before the leave
         left = time.monotonic()
@@ -192,9 +153,7 @@ def run_round(peers, a, handover: bool) -> dict:
         stop.set()
         go.set()
         client.close()
-        stop_all([n for n in (leaving, replica) if n is not None])
-        if relay is not None:
-            relay.kill()
+        swarm.stop_nodes()
 
 
 def main() -> None:
@@ -209,15 +168,13 @@ def main() -> None:
     p.add_argument("--node-args", default="", help="more options for every node")
     a = p.parse_args()
     COMMON.extend(shlex.split(a.node_args))
-    bootstrap = start_dht()
-    peers = visible_maddrs(bootstrap)[:1]
     link = f"{a.rate_mbps:g} Mbit/s, RTT {a.rtt_ms:g} ms" if a.rate_mbps else "loopback"
-    print(f"CPU: {cpu_model()}; link to the replica: {link}", flush=True)
+    print(f"CPU: {cpu_name()}; link to the replica: {link}", flush=True)
     results = {}
-    try:
+    with LocalSwarm() as swarm:
         for name, handover in (("handover", True), ("replay", False)):
             print(f"round {name}:", flush=True)
-            results[name] = r = run_round(peers, a, handover)
+            results[name] = r = run_round(swarm, a, handover)
             for line in r["said"]:
                 print(f"  node: {line}")
             print(
@@ -230,8 +187,6 @@ def main() -> None:
                 f" {r['replays']} replayed)",
                 flush=True,
             )
-    finally:
-        bootstrap.shutdown()
     h, r = results["handover"]["stalls"], results["replay"]["stalls"]
     ratio = pct(h, 0.99) / pct(r, 0.99)
     print(

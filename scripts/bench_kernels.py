@@ -35,14 +35,13 @@ import sys
 import time
 from pathlib import Path
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
 import torch
+from bench.proc import cpu_flags, cpu_name
 
 from swarm.options import input_terms_arg
 
 QTYPES = ["Q4_0", "Q4_K", "Q8_0"]
 TORCH_KERNELS = ("float32", "bfloat16", "int8", "int4")
-FLAGS = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"]
 CONTEXT = 500
 PROMPTS = (128, 512)
 BATCH = 8
@@ -176,20 +175,13 @@ def run_llama(binary: str, one: Path, four: Path, threads: int) -> dict:
 def cpu_summary() -> str:
     from swarm.model import kernels
 
-    flags = kernels.cpu_flags()
-    model = ""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
-    have = " ".join(f for f in FLAGS if f in flags)
+    have = " ".join(cpu_flags())
     lib = kernels.load()
     using = f"swarm's {lib.isa} kernels ({lib.rows} rows a vector)" if lib else "torch's kernels"
-    return f"CPU: {model}, {os.cpu_count()} cores; flags: {have}\nquantized matmuls: {using}"
+    return f"CPU: {cpu_name()}, {os.cpu_count()} cores; flags: {have}\nquantized matmuls: {using}"
 
 
 def ensure_files(folder: Path, qtypes: list[str]) -> dict[str, tuple[Path, Path]]:
-    sys.path.insert(0, str(Path(__file__).parent))
     from synthetic_gguf import Shapes, write_synthetic_gguf
 
     files = {}

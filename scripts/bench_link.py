@@ -33,28 +33,26 @@ import os
 import random
 import shlex
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 warnings.filterwarnings("ignore")
 
-import checkout  # noqa: E402, F401 (devtools/ from this checkout)
+from bench.local import LocalSwarm, Shape  # noqa: E402
+from bench.proc import cpu_seconds  # noqa: E402
+from bench.stats import percentile as pct  # noqa: E402
+from bench.stats import summary  # noqa: E402
+from bench.timing import TokenTimes, greedy  # noqa: E402
 
-from devtools.launch import NodeProcess, start_node, stop_all  # noqa: E402
+from devtools.launch import NodeProcess  # noqa: E402
 from swarm.client.client import Client  # noqa: E402
-from swarm.dht import start_dht, visible_maddrs  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 SPANS = [(0, 10), (10, 20), (20, 30)]
 # Azure LLM inference trace 2023, conversation: medians ~1020 input and ~130 output tokens
 TRACE_IN_MEDIAN, TRACE_IN_SIGMA, TRACE_IN_MAX = 1020, 0.6, 2048
@@ -74,20 +72,30 @@ class Request:
 
 @dataclass
 class Done:
-    start: float
-    first: float | None = None
-    end: float | None = None
-    tokens: int = 0
+    timed: TokenTimes
     error: str | None = None
+    failed_at: float = math.nan
     sid: str = ""  # its session's id as the nodes' step logs give it
 
     @property
+    def start(self) -> float:
+        return self.timed.start
+
+    @property
+    def first(self) -> float | None:
+        return self.timed.times[0] if self.timed.times else None
+
+    @property
+    def end(self) -> float:
+        return self.timed.times[-1] if self.timed.times and not self.error else self.failed_at
+
+    @property
     def ttft(self) -> float:
-        return self.first - self.start
+        return self.timed.ttft
 
     @property
     def tpot(self) -> float | None:
-        return (self.end - self.first) / (self.tokens - 1) if self.tokens > 1 else None
+        return self.timed.tpot
 
 
 @dataclass(frozen=True)
@@ -148,67 +156,26 @@ def draw_trace(rng: random.Random, a) -> list[Request]:
         out.append(Request(t, [rng.randrange(100, 40000) for _ in range(n_in)], n_out))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_relay(listen: int, target: int, a, rate: float, log: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "devtools.link_proxy",
-        "--listen",
-        f"127.0.0.1:{listen}",
-        "--target",
-        f"127.0.0.1:{target}",
-        "--rate-mbps",
-        str(rate),
-        "--delay-ms",
-        str(a.rtt_ms / 2),
-        "--buffer-kb",
-        str(a.buffer_kb),
-        "--queue-log",
-        log,
-    ]
-    # devtools/ is not installed: the relay runs from this checkout
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 # a node that writes its step log through the node's observer hook
 STEP_LOG_NODE = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "devtools", "step_log.py"
 )
 
 
-def start_nodes(
-    peers, variant: Variant, rate: float, a, logs: list[str], step_logs: list[str]
-) -> tuple[list[NodeProcess], list]:
+def start_nodes(swarm: LocalSwarm, variant: Variant, rate: float, a, logs, step_logs) -> None:
     """The nodes, each writing its decode steps to `step_logs`, and a relay in front of each but
     the first, logging its queue to `logs`."""
-    nodes, relays = [], []
     common = ["--threads", "1", "--announce-ttl", "6", "--grace", "2"]
     common += ["--prefill-pass-tokens", str(a.prefill_pass_tokens)]
     common += ["--link-inflight-gain", str(a.inflight_gain), *shlex.split(a.node_args)]
     common += variant.args  # last, so a variant's options win
     for i, span in enumerate(SPANS):
-        port = free_port()
-        extra = [*common, "--port", str(port), "--step-log", step_logs[i]]
-        if i > 0:  # the hop into this node crosses a shaped link
-            public = free_port()
-            relays.append(start_relay(public, port, a, rate, logs[i - 1]))
-            extra += ["--public-address", f"127.0.0.1:{public}"]
-        nodes.append(start_node(span, peers, extra=extra, program=(STEP_LOG_NODE,)))
-    try:
-        for n in nodes:
-            n.wait_serving()
-    except BaseException:
-        stop_all(nodes)
-        for r in relays:
-            r.kill()
-        raise
-    return nodes, relays
+        extra = [*common, "--step-log", step_logs[i]]
+        # the hop into every node but the first crosses a shaped link
+        shape = Shape(rate, a.rtt_ms, a.buffer_kb, logs[i - 1], nice=False) if i > 0 else None
+        swarm.node(span, extra, shape, wait=False, program=(STEP_LOG_NODE,))
+    for n in swarm.nodes:
+        n.wait_serving()
 
 
 def wait_route(client: Client, peers: set[str], timeout: float = 60) -> None:
@@ -227,32 +194,28 @@ def generate(client: Client, prompt: list[int], new_tokens: int, done: Done, sto
     """Greedy decoding, timing each token; `stop` (an Event) ends an open-ended session."""
     try:
         with client.session(len(prompt) + new_tokens + 1) as s:
-            token = int(s.feed(prompt).argmax())
-            done.first = time.monotonic()
-            done.sid = s.remote.sid[:8] if s.remote is not None else ""
-            done.tokens = 1
-            times = [done.first]
-            while done.tokens < new_tokens and not (stop is not None and stop.is_set()):
-                token = int(s.feed([token]).argmax())
-                times.append(time.monotonic())
-                done.tokens += 1
-            done.end = times[-1]
-            done.times = times  # type: ignore[attr-defined]
+
+            def first(token: int) -> int:
+                done.sid = s.remote.sid[:8] if s.remote is not None else ""
+                return token
+
+            until = stop.is_set if stop is not None else None
+            greedy(s.feed, prompt, new_tokens - 1, time.monotonic, first, until, done.timed)
     except Exception as exc:  # recorded: a benchmark reports failures, it does not hide them
         done.error = f"{type(exc).__name__}: {exc}"
-        done.end = time.monotonic()
+        done.failed_at = time.monotonic()
 
 
 def steady(client: Client, stop: threading.Event, rnd: Round, lock: threading.Lock, seed: int):
     rng = random.Random(seed)
     while not stop.is_set():
-        d = Done(time.monotonic())
+        d = Done(TokenTimes(time.monotonic()))
         prompt = [rng.randrange(100, 40000) for _ in range(STEADY_PROMPT)]
         generate(client, prompt, 1000, d, stop)
         with lock:
             if d.error:
                 rnd.steady_errors.append(d.error)
-            times = getattr(d, "times", [])
+            times = d.timed.times
             rnd.steps.extend(zip(times[:-1], times[1:]))
         if d.error:
             time.sleep(1)
@@ -294,16 +257,6 @@ def read_step_log(path: str):
     return steps, prompts, passes
 
 
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU time of a live process, all its threads (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
-
 def cpu_now(nodes: list[NodeProcess], relays: list) -> dict[str, float]:
     out = {f"node {i}": cpu_seconds(n.proc.pid) for i, n in enumerate(nodes)}
     out.update({f"relay {i}": cpu_seconds(r.pid) for i, r in enumerate(relays)})
@@ -311,13 +264,14 @@ def cpu_now(nodes: list[NodeProcess], relays: list) -> dict[str, float]:
     return out
 
 
-def run_round(client: Client, peers, trace: list[Request], variant: Variant, rate: float, a):
+def run_round(client: Client, swarm: LocalSwarm, trace, variant: Variant, rate: float, a):
     logdir = tempfile.mkdtemp(prefix="bench_link_")
     logs = [os.path.join(logdir, f"hop{i}.log") for i in range(len(SPANS) - 1)]
     step_logs = [os.path.join(logdir, f"node{i}.log") for i in range(len(SPANS))]
-    nodes, relays = start_nodes(peers, variant, rate, a, logs, step_logs)
     rnd = Round(rate, variant.name)
     try:
+        start_nodes(swarm, variant, rate, a, logs, step_logs)
+        nodes, relays = swarm.nodes, swarm.relays
         wait_route(client, {n.peer for n in nodes})
         lock, stop = threading.Lock(), threading.Event()
         workers = [
@@ -331,7 +285,7 @@ def run_round(client: Client, peers, trace: list[Request], variant: Variant, rat
         t0 = time.monotonic()
         for req in trace:
             time.sleep(max(0.0, t0 + req.at - time.monotonic()))
-            d = Done(time.monotonic())
+            d = Done(TokenTimes(time.monotonic()))
             rnd.requests.append(d)
             w = threading.Thread(
                 target=generate, args=(client, req.prompt, req.new_tokens, d), daemon=True
@@ -351,10 +305,7 @@ def run_round(client: Client, peers, trace: list[Request], variant: Variant, rat
         records = {r.peer: r for r in client.nodes()}
         rnd.links = [records[n.peer].link if n.peer in records else {} for n in nodes]
     finally:
-        stop_all(nodes)
-        for r in relays:
-            r.kill()
-            r.wait()
+        swarm.stop_nodes()
     for path in logs:
         samples, frames = read_queue_log(path) if os.path.exists(path) else ([], [])
         rnd.queues.append(samples)
@@ -369,19 +320,6 @@ def run_round(client: Client, peers, trace: list[Request], variant: Variant, rat
 
 
 # ---- report ------------------------------------------------------------------------------------
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
-
-
-def summary(xs: list[float]) -> tuple[float, float, float]:
-    if not xs:
-        return (float("nan"),) * 3
-    return statistics.fmean(xs), pct(xs, 0.5), pct(xs, 0.99)
 
 
 def prefill_windows(rnd: Round) -> list[tuple[float, float]]:
@@ -686,31 +624,34 @@ def main() -> None:
         f" {max(r.new_tokens for r in trace)}",
         flush=True,
     )
-    bootstrap = start_dht()
-    peers = visible_maddrs(bootstrap)[:1]
-    # plaintext=True lets a variant run its nodes --plaintext; TLS nodes are still dialled by key
-    client = Client(peers, prefill_chunk=a.prefill_chunk, plaintext=True)
+    with LocalSwarm() as swarm:
+        # plaintext=True lets a variant run its nodes --plaintext; TLS nodes are dialled by key
+        client = Client(swarm.peers, prefill_chunk=a.prefill_chunk, plaintext=True)
+        try:
+            report(run_rounds(client, swarm, trace, variants, a), variants, a)
+        finally:
+            client.close()
+
+
+def run_rounds(client: Client, swarm: LocalSwarm, trace, variants: list[Variant], a):
+    """Every rate's rounds, the variants alternating round by round."""
     results: dict[tuple[float, str], list[Round]] = {}
-    try:
-        for rate in a.rates:
-            for i in range(a.rounds):
-                order = variants if i % 2 == 0 else variants[::-1]
-                for variant in order:
-                    started = time.monotonic()
-                    rnd = run_round(client, peers, trace, variant, rate, a)
-                    results.setdefault((rate, variant.name), []).append(rnd)
-                    ok = [d for d in rnd.requests if d.error is None and d.first]
-                    print(
-                        f"round {rate:g} Mbps {variant.name}:"
-                        f" {len(ok)}/{len(rnd.requests)} requests,"
-                        f" TTFT mean {statistics.fmean(d.ttft for d in ok) if ok else 0:.2f} s,"
-                        f" {len(rnd.steps)} steady steps, {time.monotonic() - started:.0f} s",
-                        flush=True,
-                    )
-        report(results, variants, a)
-    finally:
-        client.close()
-        bootstrap.shutdown()
+    for rate in a.rates:
+        for i in range(a.rounds):
+            order = variants if i % 2 == 0 else variants[::-1]
+            for variant in order:
+                started = time.monotonic()
+                rnd = run_round(client, swarm, trace, variant, rate, a)
+                results.setdefault((rate, variant.name), []).append(rnd)
+                ok = [d for d in rnd.requests if d.error is None and d.first]
+                print(
+                    f"round {rate:g} Mbps {variant.name}:"
+                    f" {len(ok)}/{len(rnd.requests)} requests,"
+                    f" TTFT mean {statistics.fmean(d.ttft for d in ok) if ok else 0:.2f} s,"
+                    f" {len(rnd.steps)} steady steps, {time.monotonic() - started:.0f} s",
+                    flush=True,
+                )
+    return results
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import statistics
 import time
 import warnings
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+import bench  # noqa: F401 (this checkout first on the path)
 import torch
 import trio
 

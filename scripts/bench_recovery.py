@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import statistics
 import tempfile
 import time
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+from bench.stats import percentile
 
 from devtools.launch import start_node, stop_all
 from swarm.client.client import Client
@@ -97,11 +96,10 @@ def main() -> None:
             fresh.wait_serving()
             nodes.append(fresh)
             time.sleep(1.0)  # let its record spread on the DHT
-        stalls.sort()
-        p99 = stalls[min(len(stalls) - 1, round(0.99 * (len(stalls) - 1)))] if stalls else 0
+        p50, p99 = (percentile(stalls, q) if stalls else 0 for q in (0.5, 0.99))
         print(
             f"\n{a.fault}: {ok}/{a.trials} recovered with identical output;"
-            f" stall p50 {statistics.median(stalls) if stalls else 0:.2f} s, p99 {p99:.2f} s,"
+            f" stall p50 {p50:.2f} s, p99 {p99:.2f} s,"
             f" max {max(stalls) if stalls else 0:.2f} s; load {os.getloadavg()[0]:.1f}"
         )
     finally:

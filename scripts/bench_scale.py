@@ -36,8 +36,9 @@ import threading
 import time
 from collections import defaultdict
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
 import psutil
+from bench.stats import p50_p99_ms as ms
+from bench.stats import percentile as pct
 
 from devtools.launch import start_node, stop_all
 from swarm.client.client import Client
@@ -47,15 +48,6 @@ from swarm.errors import RouteUnavailable
 SPANS = [(0, 2), (2, 4), (4, 6)]
 FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--threads", "1"]
 PROMPTS = [[5, 50, 150, 250], [11, 22, 33, 44, 55], [7, 70, 170], [300, 30, 3, 13]]
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
-def ms(values: list[float]) -> str:
-    return f"p50 {pct(values, 0.5) * 1e3:.0f} ms, p99 {pct(values, 0.99) * 1e3:.0f} ms"
 
 
 class Swarm:

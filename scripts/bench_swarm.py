@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
 import torch
+from bench.table import print_table
+from bench.timing import greedy, session_greedy
 
 from devtools.launch import even_spans, start_swarm, stop_all
 from swarm.client.client import Client
@@ -20,28 +20,19 @@ from swarm.model.source import open_model
 
 
 def unsplit_run(src, head, span, prompt_ids, new_tokens):
-    cache = KVCache.allocate(src.config, span.end - span.start, len(prompt_ids) + new_tokens + 1)
-    t0 = time.perf_counter()
-    h = span.forward(head.embed_tokens(prompt_ids), cache, 0, span.start, span.end)
-    token = int(head.logits(h[:, -1]).argmax())
-    ttft = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    for _ in range(new_tokens):
-        h = span.forward(head.embed_tokens([token]), cache, cache.length, span.start, span.end)
-        token = int(head.logits(h[:, -1]).argmax())
-    return ttft, new_tokens / (time.perf_counter() - t1)
+    cache = KVCache.allocate(src.config, span.start, span.end, len(prompt_ids) + new_tokens + 1)
+
+    def feed(tokens):
+        h = span.forward(head.embed_tokens(tokens), cache, cache.length, span.start, span.end)
+        return head.logits(h[:, -1])
+
+    t = greedy(feed, prompt_ids, new_tokens)
+    return t.ttft, t.tokens_per_s
 
 
 def swarm_run(client, prompt_ids, new_tokens):
-    with client.session(len(prompt_ids) + new_tokens + 1) as s:
-        t0 = time.perf_counter()
-        logits = s.feed(prompt_ids)
-        token = int(logits.argmax())
-        ttft = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        for _ in range(new_tokens):
-            token = int(s.feed([token]).argmax())
-        return ttft, new_tokens / (time.perf_counter() - t1)
+    t = session_greedy(client, prompt_ids, new_tokens)
+    return t.ttft, t.tokens_per_s
 
 
 def main() -> None:
@@ -73,17 +64,13 @@ def main() -> None:
         f"\n{a.nodes} nodes x {a.threads} threads; prompt {a.prompt_tokens} tokens;"
         f" {a.new_tokens} new tokens; median of {a.repeats}"
     )
-    print(f"{'':10}{'TTFT s':>10}{'decode tok/s':>14}")
-    med = {}
-    for name, runs in rows.items():
-        ttft = statistics.median(r[0] for r in runs)
-        tps = statistics.median(r[1] for r in runs)
-        med[name] = (ttft, tps)
-        print(f"{name:10}{ttft:10.3f}{tps:14.1f}")
-    print(
-        f"{'ratio':10}{med['swarm'][0] / med['unsplit'][0]:10.2f}"
-        f"{med['swarm'][1] / med['unsplit'][1]:14.2f}   (swarm / unsplit)"
+    med = {n: [statistics.median(r[i] for r in runs) for i in (0, 1)] for n, runs in rows.items()}
+    ratio = [f"{s / u:.2f}" for s, u in zip(med["swarm"], med["unsplit"])]
+    print_table(
+        ["", "TTFT s", "decode tok/s"],
+        [*([n, f"{t:.3f}", f"{r:.1f}"] for n, (t, r) in med.items()), ["ratio", *ratio]],
     )
+    print("(ratio: swarm / unsplit)")
 
 
 if __name__ == "__main__":

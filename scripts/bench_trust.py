@@ -42,9 +42,10 @@ from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
 import hivemind
 import trio
+from bench.proc import cpu_name
+from bench.timing import greedy
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
@@ -168,17 +169,14 @@ async def relay_burst(node) -> None:
 def generation(client: Client, prompt: list[int], new: int, check: bool, notes: dict):
     """(TTFT, TPOT) of one greedy generation; a check of its route if `check`."""
     with client.session(len(prompt) + new + 1) as s:
-        t0 = time.perf_counter()
-        token = int(s.feed(prompt).argmax())
-        ttft = time.perf_counter() - t0
-        if check:
+
+        def checked(token: int) -> int:
             verdict = s.verify(random.Random(0))
             notes["caught"] = notes.get("caught", False) or bool(verdict.suspects)
-            token = int(s.feed([token]).argmax())
-        t1 = time.perf_counter()
-        for _ in range(new):
-            token = int(s.feed([token]).argmax())
-        return ttft, (time.perf_counter() - t1) / new
+            return int(s.feed([token]).argmax())
+
+        t = greedy(s.feed, prompt, new, between=checked if check else None)
+        return t.ttft, t.tpot
 
 
 def measure(swarm: Swarm, name: str, a) -> tuple[int, list, dict]:
@@ -347,11 +345,6 @@ def measure_api(api: Api, name: str, a) -> tuple[int, list, dict]:
     if name != "api-quiet":
         notes["API alive"] = api.proc.poll() is None
     return served, runs, notes
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if "model name" in line), "?")
 
 
 def main() -> None:

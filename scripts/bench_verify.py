@@ -12,7 +12,7 @@ import random
 import statistics
 import time
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+from bench.proc import cpu_name
 
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
@@ -32,11 +32,6 @@ def session(client: Client, prompt: list[int], new: int, check: bool) -> tuple[f
             verdict = s.verify(random.Random(0))
             assert verdict.agreed, verdict
         return steps, time.perf_counter() - checked if check else 0.0
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if "model name" in line), "?")
 
 
 def main() -> None:

@@ -33,8 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
 import torch
+from bench.proc import memory
+from bench.timing import session_greedy
 
 from swarm.model.blocks import KVCache, Span
 from swarm.model.source import open_model
@@ -63,16 +64,6 @@ def node_takes_weights() -> bool:
     return "--weights" in out
 
 
-def proc_status(pid: int | str = "self") -> dict[str, int]:
-    """VmRSS, RssAnon, RssFile, VmHWM of a process, in bytes."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # part a: synthetic 8B-shaped layers, one child process per (file, format)
 
@@ -82,7 +73,7 @@ def synthetic_child(path: str, fmt: str, repeats: int, decode_steps: int, ref: s
     torch.set_num_threads(1)
     src = open_model(path)
     layers = src.config.num_layers
-    before = proc_status()
+    before = memory()
     t0 = time.perf_counter()
     if span_takes_weights():
         span = Span.load(src, 0, layers, weights=fmt)
@@ -91,12 +82,12 @@ def synthetic_child(path: str, fmt: str, repeats: int, decode_steps: int, ref: s
             return {"error": "Span.load has no weights= on this checkout"}
         span = Span.load(src, 0, layers)
     load_s = time.perf_counter() - t0
-    after = proc_status()
+    after = memory()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # includes the load
     # what the span holds once malloc hands freed load-time buffers back: the gap to `after`
     # is heap the load freed but the process still keeps
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    trimmed = proc_status()
+    trimmed = memory()
 
     prompt = 128
     gen = torch.Generator().manual_seed(0)
@@ -104,7 +95,7 @@ def synthetic_child(path: str, fmt: str, repeats: int, decode_steps: int, ref: s
     kwargs = {}
     if "dtype" in inspect.signature(KVCache.allocate).parameters:
         kwargs["dtype"] = getattr(span, "cache_dtype", torch.float32)
-    cache = KVCache.allocate(src.config, layers, prompt + decode_steps + 1, **kwargs)
+    cache = KVCache.allocate(src.config, 0, layers, prompt + decode_steps + 1, **kwargs)
     # wall time, and CPU time of this process: on a shared machine the CPU time is what the
     # step cost, the wall time also counts waiting for a core
     prompt_s, decode_s, prompt_cpu, decode_cpu = [], [], [], []
@@ -154,7 +145,6 @@ def file_bytes_per_layer(path: Path) -> float:
 
 
 def synthetic_file(cache_dir: Path, qtype: str, layers: int) -> Path:
-    sys.path.insert(0, str(Path(__file__).parent))
     from synthetic_gguf import Shapes, write_synthetic_gguf
 
     path = cache_dir / f"llama3-8b-shapes-{layers}L.{qtype}.gguf"
@@ -257,19 +247,13 @@ def transformers_run(model, prompt_ids, new_tokens) -> tuple[float, float]:
 
 
 def swarm_run(client, prompt_ids, new_tokens) -> tuple[float, float]:
-    with client.session(len(prompt_ids) + new_tokens + 1) as s:
-        t0 = time.perf_counter()
-        token = int(s.feed(prompt_ids).argmax())
-        ttft = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        for _ in range(new_tokens):
-            token = int(s.feed([token]).argmax())
-        return ttft, new_tokens / (time.perf_counter() - t1)
+    t = session_greedy(client, prompt_ids, new_tokens)
+    return t.ttft, t.tokens_per_s
 
 
 def node_rss_after_announce(node, settle: float) -> dict[str, int]:
     time.sleep(settle)  # the DHT announcement and first health refresh are done by then
-    return proc_status(node.pid)
+    return memory(node.pid)
 
 
 def run_model(a) -> None:
@@ -322,7 +306,7 @@ def run_model(a) -> None:
                 runs["transformers"].append(transformers_run(ref, prompt, a.new_tokens))
                 runs["swarm"].append(swarm_run(client, prompt, a.new_tokens))
             client.close()
-            rss_after = {n.layers: proc_status(n.pid) for n in nodes}
+            rss_after = {n.layers: memory(n.pid) for n in nodes}
         finally:
             stop_all(nodes)
         results[label] = (rss, rss_after, runs, said)

@@ -10,15 +10,14 @@ bottleneck buffer then adds about buffer/rate).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import struct
 import subprocess
 import sys
 from pathlib import Path
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
 import trio
+from bench.proc import cpu_seconds
 
 from devtools.link_proxy import LinkShape, Relay
 
@@ -125,12 +124,6 @@ async def loaded_round_trips(port: int, pings: int) -> list[float]:
         rtts = await round_trips(port, pings)
         nursery.cancel_scope.cancel()
     return rtts
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def start_relay(nursery, target: Target, shape: LinkShape, in_process: bool):

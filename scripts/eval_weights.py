@@ -11,6 +11,7 @@ import argparse
 import time
 import warnings
 
+import bench  # noqa: F401 (this checkout first on the path)
 import torch
 
 from swarm.model.blocks import Span

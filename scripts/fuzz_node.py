@@ -33,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
 import msgpack
 import torch
+from bench.proc import memory
 
 from devtools.launch import NodeProcess, start_node, stop_all
 from swarm.client.client import Client
@@ -43,6 +43,8 @@ from swarm.model.source import open_model
 from swarm.model.tiny import TINY, reference_greedy, save_tiny_llama
 from swarm.protocol import Attach, Close, Hop, Open, Ping, Step, to_wire
 from swarm.wire import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, pack_tensor
+
+MIB = 1024 * 1024
 
 HIDDEN = TINY["hidden_size"]
 SPANS = [(0, 3), (3, 6)]
@@ -467,14 +469,6 @@ def wait_exit(node: NodeProcess, timeout: float) -> bool:
         return False
 
 
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def last_error_line(log: Path) -> str:
     """The exception that ended the node, from the bottom of its stderr."""
     pattern = re.compile(r"^[\s|]*((?:[\w.]+\.)?\w*(?:Error|Exception|Exit))\b:?\s*(.*)$")
@@ -573,14 +567,14 @@ def start_epoch(model_dir: str, reference, work: Path, n: int, seed: int) -> Epo
     legit = Legit(client, reference, seed)
     legit.start()
     legit.first_done.wait(120)
-    return Epoch(nodes, logs, client, legit, rss_mib(nodes[0].pid))
+    return Epoch(nodes, logs, client, legit, memory(nodes[0].pid)["VmRSS"] / MIB)
 
 
 def end_epoch(epoch: Epoch, tally: Tally, crashed: bool) -> None:
     epoch.legit.stop.set()
     epoch.legit.join(120 if not crashed else 30)
     if epoch.nodes[0].proc.poll() is None:
-        tally.rss.append((epoch.rss_before, rss_mib(epoch.nodes[0].pid)))
+        tally.rss.append((epoch.rss_before, memory(epoch.nodes[0].pid)["VmRSS"] / MIB))
     lg = epoch.legit
     tally.legit_correct += lg.correct
     tally.legit_wrong += lg.wrong
@@ -642,7 +636,7 @@ def fuzz(a: argparse.Namespace) -> Tally:
             if tally.cases % 1000 == 0:
                 print(
                     f"  {tally.cases} cases, {time.monotonic() - t0:.0f} s,"
-                    f" node RSS {rss_mib(first.pid):.1f} MiB",
+                    f" node RSS {memory(first.pid)['VmRSS'] / MIB:.1f} MiB",
                     flush=True,
                 )
         alive_at_end = not crashed and answers_ping(addr)

@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-import checkout  # noqa: F401 (devtools/ from this checkout)
+import bench  # noqa: F401 (this checkout first on the path)
 
 from devtools.launch import even_spans, start_swarm, stop_all
 from swarm.cli import model_option, wire_dtype_option

@@ -48,9 +48,10 @@ minimum RTT where TCP_INFO gives it. Without such a sample the minimum holds.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
+
+from swarm.link.stats import percentile
 
 TCP = "tcp"
 APP = "app"  # timed writes and delivery acknowledgements
@@ -278,13 +279,3 @@ class LinkEstimator:
 def ewma(old: float | None, sample: float, gain: float) -> float:
     """An exponentially weighted mean moved `gain` of the way to `sample`; the sample if none."""
     return sample if old is None else old + gain * (sample - old)
-
-
-def percentile(sorted_values: list[float], p: float) -> float:
-    """The `p` quantile (0..1) of ascending values, interpolated linearly; 0 for none."""
-    if not sorted_values:
-        return 0.0
-    rank = p * (len(sorted_values) - 1)
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (rank - lo)

@@ -7,10 +7,10 @@ record (`link`) and the health page shows, and `from_dict()` reads such a mappin
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 
-from swarm.link.estimator import percentile
 from swarm.protocol import DECODE
 
 
@@ -132,3 +132,17 @@ class LinkStats:
         """Read a published mapping back: unknown keys are left out, missing ones are 0."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: float(v) for k, v in figures.items() if k in names})
+
+
+def percentile(sorted_values: list[float], p: float) -> float:
+    """The `p` quantile (0..1) of ascending values, interpolated linearly; 0 for none.
+
+    The project's one rank rule: the link estimator, the node's published delays and every
+    benchmark (scripts/bench/stats.py) use it.
+    """
+    if not sorted_values:
+        return 0.0
+    rank = p * (len(sorted_values) - 1)
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (rank - lo)

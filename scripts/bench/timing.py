@@ -1,0 +1,77 @@
+"""A greedy generation's token times: time to first token (TTFT) and per output token (TPOT)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenTimes:
+    """When a generation asked (`start`) and when each token came, the first from the prompt
+    pass; decode steps are timed from `decode_start` (the first token, unless work between)."""
+
+    start: float
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    decode_start: float = math.nan
+
+    @property
+    def ttft(self) -> float:
+        return self.times[0] - self.start
+
+    @property
+    def decode_s(self) -> float:
+        return self.times[-1] - self.decode_start
+
+    @property
+    def steps(self) -> int:
+        return len(self.times) - 1
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds a decode step; None with none."""
+        return self.decode_s / self.steps if self.steps else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.steps / self.decode_s if self.steps else 0.0
+
+    def gaps(self, lo: float = -math.inf, hi: float = math.inf) -> list[float]:
+        """Seconds between consecutive tokens, of the pairs that lie within [lo, hi]."""
+        return [b - a for a, b in zip(self.times, self.times[1:]) if lo <= a and b <= hi]
+
+
+def greedy(
+    feed: Callable[[Sequence[int]], object],
+    prompt: Sequence[int],
+    steps: int,
+    clock: Callable[[], float] = time.perf_counter,
+    between: Callable[[int], int] | None = None,
+    stop: Callable[[], bool] | None = None,
+    out: TokenTimes | None = None,
+) -> TokenTimes:
+    """The prompt pass then `steps` greedy decode steps, timed. `feed(tokens)` returns the
+    logits of the last token (anything with argmax()). `between(first)`, untimed, runs after the
+    first token and returns the token decoding goes on from; `stop()` ends decoding early; `out`
+    is filled as it goes (a thread's caller reads it even if a step raises)."""
+    t = out if out is not None else TokenTimes(clock())
+    t.tokens.append(int(feed(prompt).argmax()))
+    t.times.append(clock())
+    token = t.tokens[-1] if between is None else between(t.tokens[-1])
+    t.decode_start = clock() if between is not None else t.times[0]
+    for _ in range(steps):
+        if stop is not None and stop():
+            break
+        token = int(feed([token]).argmax())
+        t.tokens.append(token)
+        t.times.append(clock())
+    return t
+
+
+def session_greedy(client, prompt: Sequence[int], steps: int, **kw) -> TokenTimes:
+    """`greedy` through a new session of a swarm `Client`, room for every token."""
+    with client.session(len(prompt) + steps + 1) as s:
+        return greedy(s.feed, prompt, steps, **kw)
