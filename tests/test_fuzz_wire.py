@@ -147,7 +147,7 @@ def field_accepts(kind: str, name: str, value: Any) -> bool:
         return True  # a tensor map, checked by the receiver that knows the expected shape
     if name == "route":
         return isinstance(value, list)  # the hop checks are a separate matter
-    if name in ("sid", "code", "message", "fingerprint", "wire_dtype", "sink_token"):
+    if name in ("sid", "code", "message", "fingerprint", "wire_dtype", "sink_token", "origin"):
         return isinstance(value, str)
     if name == "phase":
         return value in PHASES
