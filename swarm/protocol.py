@@ -151,17 +151,21 @@ class Pong:
     rx_us: int = integer(default=0)
 
 
+MAX_ERROR_MESSAGE = 4096
+
+
 @dataclass(frozen=True)
 class Error:
     code: str = text(64)
-    message: str = text(4096)
+    message: str = text(MAX_ERROR_MESSAGE)
     sid: str = text(64, default="")
     hop: int = integer(-1, 1024, default=-1)
     t: str = tag("error")
 
     @classmethod
     def of(cls, exc: SwarmError, sid: str = "", hop: int = -1) -> Error:
-        return cls(code=exc.code, message=str(exc), sid=sid, hop=hop)
+        # a message quoting a stranger's long value would make a frame its peer refuses
+        return cls(code=exc.code, message=str(exc)[:MAX_ERROR_MESSAGE], sid=sid, hop=hop)
 
     def exception(self) -> SwarmError:
         exc = error_from_code(self.code, self.message)

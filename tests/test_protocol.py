@@ -162,3 +162,9 @@ def test_the_open_inside_a_handover_is_checked_like_any_open():
     raw["open"]["sink_token"] = "t" * 65
     with pytest.raises(ProtocolError, match="'sink_token' must be a string"):
         parse_message(raw)
+
+
+def test_an_error_about_a_long_value_still_makes_a_frame_its_peer_parses():
+    exc = ProtocolError("bad phase " + "x" * 10_000)
+    back = parse_message(to_wire(Error.of(exc, sid="s")))
+    assert back.code == exc.code and str(exc).startswith(back.message)
