@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from swarm.options import add_options, option
+from swarm.options import add_options, option, port_number, positive_int
 from swarm.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 
 
@@ -69,12 +69,11 @@ def add_http_flags(parser: argparse.ArgumentParser, host: str, port: int) -> Non
     """--host, --port, --access-log and the connection caps of a program serving HTTP (see
     hypercorn_config and swarm.http_server)."""
     from swarm.http_server import ConnectionLimits
-    from swarm.options import positive_int
 
     add_options(
         parser,
         host=option(host, "HTTP listen address"),
-        port=option(port, "HTTP port (0: any free port)"),
+        port=option(port, "HTTP port (0: any free port)", type=port_number),
         access_log=option(False, "log every request to stderr", action="store_true"),
         max_connections=option(
             ConnectionLimits.total,
