@@ -1,8 +1,8 @@
 """What the command-line programs (node, client, health page, API) set up alike: logging, the
 HTTP server, and the flags they share, each declared once here.
 
-The node's configuration fields are these declarations (swarm/node/config.py); the other
-programs add the same flags with `add_swarm_flags` and `add_http_flags`.
+The node's configuration fields (swarm/node/config.py) and the client's (swarm/client/options.py)
+are these declarations; the HTTP servers add theirs with `add_http_flags`.
 """
 
 from __future__ import annotations
@@ -52,17 +52,6 @@ def wire_dtype_option(default: str | None = DEFAULT_WIRE_DTYPE, unset: str = "ea
     if default is None:
         help += f" (default: {unset}, {DEFAULT_WIRE_DTYPE} but for Gemma's bfloat16)"
     return option(default, help, choices=sorted(WIRE_DTYPES))
-
-
-def add_swarm_flags(parser: argparse.ArgumentParser) -> None:
-    """--initial-peers (required), --model and --wire-dtype, for a program that joins a swarm
-    as a client."""
-    add_options(
-        parser,
-        initial_peers=initial_peers_option(),
-        model=model_option(),
-        wire_dtype=wire_dtype_option(None),
-    )
 
 
 def add_http_flags(parser: argparse.ArgumentParser, host: str, port: int) -> None:
