@@ -95,6 +95,7 @@ CLIENT = ("swarm.client", "hi", "--initial-peers", PEER)
         (HEALTH, "--port", "65536", "argument --port: must be 0..65535, got 65536"),
         (CLIENT, "--top-p", "0", "argument --top-p: must be a number > 0 and <= 1, got 0"),
         (NODE, "--max-sessions", "many", "argument --max-sessions: invalid int value: 'many'"),
+        (NODE, "--layers", "5:2", "argument --layers: need 0 <= START < END, got '5:2'"),
     ],
 )
 def test_a_value_out_of_bounds_ends_the_program_with_a_usage_error(program, flag, value, message):

@@ -280,11 +280,14 @@ TUNING = ("dht_nice",)  # top-level fields that belong with the tuning knobs
 def parse_layers(text: str) -> tuple[int, int]:
     try:
         a, b = text.split(":")
-        return int(a), int(b)
+        start, end = int(a), int(b)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--layers wants START:END (half-open), got {text!r}"
         ) from None
+    if not 0 <= start < end:  # the model's layer count is known only once it loads
+        raise argparse.ArgumentTypeError(f"need 0 <= START < END, got {text!r}")
+    return start, end
 
 
 def _options(cls, prefix: str = ""):
