@@ -1,8 +1,8 @@
 """What the command-line programs (node, client, health page, API) set up alike: logging, the
 HTTP server, and the flags they share, each declared once here.
 
-The node's configuration fields are these declarations (swarm/node/config.py); the other
-programs add the same flags with `add_swarm_flags` and `add_http_flags`.
+The node's configuration fields (swarm/node/config.py) and the client's (swarm/client/options.py)
+are these declarations; the HTTP servers add theirs with `add_http_flags`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from swarm.options import add_options, option
+from swarm.options import add_options, option, port_number, positive_int
 from swarm.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 
 
@@ -54,27 +54,15 @@ def wire_dtype_option(default: str | None = DEFAULT_WIRE_DTYPE, unset: str = "ea
     return option(default, help, choices=sorted(WIRE_DTYPES))
 
 
-def add_swarm_flags(parser: argparse.ArgumentParser) -> None:
-    """--initial-peers (required), --model and --wire-dtype, for a program that joins a swarm
-    as a client."""
-    add_options(
-        parser,
-        initial_peers=initial_peers_option(),
-        model=model_option(),
-        wire_dtype=wire_dtype_option(None),
-    )
-
-
 def add_http_flags(parser: argparse.ArgumentParser, host: str, port: int) -> None:
     """--host, --port, --access-log and the connection caps of a program serving HTTP (see
     hypercorn_config and swarm.http_server)."""
     from swarm.http_server import ConnectionLimits
-    from swarm.options import positive_int
 
     add_options(
         parser,
         host=option(host, "HTTP listen address"),
-        port=option(port, "HTTP port (0: any free port)"),
+        port=option(port, "HTTP port (0: any free port)", type=port_number),
         access_log=option(False, "log every request to stderr", action="store_true"),
         max_connections=option(
             ConnectionLimits.total,

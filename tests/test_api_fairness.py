@@ -77,7 +77,7 @@ def small_api(tiny_model_dir):
     closed after 2 s; 64 connections, 16 for one address. Its own nodes: the shared tiny
     swarm's session counts are other tests'."""
     nodes = start_swarm([(0, 3), (3, 6)], model=str(tiny_model_dir), extra=NODE_FLAGS)
-    extra = ("--max-sessions", "4", "--max-caller-sessions", "2", "--idle-timeout", "2")
+    extra = ("--max-requests", "4", "--max-caller-requests", "2", "--idle-timeout", "2")
     extra += ("--max-connections", str(MAX_CONNECTIONS), "--max-caller-connections", "16")
     try:
         server = ApiServer.start(nodes[0].maddrs[:1], tiny_model_dir, *extra)

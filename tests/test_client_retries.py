@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from swarm.client.client import InferenceSession
+from swarm.client.options import ClientOptions
 from swarm.client.session import RemoteSession
 from swarm.errors import FingerprintMismatch, PeerFailed
 
@@ -42,10 +43,7 @@ def session(errors: list[Exception], max_retries: int = 2) -> InferenceSession:
         release_route=lambda route, token: None,
         router=SimpleNamespace(failed=lambda peer: None),
         fingerprint="f",
-        wire_dtype=None,
-        step_timeout=1.0,
-        prefill_chunk=8,
-        max_retries=max_retries,
+        options=ClientOptions(step_timeout=1.0, prefill_chunk=8, max_retries=max_retries),
         loop=Nodes(errors),
         head=lambda route: SimpleNamespace(embed_tokens=lambda ids: torch.tensor(ids, dtype=float)),
         logits=SimpleNamespace(logits=lambda head, out: out),

@@ -21,7 +21,7 @@ def client(tmp_path_factory):
 
 
 def run(client, ids: list[int], stop: list[str]) -> tuple[list[str], bool]:
-    text = ReplyText(client, stop)
+    text = ReplyText(client.tokenizer, client.config.eos_token_ids, stop)
     pieces = []
     for token in ids:
         piece, done = text.add(token)

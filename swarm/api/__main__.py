@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+from dataclasses import dataclass
 
 import trio
 
@@ -14,16 +15,57 @@ from swarm.api.fair import FairSlots
 from swarm.api.generation import Backend
 from swarm.cli import (
     add_http_flags,
-    add_swarm_flags,
     connection_limits,
     hypercorn_config,
+    initial_peers_option,
     setup_logging,
 )
 from swarm.client.client import Client
+from swarm.client.options import ClientOptions
 from swarm.http_server import serve
-from swarm.options import non_negative_float, positive_int
+from swarm.options import (
+    add_fields,
+    add_options,
+    from_args,
+    non_negative_float,
+    option,
+    positive_int,
+)
 
 KEY_ENV = "SWARM_API_KEY"
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    """How the API server shares its one Client among requests."""
+
+    api_key: str | None = option(
+        None, f"require 'Authorization: Bearer KEY' on /v1 (default: ${KEY_ENV}; unset: open)"
+    )
+    # requests, not sessions: a node's --max-sessions counts every client's sessions
+    max_requests: int = option(
+        16,
+        "requests generating at once; more wait their turn (a node gives one address 16 sessions)",
+        type=positive_int,
+    )
+    max_caller_requests: int = option(
+        8,
+        "of those, the most one caller (source address) holds; a freed slot goes to the"
+        " waiting caller holding fewest",
+        type=positive_int,
+    )
+    idle_timeout_s: float = option(
+        15.0,
+        "close a connection that has no request under way for this long: kept alive"
+        " between requests, or still sending its headers (so slow clients cannot pile up)",
+        flag="--idle-timeout",
+        type=non_negative_float,
+    )
+    default_max_tokens: int = option(
+        512,
+        "reply length when a chat request names none (clipped to the context left)",
+        type=positive_int,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,53 +73,25 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m swarm.api",
         description="Serve an OpenAI-compatible API and a chat page: joins the DHT as a client.",
     )
-    add_swarm_flags(p)
+    add_options(p, initial_peers=initial_peers_option())
+    add_fields(p.add_argument_group("client"), ClientOptions)
     add_http_flags(p, host="127.0.0.1", port=8000)
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get(KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${KEY_ENV}; unset: open)",
-    )
-    p.add_argument(
-        "--max-sessions",
-        type=positive_int,
-        default=16,
-        help="requests generating at once; more wait their turn (a node gives one address 16)",
-    )
-    p.add_argument(
-        "--max-caller-sessions",
-        type=positive_int,
-        default=8,
-        help="of those, the most one caller (source address) holds; a freed slot goes to the"
-        " waiting caller holding fewest",
-    )
-    p.add_argument(
-        "--idle-timeout",
-        type=non_negative_float,
-        default=15.0,
-        metavar="SECONDS",
-        help="close a connection that has no request under way for this long: kept alive"
-        " between requests, or still sending its headers (so slow clients cannot pile up)",
-    )
-    p.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=512,
-        help="reply length when a chat request names none (clipped to the context left)",
-    )
+    add_fields(p, ApiOptions)
     return p
 
 
 async def run(args: argparse.Namespace, client: Client) -> None:
+    api = from_args(ApiOptions, args)
     try:
-        slots = FairSlots(args.max_sessions, min(args.max_caller_sessions, args.max_sessions))
-        backend = Backend(client, slots, args.default_max_tokens)
-        app = create_app(backend, api_key=args.api_key or None)
+        slots = FairSlots(api.max_requests, min(api.max_caller_requests, api.max_requests))
+        backend = Backend(client, slots, api.default_max_tokens)
+        api_key = api.api_key if api.api_key is not None else os.environ.get(KEY_ENV)
+        app = create_app(backend, api_key=api_key or None)
         async with trio.open_nursery() as nursery:
             # a reply may take minutes between request and last byte; only a connection
             # without a request under way (idle, or its headers still trickling in) times out
             config = hypercorn_config(
-                args.host, args.port, args.access_log, keep_alive_s=args.idle_timeout
+                args.host, args.port, args.access_log, keep_alive_s=api.idle_timeout_s
             )
             binds = await nursery.start(serve, app, config, connection_limits(args))
             for url in binds:
@@ -95,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     # before trio starts its threads: the client forks its DHT process, and a fork from a
     # process with threads running can leave the child holding another thread's locks
-    client = Client(args.initial_peers, model=args.model, wire_dtype=args.wire_dtype)
+    client = Client(args.initial_peers, from_args(ClientOptions, args))
     trio.run(run, args, client)
     return 0
 

@@ -17,7 +17,9 @@ import trio
 from swarm.api.fair import FairSlots
 from swarm.api.schema import ApiError, GenerationRequest
 from swarm.client.aio import AsyncSession
-from swarm.client.client import Client, ReplyText, Sampler
+from swarm.client.client import Client
+from swarm.client.options import Sampling
+from swarm.client.reply import Sampler
 from swarm.client.routing import missing_blocks, usable
 from swarm.errors import CacheFull, DhtUnavailable, NoChatTemplate, SwarmError
 from swarm.records import format_blocks
@@ -61,7 +63,7 @@ class Backend:
     def gaps(self) -> list[tuple[int, int]]:
         """Blocks no usable node serves right now (blocking: reads the DHT)."""
         records = usable(
-            self.client.nodes(), self.client.fingerprint, plaintext=self.client.plaintext
+            self.client.nodes(), self.client.fingerprint, plaintext=self.client.options.plaintext
         )
         return missing_blocks(records, self.client.config.num_layers)
 
@@ -159,8 +161,8 @@ async def open_reply(
             async with AsyncSession(backend.client, len(ids) + max_tokens) as session:
                 logits = await session.feed(ids)
                 reply = Reply(prompt_tokens=len(ids))
-                sampler = Sampler(s.temperature, s.top_p, 0, s.seed)
-                text = ReplyText(backend.client, s.stop)
+                sampler = Sampler(Sampling(temperature=s.temperature, top_p=s.top_p, seed=s.seed))
+                text = backend.client.reply_text(s.stop)
 
                 async def pieces() -> AsyncIterator[str]:
                     nonlocal logits

@@ -7,20 +7,30 @@ import logging
 import sys
 import time
 
-from swarm.cli import add_swarm_flags, setup_logging
+from swarm.cli import initial_peers_option, setup_logging
 from swarm.client.client import Client
+from swarm.client.options import ClientOptions, Sampling
 from swarm.errors import SwarmError
+from swarm.options import add_fields, add_options, from_args, option, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m swarm.client", description="Ask the swarm.")
     p.add_argument("prompt")
-    add_swarm_flags(p)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    add_options(p, initial_peers=initial_peers_option())
+    add_fields(p.add_argument_group("client"), ClientOptions)
+    reply = p.add_argument_group("reply")
+    add_options(
+        reply,
+        max_new_tokens=option(128, "most tokens the reply may have", type=positive_int),
+        stop=option(
+            (),
+            "end the reply where it would write this (repeat for more)",
+            action="append",
+            metavar="TEXT",
+        ),
+    )
+    add_fields(reply, Sampling)
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -29,19 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     setup_logging(logging.INFO if a.verbose else logging.WARNING)
-    client = Client(a.initial_peers, model=a.model, wire_dtype=a.wire_dtype)
+    client = Client(a.initial_peers, from_args(ClientOptions, a))
     prompt = a.prompt if a.raw else [{"role": "user", "content": a.prompt}]
     try:
         t0 = time.perf_counter()
         first = None
-        reply = client.stream(
-            prompt,
-            max_new_tokens=a.max_new_tokens,
-            temperature=a.temperature,
-            top_p=a.top_p,
-            top_k=a.top_k,
-            seed=a.seed,
-        )
+        sampling = vars(from_args(Sampling, a))
+        reply = client.stream(prompt, a.max_new_tokens, a.stop, **sampling)
         for piece in reply:
             first = first or time.perf_counter()
             print(piece, end="", flush=True)

@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator, Sequence
 import torch
 import trio
 
-from swarm.client.client import Client, InferenceSession, ReplyText, Sampler
+from swarm.client.client import Client, InferenceSession
+from swarm.client.options import MAX_NEW_TOKENS, Sampling
+from swarm.client.reply import Sampler
 
 
 class AsyncSession:
@@ -49,14 +51,14 @@ class AsyncSession:
 async def astream(
     client: Client,
     prompt: str | list[dict[str, str]],
-    max_new_tokens: int = 64,
+    max_new_tokens: int = MAX_NEW_TOKENS,
     stop: Sequence[str] = (),
     **sampling,
 ) -> AsyncIterator[str]:
     """`Client.stream` for trio tasks: the reply's text piece by piece."""
     ids = await trio.to_thread.run_sync(client.encode, prompt)
-    sampler = Sampler(**sampling)
-    text = ReplyText(client, stop)
+    sampler = Sampler(Sampling(**sampling))
+    text = client.reply_text(stop)
     async with AsyncSession(client, len(ids) + max_new_tokens) as session:
         logits = await session.feed(ids)
         for i in range(max_new_tokens):

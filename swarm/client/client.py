@@ -8,12 +8,13 @@ import random
 import threading
 import time
 from collections.abc import Generator, Sequence
+from dataclasses import replace
 
 import torch
-import trio
 
-from swarm.client import routing
 from swarm.client.head_batch import LogitsBatcher
+from swarm.client.options import MAX_NEW_TOKENS, ClientOptions, Sampling
+from swarm.client.probe import round_trips
 from swarm.client.reply import ReplyStream, ReplyText, Sampler
 from swarm.client.router import Router
 from swarm.client.routing import (
@@ -25,7 +26,7 @@ from swarm.client.routing import (
     usable,
 )
 from swarm.client.runtime import TrioThread
-from swarm.client.session import PREFILL_CHUNK, RemoteSession
+from swarm.client.session import RemoteSession
 from swarm.client.verify import Reports, Verdict, check_last_step
 from swarm.dht import read_nodes, start_dht
 from swarm.errors import (
@@ -40,7 +41,6 @@ from swarm.model.head import Head
 from swarm.model.source import open_model
 from swarm.protocol import Hop
 from swarm.records import JOINING, NodeRecord, format_blocks
-from swarm.transport import ping
 
 log = logging.getLogger("swarm.client")
 SHUN_S = 600.0  # how long a node that answered as no honest one would stays out of routes
@@ -55,37 +55,18 @@ class Client:
     """Connects to a swarm serving one model. Reuse one per process: it holds the DHT and head."""
 
     def __init__(
-        self,
-        initial_peers: Sequence[str],
-        model: str | None = None,
-        wire_dtype: str | None = None,
-        step_timeout: float = 30.0,
-        max_retries: int = 4,
-        prefill_chunk: int = PREFILL_CHUNK,
-        plaintext: bool = False,
-        disaggregate: bool = True,
-        handoff_min_new: int = routing.HANDOFF_MIN_NEW_TOKENS,
+        self, initial_peers: Sequence[str], options: ClientOptions | None = None, **keywords
     ):
-        """`plaintext`: also route through nodes run with --plaintext (an experiment; by
-        default every connection is TLS, checked against the key each node's record names).
-        `disaggregate`: send long prompts to prefill nodes where the swarm has them (P/D,
-        swarm.client.routing.pick_prefill); False: every session computes its prompt where
-        it decodes. `handoff_min_new`: a session sent to a prefill node moves on to decode
-        elsewhere only if it may generate at least this many tokens after its prompt."""
+        """`options`, or ClientOptions' fields as `keywords` (model, wire_dtype, plaintext, ...:
+        see swarm.client.options), or both: the keywords win."""
         if not initial_peers:
             raise ValueError("initial_peers is empty: pass the multiaddr a node printed")
-        self.source = open_model(model)
+        self.options = replace(options or ClientOptions(), **keywords)
+        self.source = open_model(self.options.model)
         self.config = self.source.config
         self.fingerprint = self.source.fingerprint()
         self._heads: dict[str, Head] = {}
         self._weights: dict[str, str] = {}  # peer -> the weight format its record announces
-        self.wire_dtype = wire_dtype
-        self.step_timeout = step_timeout
-        self.max_retries = max_retries
-        self.prefill_chunk = prefill_chunk
-        self.plaintext = plaintext
-        self.disaggregate = disaggregate
-        self.handoff_min_new = handoff_min_new
         self._tokenizer = None
         self._loading = threading.Lock()  # tokenizer and heads load once, whatever the threads
         self.dht = start_dht(initial_peers, client_mode=True)
@@ -146,7 +127,7 @@ class Client:
     def _route(self, exclude: set[str], max_length: int, hold: bool) -> tuple[list[Hop], float]:
         exclude = self._leaving_out(exclude)
         every = self.recent_nodes()
-        records = usable(every, self.fingerprint, exclude, self.plaintext)
+        records = usable(every, self.fingerprint, exclude, self.options.plaintext)
         if missing_blocks(records, self.config.num_layers):
             # a node may have joined since, or a read under load missed a key: read again
             every, records = self._await_cover(exclude)
@@ -162,8 +143,9 @@ class Client:
         self._weights.update({r.peer: r.weights for r in records})
         records = decode_nodes(records, self.config.num_layers)
         name = self.config.name
+        plaintext = self.options.plaintext
         return self.router.route(
-            records, self.config.num_layers, self.fingerprint, exclude, name, self.plaintext, hold
+            records, self.config.num_layers, self.fingerprint, exclude, name, plaintext, hold
         )
 
     def prefill_hop(
@@ -172,13 +154,13 @@ class Client:
         """Where to compute a prompt of `tokens` for a session that decodes on `hop`, the last
         of its route: a prefill node for the same blocks and weights if the swarm has one
         worth the cache's transfer (swarm.client.routing.pick_prefill); None: on `hop`."""
-        if not self.disaggregate or tokens < PREFILL_MIN_TOKENS:
+        if not self.options.disaggregate or tokens < PREFILL_MIN_TOKENS:
             return None
         weights = self._weights.get(hop.peer)
         exclude = self._leaving_out(exclude)
         records = [
             r
-            for r in usable(self.recent_nodes(), self.fingerprint, exclude, self.plaintext)
+            for r in usable(self.recent_nodes(), self.fingerprint, exclude, self.options.plaintext)
             if r.weights == weights  # the same cache format, or the handoff is refused
         ]
         dtype = torch.float32 if weights == "float32" else torch.bfloat16
@@ -193,7 +175,7 @@ class Client:
         deadline, said = time.monotonic() + JOIN_WAIT_S, False
         while True:
             every = self.recent_nodes(max_age=JOIN_POLL_S / 2)
-            records = usable(every, self.fingerprint, exclude, self.plaintext)
+            records = usable(every, self.fingerprint, exclude, self.options.plaintext)
             gaps = missing_blocks(records, self.config.num_layers)
             joining = [
                 r for r in every
@@ -228,9 +210,9 @@ class Client:
             self.fingerprint,
             self.config.hidden,
             max_length,
-            self.wire_dtype,
-            self.step_timeout,
-            prefill_chunk=self.prefill_chunk,
+            self.options.wire_dtype,
+            self.options.step_timeout,
+            prefill_chunk=self.options.prefill_chunk,
             own_dtype=self.config.wire_dtype,
             handoff=handoff,
         )
@@ -248,18 +230,22 @@ class Client:
     def session(self, max_length: int) -> InferenceSession:
         return InferenceSession(self, max_length)
 
+    def reply_text(self, stop: Sequence[str] = ()) -> ReplyText:
+        """A reply's text as its tokens come, ending at this model's end of text or a stop."""
+        return ReplyText(self.tokenizer, self.config.eos_token_ids, stop)
+
     def stream(
         self,
         prompt: str | list[dict[str, str]],
-        max_new_tokens: int = 64,
+        max_new_tokens: int = MAX_NEW_TOKENS,
         stop: Sequence[str] = (),
         **sampling,
     ) -> ReplyStream:
         """The reply's text piece by piece as tokens arrive: iterate the ReplyStream, whose
         `tokens` are this reply's own, however many threads share the client. `sampling`: the
-        Sampler's temperature, top_p, top_k and seed (greedy by default)."""
-        text = ReplyText(self, stop)
-        sampler = Sampler(**sampling)
+        fields of swarm.client.options.Sampling (greedy by default)."""
+        text = self.reply_text(stop)
+        sampler = Sampler(Sampling(**sampling))
         return ReplyStream(self._pieces(prompt, max_new_tokens, sampler, text), text)
 
     def _pieces(
@@ -345,7 +331,7 @@ class InferenceSession:
         handoff = None
         prefill = self.client.prefill_hop(route[-1], tokens, self.max_length, self.excluded)
         if prefill is not None:
-            if self.max_length - tokens >= self.client.handoff_min_new:
+            if self.max_length - tokens >= self.client.options.handoff_min_new:
                 handoff, route = route[-1], [*route[:-1], prefill]
             else:  # a short answer: the session stays where its prompt is computed
                 self.client.release_route(route, self._held)
@@ -372,7 +358,7 @@ class InferenceSession:
             try:
                 logits = self._step(ids)
             except SwarmError as exc:
-                if not _route_may_help(exc) or attempt == self.client.max_retries:
+                if not _route_may_help(exc) or attempt == self.client.options.max_retries:
                     raise
                 failed_at = failed_at or time.monotonic()
                 self._reroute(exc, attempt)
@@ -433,7 +419,7 @@ class InferenceSession:
             return
         # nobody named: a hop hung. Ping each; exclude the silent ones.
         hops = {h.peer: h for h in self.remote.route}
-        alive = self.client.loop.run(ping_all, hops, 2.0)
+        alive = self.client.loop.run(round_trips, hops, 2.0)
         for peer in hops.keys() - alive.keys():
             self.excluded.add(peer)
             self.client.router.failed(peer)
@@ -450,18 +436,3 @@ def _route_may_help(exc: SwarmError) -> bool:
     """Whether another route may succeed: the error says so (a busy or dead peer), or leaving
     out a hop that misbehaved may."""
     return exc.retry_elsewhere or _misbehaved(exc)
-
-
-async def ping_all(hops: dict[str, Hop], timeout: float) -> dict[str, float]:
-    """Round trips in seconds of the peers that answered a ping within `timeout`."""
-    out: dict[str, float] = {}
-
-    async def one(peer: str, hop: Hop) -> None:
-        reach = await ping(hop, timeout=timeout)
-        if reach.rtt_s is not None:
-            out[peer] = reach.rtt_s
-
-    async with trio.open_nursery() as nursery:
-        for peer, hop in hops.items():
-            nursery.start_soon(one, peer, hop)
-    return out

@@ -208,6 +208,21 @@ class Prober:
             self._inflight.pop(peer).set()
 
 
+async def round_trips(hops: dict[str, Hop], timeout: float) -> dict[str, float]:
+    """Round trips in seconds of the peers that answered a ping within `timeout`."""
+    out: dict[str, float] = {}
+
+    async def one(peer: str, hop: Hop) -> None:
+        reach = await ping(hop, timeout=timeout)
+        if reach.rtt_s is not None:
+            out[peer] = reach.rtt_s
+
+    async with trio.open_nursery() as nursery:
+        for peer, hop in hops.items():
+            nursery.start_soon(one, peer, hop)
+    return out
+
+
 def jittered(cost: Callable[[NodeRecord], float], rng: random.Random) -> Callable:
     """`cost` times a random factor in [1, 2): nodes that look alike (throughputs measured at
     start on a busy host differ by that much) are pinged in a different order by each client,

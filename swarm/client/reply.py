@@ -4,24 +4,23 @@ sampler that picks each token."""
 from __future__ import annotations
 
 import random
-from collections.abc import Generator, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Generator, Iterable, Iterator, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from swarm.client.client import Client
+from swarm.client.options import Sampling
 
 
 class ReplyText:
     """A reply's tokens turned into text as they come: pieces to emit, and whether the reply
     ended (end-of-text token or a stop string; text from a stop string on is never emitted).
     A tail that could be the start of a stop string is held back until the next token settles
-    it, or `flush()` at the end lets it out."""
+    it, or `flush()` at the end lets it out. `eos_token_ids`: the model's end-of-text tokens
+    (the tokenizer's own counts too)."""
 
-    def __init__(self, client: Client, stop: Sequence[str] = ()):
-        self.tokenizer, self.stop = client.tokenizer, [s for s in stop if s]
-        self.eos = set(client.config.eos_token_ids)
+    def __init__(self, tokenizer, eos_token_ids: Iterable[int], stop: Sequence[str] = ()):
+        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.eos = set(eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos.add(self.tokenizer.eos_token_id)
         self.tokens: list[int] = []
@@ -79,25 +78,25 @@ class ReplyStream(Iterator[str]):
 
 
 class Sampler:
-    def __init__(
-        self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None
-    ):
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
-        self.generator = torch.Generator().manual_seed(
-            seed if seed is not None else random.randrange(2**63)
-        )
+    """Picks each token of one reply from its logits, as `sampling` says."""
+
+    def __init__(self, sampling: Sampling | None = None):
+        self.sampling = sampling = sampling or Sampling()
+        seed = sampling.seed if sampling.seed is not None else random.randrange(2**63)
+        self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor) -> int:
-        if self.temperature <= 0:
+        s = self.sampling
+        if s.temperature <= 0:
             return int(logits.argmax())
-        logits = logits / self.temperature
-        if self.top_k > 0:
-            kth = torch.topk(logits, min(self.top_k, logits.numel())).values[-1]
+        logits = logits / s.temperature
+        if s.top_k > 0:
+            kth = torch.topk(logits, min(s.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        if self.top_p < 1.0:
+        if s.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < self.top_p
+            keep = sorted_p.cumsum(0) - sorted_p < s.top_p
             mask = torch.zeros_like(probs, dtype=torch.bool)
             mask[order[keep]] = True
             probs = probs.masked_fill(~mask, 0.0)

@@ -15,10 +15,10 @@ from swarm.cli import (
     initial_peers_option,
     setup_logging,
 )
-from swarm.health.app import create_app
+from swarm.health.app import PAGE_REFRESH_S, create_app
 from swarm.health.state import Collector, CollectorConfig
 from swarm.http_server import serve
-from swarm.options import add_options, option
+from swarm.options import add_fields, add_options, from_args, option, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,38 +28,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_options(p, initial_peers=initial_peers_option())
     add_http_flags(p, host="0.0.0.0", port=8080)
-    c = CollectorConfig  # the class holds each field's default: the flags' defaults
+    add_fields(p, CollectorConfig)
     add_options(
         p,
-        dht_host=option(c.dht_host, "address the DHT peer listens on"),
-        interval=option(c.interval, "seconds between DHT reads and pings", metavar="SECONDS"),
-        refresh=option(10, "seconds after which the page reloads itself", metavar="SECONDS"),
-        dht_timeout=option(
-            c.dht_timeout, "give up on one DHT read after this many seconds", metavar="SECONDS"
-        ),
-        ping_timeout=option(
-            c.ping_timeout,
-            "mark a node unreachable if it does not answer within this many seconds",
+        refresh=option(
+            PAGE_REFRESH_S,
+            "seconds after which the page reloads itself",
+            type=positive_int,
             metavar="SECONDS",
-        ),
-        forget_after=option(
-            c.forget_after, "seconds an expired node stays listed", metavar="SECONDS"
         ),
     )
     return p
 
 
 async def run(args: argparse.Namespace) -> None:
-    collector = Collector(
-        CollectorConfig(
-            initial_peers=tuple(args.initial_peers),
-            dht_host=args.dht_host,
-            interval=args.interval,
-            dht_timeout=args.dht_timeout,
-            ping_timeout=args.ping_timeout,
-            forget_after=args.forget_after,
-        )
-    )
+    collector = Collector(from_args(CollectorConfig, args, initial_peers=tuple(args.initial_peers)))
     app = create_app(
         lambda: collector.snapshot,
         refresh_seconds=args.refresh,

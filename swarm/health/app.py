@@ -22,6 +22,7 @@ PAGE_HEADERS = {
     "x-content-type-options": "nosniff",
     "referrer-policy": "no-referrer",
 }
+PAGE_REFRESH_S = 10  # how often a page left open reloads itself
 API_HEADERS = {
     "cache-control": "no-cache",
     "access-control-allow-origin": "*",
@@ -49,7 +50,9 @@ class Rendered:
 
 
 def create_app(
-    current: Callable[[], Snapshot], refresh_seconds: int = 10, stale_after: float = 60.0
+    current: Callable[[], Snapshot],
+    refresh_seconds: int = PAGE_REFRESH_S,
+    stale_after: float = 60.0,
 ) -> Starlette:
     """`current` returns the latest snapshot; it must not block (it is called per request)."""
     rendered = Rendered(current, refresh_seconds)

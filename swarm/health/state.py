@@ -19,6 +19,7 @@ from swarm import __version__
 from swarm.dht import SwarmView, read_swarm, start_dht
 from swarm.errors import DhtBusy
 from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
+from swarm.options import non_negative_float, option, positive_float
 from swarm.records import MAX_LAYERS, MAX_MODELS, ModelRecord, Reported
 from swarm.transport import Reach, ping
 
@@ -27,15 +28,38 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CollectorConfig:
+    """What the collector reads, how often, and how long it waits; the option fields are
+    `python -m swarm.health`'s flags (swarm/options.py)."""
+
     initial_peers: tuple[str, ...]
-    dht_host: str = "127.0.0.1"
-    interval: float = 5.0  # seconds between the starts of two refreshes
+    dht_host: str = option("127.0.0.1", "address the DHT peer listens on")
+    interval: float = option(
+        5.0,  # between the starts of two refreshes
+        "seconds between DHT reads and pings",
+        type=positive_float,
+        metavar="SECONDS",
+    )
     dht_start_timeout: float = 60.0
-    dht_timeout: float = 15.0  # one survey of the DHT
-    ping_timeout: float = 3.0  # connect plus all ping rounds to one node
+    dht_timeout: float = option(
+        15.0,
+        "give up on one DHT read after this many seconds",
+        type=positive_float,
+        metavar="SECONDS",
+    )
+    ping_timeout: float = option(
+        3.0,  # connect plus all ping rounds to one node
+        "mark a node unreachable if it does not answer within this many seconds",
+        type=positive_float,
+        metavar="SECONDS",
+    )
     ping_rounds: int = 3  # the best round trip of these is the node's figure
     ping_concurrency: int = 64
-    forget_after: float = 600.0  # seconds an expired node stays on the page
+    forget_after: float = option(
+        600.0,
+        "seconds an expired node stays listed",
+        type=non_negative_float,
+        metavar="SECONDS",
+    )
     max_models: int = MAX_MODELS
     max_layers: int = MAX_LAYERS
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from swarm.options import option, positive_int
+from swarm.options import non_negative_float, option, positive_int
 
 POLICIES = ("molink", "fifo")
 PREFILL_ORDERS = ("arrival", "shortest")
@@ -38,6 +38,7 @@ class LinkOptions:
         30,
         "molink's N: a prefill passed over by this many decode sends goes whole",
         flag="--link-max-wait",
+        type=positive_int,
     )
     prefill_order: PrefillOrder = option(
         "shortest",
@@ -52,6 +53,7 @@ class LinkOptions:
         "molink: prefill chunks wait while a connection holds more than this many bandwidth x"
         " min RTT unacknowledged (0: never)",
         flag="--link-inflight-gain",
+        type=non_negative_float,
     )
     # prompt chunks count through update_link's prefill_frames, else as floor-sized chunks'
     # bytes; on a paced connection these chunks' bytes come on top of the cap

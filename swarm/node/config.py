@@ -20,7 +20,10 @@ from swarm.options import (
     is_option,
     nice_steps,
     non_negative_float,
+    non_negative_int,
     option,
+    port_number,
+    positive_float,
     positive_int,
     read_option,
 )
@@ -44,10 +47,16 @@ PASS_ORDERS = ("shortest", "round-robin")  # how the prompt lane orders passes (
 class Limits:
     """What keeps a node's memory, connections and lifetime bounded."""
 
-    max_sessions: int = option(64, "sessions served at once")
-    max_cache_tokens: int = option(32768, "KV-cache tokens this node holds across all sessions")
-    max_session_tokens: int = option(8192, "longest sequence one session may reserve")
-    max_frame: int = option(DEFAULT_MAX_FRAME, "largest frame accepted, in bytes")
+    max_sessions: int = option(64, "sessions served at once", type=positive_int)
+    max_cache_tokens: int = option(
+        32768, "KV-cache tokens this node holds across all sessions", type=positive_int
+    )
+    max_session_tokens: int = option(
+        8192, "longest sequence one session may reserve", type=positive_int
+    )
+    max_frame: int = option(
+        DEFAULT_MAX_FRAME, "largest frame accepted, in bytes", type=positive_int
+    )
     # one source address (a host, or everyone behind one NAT) gets at most these shares, so a
     # flood from one host leaves room for the others
     max_host_sessions: int = option(16, "sessions one source address may hold", type=positive_int)
@@ -71,27 +80,35 @@ class Limits:
         32, "inbound connections from one source address", type=positive_int
     )
     max_relayed: int = option(
-        8, "nodes nobody can dial this node relays for, when others can dial it (0: none)"
+        8,
+        "nodes nobody can dial this node relays for, when others can dial it (0: none)",
+        type=non_negative_int,
     )
     # a client may load its LM head between the open and its first step: seconds on a busy PC
     open_deadline_s: float = option(
         30.0,
         "drop a session not attached or stepped this many seconds after it opened",
         flag="--open-deadline",
+        type=positive_float,
     )
     evict_idle_s: float = option(
         5.0,
         "when the node is full, a session idle this long (or opened this long ago and unused)"
         " gives its place to a newcomer",
         flag="--evict-idle",
+        type=non_negative_float,
     )
     session_idle_s: float = option(
-        300.0, "close a session after this many idle seconds", flag="--session-idle"
+        300.0,
+        "close a session after this many idle seconds",
+        flag="--session-idle",
+        type=positive_float,
     )
     connection_idle_s: float = option(
         60.0,
         "close a connection without sessions after this many idle seconds",
         flag="--connection-idle",
+        type=positive_float,
     )
     open_timeout_s: float = 60.0  # how long the next hop may take to answer an open
     announce_ttl_s: float = option(
@@ -104,6 +121,7 @@ class Limits:
         30.0,
         "on SIGTERM, seconds open sessions may finish or be handed over, the whole drain",
         flag="--grace",
+        type=non_negative_float,
     )
     handover: str = option(
         "on",
@@ -186,7 +204,7 @@ class NodeConfig:
     )
     initial_peers: tuple[str, ...] = initial_peers_option(new_swarm=True)
     host: str = option("127.0.0.1", "data-plane listen address")
-    port: int = option(0, "data-plane port (0: any free port)")
+    port: int = option(0, "data-plane port (0: any free port)", type=port_number)
     public_address: str | None = option(
         None, "announce this address instead (a relay or NAT mapping)", metavar="HOST:PORT"
     )
@@ -211,7 +229,7 @@ class NodeConfig:
         " decode: take no such prompts; both: take everything",
         choices=ROLES,
     )
-    threads: int = option(1, "torch threads for compute")
+    threads: int = option(1, "torch threads for compute", type=positive_int)
     dht_nice: int = option(
         10,
         "how many nice steps the DHT process (announcements, lookups) runs below the node's own"
@@ -262,11 +280,14 @@ TUNING = ("dht_nice",)  # top-level fields that belong with the tuning knobs
 def parse_layers(text: str) -> tuple[int, int]:
     try:
         a, b = text.split(":")
-        return int(a), int(b)
+        start, end = int(a), int(b)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--layers wants START:END (half-open), got {text!r}"
         ) from None
+    if not 0 <= start < end:  # the model's layer count is known only once it loads
+        raise argparse.ArgumentTypeError(f"need 0 <= START < END, got {text!r}")
+    return start, end
 
 
 def _options(cls, prefix: str = ""):
