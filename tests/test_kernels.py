@@ -16,8 +16,9 @@ import torch
 
 from swarm.model import kernels
 from swarm.model.blocks import Span
-from swarm.model.linear import BLOCKS, Blocks, Fused, Int4, Int8, RawTensor, make_linear
+from swarm.model.linear import BLOCKS, Blocks, Int4, Int8
 from swarm.model.source import open_model
+from swarm.model.weights import Fused, RawTensor, make_linear
 from tests.test_weights import as_float32
 
 _SPEC = importlib.util.spec_from_file_location(

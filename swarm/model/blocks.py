@@ -18,14 +18,9 @@ from swarm.model import kernels
 from swarm.model.config import ModelConfig
 from swarm.model.experts import MLP, Experts
 from swarm.model.families import block_tensors
-from swarm.model.linear import (
-    WEIGHT_FORMATS,
-    Fused,
-    Linear,
-    make_linear,
-    release_freed_memory,
-)
+from swarm.model.linear import WEIGHT_FORMATS, Linear
 from swarm.model.rope import Rotary, rotate
+from swarm.model.weights import Fused, make_linear, release_freed_memory
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

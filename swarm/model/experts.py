@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from swarm.model.config import ModelConfig
-from swarm.model.linear import Fused, Linear, RawTensor, make_linear, release_freed_memory
+from swarm.model.linear import Linear
+from swarm.model.weights import Fused, RawTensor, make_linear, release_freed_memory
 
 
 def expert_rows(raw: RawTensor, expert: int, experts: int) -> RawTensor:

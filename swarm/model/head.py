@@ -7,7 +7,8 @@ import torch
 from swarm.model.blocks import rms_norm
 from swarm.model.config import ModelConfig
 from swarm.model.gguf_file import unmap_pages
-from swarm.model.linear import Dense, Linear, RawTensor, make_linear, release_freed_memory
+from swarm.model.linear import Dense, Linear
+from swarm.model.weights import RawTensor, make_linear, release_freed_memory
 
 RESCORED = 64  # the quantized head's top candidates whose logits are recomputed exactly
 

@@ -27,8 +27,8 @@ import trio
 from swarm.address import join_host_port
 from swarm.dht import node_id, read_nodes, start_dht, visible_maddrs
 from swarm.model.blocks import Span
-from swarm.model.linear import usable_formats
 from swarm.model.source import GGUFSource, SafetensorsSource, open_model
+from swarm.model.usable import usable_formats
 from swarm.node.announce import Announcer
 from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
