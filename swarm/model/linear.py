@@ -202,20 +202,27 @@ class Int4(Linear):
 class Blocks(Linear):
     """A GGUF matrix in the file's own blocks, multiplied by swarm's kernels (see kernels/):
     the codes and scales are the file's, moved so that the kernels' vectors hold 8 or 16 rows.
-    Outputs are float32."""
+    Inputs are taken in `terms` int8 terms (`kernels.input_terms`). Outputs are float32."""
 
     def __init__(
-        self, kind: str, data: np.ndarray, k: int, bias: torch.Tensor | None, lib: kernels.Kernels
+        self,
+        kind: str,
+        data: np.ndarray,
+        k: int,
+        bias: torch.Tensor | None,
+        lib: kernels.Kernels,
+        terms: int | None = None,
     ):
         super().__init__(data.shape[0], k, bias)
         self.kind, self.lib = kind, lib
+        self.terms = kernels.input_terms(lib.isa, terms)
         self.format = native_format(kind)
         self.packed = lib.pack(kind, data, k)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         threads = torch.get_num_threads()  # the node's --threads
         return self.lib.matmul(
-            self.kind, self.packed, self.out_features, self.in_features, x2d, threads
+            self.kind, self.packed, self.out_features, self.in_features, x2d, threads, self.terms
         )
 
     def blocks(self) -> np.ndarray:

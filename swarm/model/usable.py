@@ -15,12 +15,15 @@ from swarm.model.quant import quantize_int4
 log = logging.getLogger("swarm.model")
 
 
-def usable_formats(say: Callable[[str], None] = log.warning) -> tuple[str, ...]:
+def usable_formats(
+    say: Callable[[str], None] = log.warning, terms: int | None = None
+) -> tuple[str, ...]:
     """The formats whose kernels run, and run fast, on this CPU: each of torch's weight-only
     kernels is tried on a small matrix and timed against a bfloat16 matmul of the same shape;
     one that fails or is more than 4x slower is left out (and `say` is told why). BLOCKS is in
-    where swarm's kernels load and multiply a Q4_0 and a Q8_0 matrix right; `say` is told
-    which kernels the node's quantized matmuls use."""
+    where swarm's kernels load and multiply a Q4_0 and a Q8_0 matrix right, their inputs in
+    `terms` int8 terms (as make_linear's); `say` is told which kernels the node's quantized
+    matmuls use."""
     rows, cols = 256, 1024
     w = torch.randn(rows, cols) * 0.02
     x = torch.randn(4, cols)
@@ -50,14 +53,14 @@ def usable_formats(say: Callable[[str], None] = log.warning) -> tuple[str, ...]:
 
         for kind in ("Q4_0", "Q8_0"):
             blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
-            _check(Blocks(kind, blocks, cols, None, lib), x)
+            _check(Blocks(kind, blocks, cols, None, lib, terms), x)
     except Exception as exc:
         say(f"swarm's {lib.isa} kernels left out ({type(exc).__name__}: {exc})")
         return tuple(usable)
     say(
         f"quantized matmuls: swarm's {lib.isa} kernels on the file's blocks"
         f" ({', '.join(kernels.FORMATS)}), {torch.get_num_threads()} thread(s), inputs in"
-        f" {kernels.input_terms(lib.isa)} int8 term(s)"
+        f" {kernels.input_terms(lib.isa, terms)} int8 term(s)"
     )
     return (*usable, BLOCKS)
 

@@ -86,12 +86,19 @@ class Fused:
 
     @classmethod
     def load(
-        cls, raws: list[RawTensor], weights: str, biases: list[torch.Tensor | None], usable=None
+        cls,
+        raws: list[RawTensor],
+        weights: str,
+        biases: list[torch.Tensor | None],
+        usable=None,
+        terms: int | None = None,
     ) -> Fused:
+        """`raws` as make_linear holds each (its arguments), stacked where they share a format."""
         sizes = [raw.shape[0] for raw in raws]
         if len({_holding(raw, weights, usable) for raw in raws}) == 1:
-            return cls([make_linear(raws, weights, biases, usable)], sizes)
-        return cls([make_linear(r, weights, b, usable) for r, b in zip(raws, biases)], sizes)
+            return cls([make_linear(raws, weights, biases, usable, terms)], sizes)
+        linears = [make_linear(r, weights, b, usable, terms) for r, b in zip(raws, biases)]
+        return cls(linears, sizes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> every matrix's output side by side [..., sum(sizes)]."""
@@ -136,11 +143,13 @@ def make_linear(
     weights: str,
     bias: torch.Tensor | None | list[torch.Tensor | None] = None,
     usable=None,
+    terms: int | None = None,
 ) -> Linear:
     """`raw` as a Linear in format `weights` (see `resolve_format`). Given several tensors of
     the same width (and bias for each), one Linear holding them stacked by rows. A GGUF tensor
     in its native format keeps its blocks (`Blocks`) where swarm's kernels load and `usable`
-    (None: everything) has BLOCKS."""
+    (None: everything) has BLOCKS; their matmuls take inputs in `terms` int8 terms (a node's
+    --input-terms; None: the instruction set's, `kernels.input_terms`)."""
     raws = raw if isinstance(raw, list) else [raw]
     biases = bias if isinstance(bias, list) else [bias]
     fmt = resolve_format(raws[0], weights, usable)
@@ -154,7 +163,7 @@ def make_linear(
     lib = _blocks_kernels(raws[0], fmt, usable)
     if lib is not None and len({r.kind for r in raws}) == 1:
         data = raws[0].data if len(raws) == 1 else np.concatenate([r.data for r in raws])
-        linear = Blocks(raws[0].kind, data, cols, bias, lib)
+        linear = Blocks(raws[0].kind, data, cols, bias, lib, terms)
     elif fmt == "int4":
         linear = Int4(_regrouped(_int4_chunks(r) for r in raws), bias, (rows, cols))
     elif fmt == "int8":

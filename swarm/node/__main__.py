@@ -9,7 +9,6 @@ import trio
 
 from swarm.cli import setup_logging
 from swarm.errors import SwarmError
-from swarm.model import kernels
 from swarm.node.config import parse_args
 from swarm.node.lifecycle import run
 from swarm.node.observer import StepObserver
@@ -22,7 +21,6 @@ def main(argv: list[str] | None = None, observer: StepObserver | None = None) ->
     cfg = parse_args(argv)
     setup_logging()
     torch.set_num_threads(cfg.threads)
-    kernels.set_input_terms(cfg.input_terms)
     try:
         trio.run(run, cfg, observer)
     except (SwarmError, FileNotFoundError, ValueError) as exc:

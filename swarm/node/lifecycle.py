@@ -100,7 +100,7 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
         listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
         port = listeners[0].socket.getsockname()[1]
         addr = cfg.public_address or join_host_port(cfg.host, port)
-        usable = await trio.to_thread.run_sync(usable_formats, say)
+        usable = await trio.to_thread.run_sync(usable_formats, say, cfg.input_terms)
         life = Lifecycle(cfg, source, fingerprint, dht, addr, usable, observer)
         span_range: Blocks | None = await life.first_span()
         settle = cfg.automatic_span  # the first choice may race a node choosing at once
@@ -268,7 +268,9 @@ class Lifecycle:
             say(f"loading blocks {start}:{end}: {done}/{total}")
 
         span = await trio.to_thread.run_sync(
-            partial(Span.load, source, start, end, progress, cfg.weights, self.usable)
+            partial(
+                Span.load, source, start, end, progress, cfg.weights, self.usable, cfg.input_terms
+            )
         )
         directory = PeerDirectory.of_dht(
             self.dht, source.config.name, source.config.num_layers, plaintext=cfg.plaintext
