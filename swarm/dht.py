@@ -43,15 +43,19 @@ def start_dht(
     host: str = "127.0.0.1",
     client_mode: bool = False,
     nice: int = 0,
+    key: NodeKey | None = None,
 ):
     """Start a DHT peer with signed-record validation. No initial peers: a new swarm.
-    `nice`: steps the DHT process (and the p2p daemon it starts) runs below this one's."""
+    `nice`: steps the DHT process (and the p2p daemon it starts) runs below this one's.
+    `key`: the one it signs records with (default: the process's, NodeKey.process_wide); a
+    record it stores is signed only where its subkey is that key's (`announce(..., key)`)."""
     import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
 
     from swarm.dht_validator import SwarmValidator
 
     parent = os.getpid()
+    key = key or NodeKey.process_wide()
 
     class DHT(hivemind.DHT):
         def run(self) -> None:  # in the forked DHT process
@@ -66,18 +70,11 @@ def start_dht(
         initial_peers=list(initial_peers),
         host_maddrs=[f"/ip4/{host}/tcp/0"],
         client_mode=client_mode,
-        record_validators=[RSASignatureValidator(), SwarmValidator()],
+        # hivemind's DHT is a fork of this process: the validator built here, key and all, is
+        # the one the DHT process signs with (no pickling, nothing process-wide read there)
+        record_validators=[RSASignatureValidator(key.key), SwarmValidator()],
         start=True,
     )
-
-
-def owner_subkey() -> bytes:
-    """Our public-key marker; a subkey holding it can only be written with our private key (one
-    key a process: hivemind's DHT process forks from this one and signs with it)."""
-    from hivemind.dht.crypto import RSASignatureValidator
-
-    # RSAPrivateKey.process_wide() is shared by every validator in this process, the DHT's too
-    return RSASignatureValidator().local_public_key
 
 
 def id_of(subkey: bytes) -> str:
@@ -94,13 +91,22 @@ class NodeKey:
     key: object  # hivemind.utils.crypto.RSAPrivateKey
 
     @classmethod
+    def generate(cls) -> NodeKey:
+        """A new key: a node of its own, whatever else runs in this process."""
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        return cls(RSAPrivateKey())
+
+    @classmethod
     def process_wide(cls) -> NodeKey:
+        """hivemind's one key a process: what a DHT peer started without a key signs with."""
         from hivemind.utils.crypto import RSAPrivateKey
 
         return cls(RSAPrivateKey.process_wide())
 
-    @property
+    @functools.cached_property
     def subkey(self) -> bytes:
+        """The public-key marker records are written under: only this key can sign them."""
         from hivemind.dht.crypto import RSASignatureValidator
 
         return RSASignatureValidator(self.key).local_public_key
@@ -115,12 +121,12 @@ class NodeKey:
 
 
 def node_id() -> str:
-    """This process's node id in the swarm: the one its records' signing key proves."""
+    """The node id the process's key proves (NodeKey.process_wide): a node's own is its key's."""
     return NodeKey.process_wide().peer
 
 
 def sign_as_node(data: bytes) -> tuple[str, str]:
-    """Proof, to whoever asks, of the node id this process's records carry."""
+    """`data` signed with the process's key (NodeKey.process_wide().sign)."""
     return NodeKey.process_wide().sign(data)
 
 
@@ -192,13 +198,15 @@ def store_request(records: Sequence[NodeRecord], expiration: float, subkey: byte
     return functools.partial(_store_records, groups=groups, expiration=expiration, subkey=subkey)
 
 
-def announce(dht, records: Sequence[NodeRecord], ttl: float) -> int:
-    """Store one record per block plus a model index entry. Returns how many stores succeeded."""
+def announce(dht, records: Sequence[NodeRecord], ttl: float, key: NodeKey | None = None) -> int:
+    """Store one record per block plus a model index entry, under `key` (the one `dht` was
+    started with; default: the process's). Returns how many stores succeeded."""
     from hivemind.utils import get_dht_time
 
     if not records:
         return 0
-    request = store_request(records, get_dht_time() + ttl, owner_subkey())
+    subkey = (key or NodeKey.process_wide()).subkey
+    request = store_request(records, get_dht_time() + ttl, subkey)
     size = len(pickle.dumps(request))
     if size > MAX_REQUEST_BYTES - 1024:  # the rest of the message: the call and its future
         raise ValueError(f"an announcement of {size} bytes would break the DHT's request pipe")
@@ -294,16 +302,23 @@ def read_nodes(dht, model: str, num_layers: int) -> tuple[list[NodeRecord], dict
     return list(by_peer.values()), expirations, malformed
 
 
-def publish_reports(dht, model: str, reports: Sequence[Report], ttl: float = MAX_TTL_S) -> bool:
-    """Put this process's `reports` on `model`'s nodes in the DHT, signed with its key: they
-    replace what it published before, and expire after `ttl` seconds."""
+def publish_reports(
+    dht,
+    model: str,
+    reports: Sequence[Report],
+    ttl: float = MAX_TTL_S,
+    key: NodeKey | None = None,
+) -> bool:
+    """Put `reports` on `model`'s nodes in the DHT, signed with `key` (the one `dht` was started
+    with; default: the process's): they replace what that key published before, and expire
+    after `ttl` seconds."""
     from hivemind.utils import get_dht_time
 
     request = functools.partial(
         _store_records,
         groups=[([reports_key(model)], ReportRecord(tuple(reports)).to_wire())],
         expiration=get_dht_time() + min(ttl, MAX_TTL_S),
-        subkey=owner_subkey(),
+        subkey=(key or NodeKey.process_wide()).subkey,
     )
     return bool(run_in_dht(dht, request))
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import trio
 
 from swarm.address import parse_host_port, source_host
-from swarm.dht import proves, sign_as_node
+from swarm.dht import NodeKey, proves
 from swarm.errors import NodeBusy, PeerFailed, ProtocolError, SwarmError
 from swarm.protocol import Error, Hop, Ping, Pong, Relay, relay_claim, to_wire
 from swarm.records import ONLINE, NodeRecord
@@ -232,15 +232,17 @@ Accept = Callable[[trio.SocketStream, str], Awaitable[None]]
 
 
 async def stay_relayed(
-    me: str,
+    key: NodeKey,
     candidates: Callable[[], Awaitable[list[NodeRecord]]],
     relayed_by: Callable[[NodeRecord | None], Awaitable[None]],
     accept: Accept,
     say: Callable[[str], None],
 ) -> None:
-    """Keep a relay for this node (peer id `me`) for as long as it runs: pick a direct node from
-    `candidates()`, register, call `relayed_by(record)`, and hand each connection the relay
-    splices to `accept(stream, dialler's host)`. A lost relay is replaced."""
+    """Keep a relay for this node (its records' `key`, which registrations prove) for as long
+    as it runs: pick a direct node from `candidates()`, register, call `relayed_by(record)`,
+    and hand each connection the relay splices to `accept(stream, dialler's host)`. A lost
+    relay is replaced."""
+    me = key.peer
     failed: set[str] = set()
     while True:
         records = await candidates()
@@ -251,7 +253,7 @@ async def stay_relayed(
         relays.sort(key=lambda r: r.peer in failed)  # ones that failed us last
         for r in relays:
             try:
-                control = await _register(r, me)
+                control = await _register(r, key)
             except (OSError, trio.TooSlowError, trio.BrokenResourceError, SwarmError) as exc:
                 failed.add(r.peer)
                 say(f"relay {r.peer[-8:]} at {r.addr} refused: {exc}")
@@ -271,15 +273,15 @@ async def stay_relayed(
             await trio.sleep(10)
 
 
-async def _register(r: NodeRecord, me: str) -> FramedStream:
-    request = Relay(op="listen", peer=me)
+async def _register(r: NodeRecord, key: NodeKey) -> FramedStream:
+    request = Relay(op="listen", peer=key.peer)
     control, reply = await ask_relay(
         *r.host_port, request, "challenge", DIALBACK_TIMEOUT_S, DEFAULT_MAX_FRAME
     )
     try:
         if isinstance(reply, Relay):
-            key, proof = sign_as_node(relay_claim(r.peer, me, reply.token))
-            await control.send(Relay(op="prove", key=key, proof=proof))
+            marker, proof = key.sign(relay_claim(r.peer, key.peer, reply.token))
+            await control.send(Relay(op="prove", key=marker, proof=proof))
             with trio.fail_after(DIALBACK_TIMEOUT_S):
                 reply = await control.receive()
         if isinstance(reply, Error):

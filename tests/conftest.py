@@ -7,6 +7,7 @@ import torch
 
 from devtools.launch import start_swarm, stop_all
 from swarm.model.tiny import reference_greedy, save_tiny_llama, save_tiny_tokenizer
+from swarm.process import wait_passively
 
 __all__ = [
     "reference_greedy",
@@ -14,6 +15,8 @@ __all__ = [
     "swarm_greedy",
     "nodes_greedy",
 ]  # the tests import them from here
+
+wait_passively()  # what the tests start (nodes, liars, scripts) inherits, as from a program
 
 
 @pytest.fixture(scope="session")

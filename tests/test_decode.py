@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from swarm.model.blocks import Span
-from swarm.model.linear import make_linear
 from swarm.model.rope import Rotary
 from swarm.model.source import open_model
+from swarm.model.weights import make_linear
 
 FORMATS = ["float32", "bfloat16", "int8", "int4"]
 

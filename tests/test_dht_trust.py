@@ -3,6 +3,7 @@ DHT peer (hivemind's own, without our validator) change nothing an honest reader
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import partial
 
@@ -15,9 +16,11 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from devtools.stranger import new_key, store_padded, stranger_dht
 from swarm.dht import (
+    NodeKey,
     announce,
     id_of,
     node_id,
+    proves,
     publish_reports,
     read_models,
     read_nodes,
@@ -137,6 +140,30 @@ def test_unsigned_models_do_not_push_the_real_one_out_of_the_index(swarm):
         assert not [name for name in models if name.startswith("aaa-fake")]
     finally:
         attacker.shutdown()
+
+
+def test_two_node_keys_in_one_process_are_two_nodes(swarm):
+    """Each node signs with a key of its own: two in one process prove different ids, and one
+    cannot overwrite the records the other announced."""
+    peers, record, reader = swarm
+    first, second = NodeKey.generate(), NodeKey.generate()
+    assert first.peer != second.peer
+    marker, signature = first.sign(b"claim")
+    assert proves(first.peer, marker, b"claim", signature)
+    assert not proves(second.peer, marker, b"claim", signature)
+    dhts = [start_dht(peers, key=first), start_dht(peers, key=second)]
+    try:
+        model = "two-keys-model"  # apart from MODEL, whose readers expect one node
+        mine = dataclasses.replace(record, model=model, peer=first.peer, updated=get_dht_time())
+        assert announce(dhts[0], [mine], ttl=240, key=first) > 0
+        lie = dataclasses.replace(mine, state="offline", updated=get_dht_time() + 5)
+        announce(dhts[1], [lie], ttl=240, key=first)  # the first's subkey, the second's signer
+        announce(dhts[1], [lie], ttl=240, key=second)  # the second's own: not the first's record
+        records, _expirations, _malformed = read_nodes(reader, model, LAYERS)
+        assert {r.peer: r.state for r in records} == {first.peer: "online"}
+    finally:
+        for dht in dhts:
+            dht.shutdown()
 
 
 # ---- reports of what clients' checks found (swarm.client.verify) -----------------------------

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from swarm.dht import owner_subkey
+from swarm.dht import NodeKey
 from swarm.health.app import create_app
 from swarm.health.render import render_page
 from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
@@ -611,7 +611,7 @@ def test_malformed_and_foreign_records_are_skipped_and_counted(swarm):
         (block_key(name, 1), rec("f", 0, 6, model="elsewhere").to_wire()),
     ]
     for key, value in junk:
-        assert swarm.dht.store(key, value, exp, subkey=owner_subkey())
+        assert swarm.dht.store(key, value, exp, subkey=NodeKey.process_wide().subkey)
     state = poll(swarm.state, lambda s: s["skipped_records"] >= len(junk), 60, "skipped records")
     assert [m["model"] for m in state["models"]] == [name]
     assert swarm.model()["full_route"] is True

@@ -16,8 +16,9 @@ import torch
 
 from swarm.model import kernels
 from swarm.model.blocks import Span
-from swarm.model.linear import BLOCKS, Blocks, Fused, Int4, Int8, RawTensor, make_linear
+from swarm.model.linear import BLOCKS, Blocks, Int4, Int8
 from swarm.model.source import open_model
+from swarm.model.weights import Fused, RawTensor, make_linear
 from tests.test_weights import as_float32
 
 _SPEC = importlib.util.spec_from_file_location(
@@ -270,19 +271,17 @@ def test_an_instruction_set_this_cpu_lacks_falls_back_to_the_best():
 
 
 @needs_kernels
-def test_the_process_input_terms_reach_every_blocks_matmul():
+def test_the_input_terms_a_matrix_is_loaded_with_reach_every_blocks_matmul():
+    """Two spans in one process may take their inputs in different terms."""
     raw = RawTensor("w", "Q4_K", random_blocks("Q4_K", 64, 512))
-    linear = make_linear(raw, "auto", usable=(*TORCH_KERNELS, BLOCKS))
+    usable = (*TORCH_KERNELS, BLOCKS)
+    linears = {t: make_linear(raw, "auto", usable=usable, terms=t) for t in (1, 2)}
     x = torch.randn(3, 512)
     lib = kernels.load()
-    want = {t: lib.matmul("Q4_K", linear.packed, 64, 512, x, 1, t) for t in (1, 2)}
+    want = {t: lib.matmul("Q4_K", linears[t].packed, 64, 512, x, 1, t) for t in (1, 2)}
     assert not torch.equal(want[1], want[2])
-    try:
-        for terms in (1, 2):
-            kernels.set_input_terms(terms)
-            assert torch.equal(linear(x).float(), want[terms])
-    finally:
-        kernels.set_input_terms(None)
+    for terms in (1, 2):
+        assert torch.equal(linears[terms](x).float(), want[terms])
 
 
 @needs_kernels
@@ -306,7 +305,7 @@ def test_unset_input_terms_follow_the_instruction_set(isa):
 
 def test_input_terms_other_than_one_or_two_are_refused():
     with pytest.raises(ValueError, match="1, 2 or auto"):
-        kernels.set_input_terms(3)
+        kernels.input_terms("avx2", 3)
     assert kernels.input_terms("avx2") == 1
 
 

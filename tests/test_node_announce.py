@@ -10,7 +10,7 @@ import time
 import pytest
 
 from devtools.launch import start_node, stop_all
-from swarm.dht import MAX_REQUEST_BYTES, owner_subkey, read_nodes, start_dht, store_request
+from swarm.dht import MAX_REQUEST_BYTES, NodeKey, read_nodes, start_dht, store_request
 from swarm.link.options import LinkOptions
 from swarm.node.announce import Announcer
 from swarm.node.status import Status
@@ -41,7 +41,8 @@ def full_record(start: int, end: int) -> NodeRecord:
 
 
 def announcer() -> Announcer:
-    return Announcer(None, "peer", "127.0.0.1:1", "m", 12, "f" * 16, 0, 6, ttl=30.0, tls="")
+    key = NodeKey.process_wide()
+    return Announcer(None, key, "127.0.0.1:1", "m", 12, "f" * 16, 0, 6, ttl=30.0, tls="")
 
 
 def test_a_joining_node_announces_no_sessions_no_throughput_and_the_default_weights():
@@ -74,7 +75,7 @@ def bootstrap():
 
 
 def test_announcing_all_30_blocks_with_the_link_figures_is_a_small_request(bootstrap):
-    request = store_request([full_record(0, 30)], 1.7e9, owner_subkey())
+    request = store_request([full_record(0, 30)], 1.7e9, NodeKey.process_wide().subkey)
     assert len(request.keywords["groups"][0][0]) == 30
     assert len(pickle.dumps(request)) < MAX_REQUEST_BYTES / 2
 

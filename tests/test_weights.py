@@ -10,19 +10,10 @@ import torch
 
 from swarm.model.blocks import Block, KVCache, Span
 from swarm.model.experts import MLP
-from swarm.model.linear import (
-    BLOCKS,
-    Blocks,
-    Dense,
-    Fused,
-    Int4,
-    Int8,
-    Linear,
-    RawTensor,
-    make_linear,
-)
+from swarm.model.linear import BLOCKS, Blocks, Dense, Int4, Int8, Linear
 from swarm.model.quant import gguf_int4, quantize_int4
 from swarm.model.source import default_model_path, open_model
+from swarm.model.weights import Fused, RawTensor, make_linear
 
 BF16_STEP = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value by <= 2^-8 of it
 TORCH_KERNELS = ("float32", "bfloat16", "int8", "int4")  # `usable` without swarm's kernels

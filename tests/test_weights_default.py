@@ -7,7 +7,6 @@ import torch
 
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.model import kernels
 from swarm.model.blocks import Span
 from swarm.model.fidelity import SAMPLE_TEXT, agreement, perplexity, reference_logits, span_logits
 from swarm.model.head import Head
@@ -41,12 +40,8 @@ def test_kept_weights_agree_with_float32_transformers_and_keep_its_perplexity(
 ):
     model, _tok = default_reference
     reference = reference_logits(model, text_ids)
-    kernels.set_input_terms(terms)
-    try:
-        span = Span.load(source, 0, source.config.num_layers, weights=weights)
-        logits = span_logits(span, Head.load(source, weights), text_ids)
-    finally:
-        kernels.set_input_terms(None)
+    span = Span.load(source, 0, source.config.num_layers, weights=weights, terms=terms)
+    logits = span_logits(span, Head.load(source, weights, terms=terms), text_ids)
     rate = agreement(logits, reference)
     ppl, ref_ppl = perplexity(logits, text_ids), perplexity(reference, text_ids)
     print(

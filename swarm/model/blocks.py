@@ -18,14 +18,9 @@ from swarm.model import kernels
 from swarm.model.config import ModelConfig
 from swarm.model.experts import MLP, Experts
 from swarm.model.families import block_tensors
-from swarm.model.linear import (
-    WEIGHT_FORMATS,
-    Fused,
-    Linear,
-    make_linear,
-    release_freed_memory,
-)
+from swarm.model.linear import WEIGHT_FORMATS, Linear
 from swarm.model.rope import Rotary, rotate
+from swarm.model.weights import Fused, make_linear, release_freed_memory
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -102,9 +97,11 @@ class Block:
             )
 
     @classmethod
-    def load(cls, config: ModelConfig, layer: int, raw, weights: str, usable) -> Block:
-        """Block `layer` from its tensors (blocks.py's names); a tensor left unused is an
-        error."""
+    def load(
+        cls, config: ModelConfig, layer: int, raw, weights: str, usable, terms: int | None = None
+    ) -> Block:
+        """Block `layer` from its tensors (blocks.py's names), each held as make_linear holds
+        it (`weights`, `usable`, `terms`); a tensor left unused is an error."""
         c = config
         activate = ACTIVATE[c.activation]
 
@@ -113,15 +110,16 @@ class Block:
 
         def fused(names: tuple[str, ...], sizes: list[int]) -> Fused:
             if len(names) == 1:  # the file holds them fused (Phi-3)
-                out = Fused([make_linear(raw[names[0]], weights, bias(names[0]), usable)], sizes)
+                one = make_linear(raw[names[0]], weights, bias(names[0]), usable, terms)
+                out = Fused([one], sizes)
             else:
                 biases = [bias(n) for n in names]
-                out = Fused.load([raw[n] for n in names], weights, biases, usable)
+                out = Fused.load([raw[n] for n in names], weights, biases, usable, terms)
             release_freed_memory()  # the conversion's temporaries, before the next matrix's
             return out
 
         def linear(name: str) -> Linear:
-            out = make_linear(raw[name], weights, bias(name), usable)
+            out = make_linear(raw[name], weights, bias(name), usable, terms)
             release_freed_memory()
             return out
 
@@ -133,7 +131,7 @@ class Block:
         q, kv, ff = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.intermediate
         qkv, o = fused(("qkv",) if c.fused else ("q", "k", "v"), [q, kv, kv]), linear("o")
         if c.moe(layer):
-            mlp = Experts.load(c, raw, weights, usable, activate)
+            mlp = Experts.load(c, raw, weights, usable, activate, terms)
         else:
             gate_up = fused(("gate_up",) if c.fused else ("gate", "up"), [ff, ff])
             mlp = MLP(gate_up, linear("down"), activate)
@@ -298,16 +296,25 @@ class Span:
 
     @classmethod
     def load(
-        cls, source, start: int, end: int, progress=None, weights: str = "auto", usable=None
+        cls,
+        source,
+        start: int,
+        end: int,
+        progress=None,
+        weights: str = "auto",
+        usable=None,
+        terms: int | None = None,
     ) -> Span:
         """Blocks [start, end) of `source`, tensor by tensor, in format `weights` (one of
-        WEIGHT_FORMATS; formats outside `usable`, those this CPU runs slowly, step down)."""
+        WEIGHT_FORMATS; formats outside `usable`, those this CPU runs slowly, step down), swarm's
+        kernels taking inputs in `terms` int8 terms (a node's --input-terms; None: auto)."""
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights {weights!r} is not one of {WEIGHT_FORMATS}")
         source.config.check_span(start, end)
         blocks = []
         for i in range(start, end):
-            blocks.append(Block.load(source.config, i, source.block_raw(i), weights, usable))
+            raw = source.block_raw(i)
+            blocks.append(Block.load(source.config, i, raw, weights, usable, terms))
             if progress is not None:
                 progress(i - start + 1, end - start)
         return cls(source.config, start, end, blocks, weights)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from swarm.model.config import ModelConfig
-from swarm.model.linear import Fused, Linear, RawTensor, make_linear, release_freed_memory
+from swarm.model.linear import Linear
+from swarm.model.weights import Fused, RawTensor, make_linear, release_freed_memory
 
 
 def expert_rows(raw: RawTensor, expert: int, experts: int) -> RawTensor:
@@ -55,7 +56,9 @@ class Experts:
         self.router, self.experts, self.shared = router, experts, shared
 
     @classmethod
-    def load(cls, config: ModelConfig, raw, weights: str, usable, activate) -> Experts:
+    def load(
+        cls, config: ModelConfig, raw, weights: str, usable, activate, terms: int | None = None
+    ) -> Experts:
         """From per-expert tensors ("expert.{e}.gate", ...: safetensors) or stacked ones
         ("experts.gate", ...: GGUF's 3-D *_exps)."""
         c, n = config, config.experts
@@ -67,8 +70,8 @@ class Experts:
             return expert_rows(whole[name], e, n) if stacked else raw[f"expert.{e}.{name}"]
 
         def mlp(gate: RawTensor, up: RawTensor, down: RawTensor) -> MLP:
-            gate_up = Fused.load([gate, up], weights, [None, None], usable)
-            return MLP(gate_up, make_linear(down, weights, None, usable), activate)
+            gate_up = Fused.load([gate, up], weights, [None, None], usable, terms)
+            return MLP(gate_up, make_linear(down, weights, None, usable, terms), activate)
 
         experts = [mlp(part(e, "gate"), part(e, "up"), part(e, "down")) for e in range(n)]
         if stacked:

@@ -7,7 +7,8 @@ import torch
 from swarm.model.blocks import rms_norm
 from swarm.model.config import ModelConfig
 from swarm.model.gguf_file import unmap_pages
-from swarm.model.linear import Dense, Linear, RawTensor, make_linear, release_freed_memory
+from swarm.model.linear import Dense, Linear
+from swarm.model.weights import RawTensor, make_linear, release_freed_memory
 
 RESCORED = 64  # the quantized head's top candidates whose logits are recomputed exactly
 
@@ -35,7 +36,7 @@ class Head:
         self.weights = lm_head.format
 
     @classmethod
-    def load(cls, source, weights: str = "auto", usable=None) -> Head:
+    def load(cls, source, weights: str = "auto", usable=None, terms: int | None = None) -> Head:
         raw = source.head_raw()
         embed = raw["embed"]
         if weights == "float32" or isinstance(embed.data, torch.Tensor):
@@ -48,7 +49,7 @@ class Head:
         if tied and weights == "float32":
             linear = Dense(embed.data)  # tied: one float32 table serves both
         else:
-            linear = make_linear(lm_head, weights, usable=usable)
+            linear = make_linear(lm_head, weights, usable=usable, terms=terms)
         exact = None
         if linear.format in ("int8", "int4"):
             exact = embed if tied else lm_head

@@ -19,7 +19,7 @@ import numpy as np
 
 from swarm.model.families import LINEARS, block_names, config_from_gguf, config_from_hf
 from swarm.model.gguf_file import GGUFFile
-from swarm.model.linear import RawTensor
+from swarm.model.weights import RawTensor
 
 log = logging.getLogger("swarm.model")
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# ruff: noqa: E402 (the imports below load torch: OpenMP's policy must be set before)
+from swarm.process import wait_passively
+
+wait_passively()
+
 import sys
 
 import torch
@@ -9,7 +14,6 @@ import trio
 
 from swarm.cli import setup_logging
 from swarm.errors import SwarmError
-from swarm.model import kernels
 from swarm.node.config import parse_args
 from swarm.node.lifecycle import run
 from swarm.node.observer import StepObserver
@@ -22,7 +26,6 @@ def main(argv: list[str] | None = None, observer: StepObserver | None = None) ->
     cfg = parse_args(argv)
     setup_logging()
     torch.set_num_threads(cfg.threads)
-    kernels.set_input_terms(cfg.input_terms)
     try:
         trio.run(run, cfg, observer)
     except (SwarmError, FileNotFoundError, ValueError) as exc:

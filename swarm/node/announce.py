@@ -8,7 +8,7 @@ from collections.abc import Callable
 import trio
 
 from swarm import __version__
-from swarm.dht import announce
+from swarm.dht import NodeKey, announce
 from swarm.node.status import Status
 from swarm.records import BOTH, ONLINE, NodeRecord
 
@@ -18,10 +18,12 @@ ANNOUNCE_TIMEOUT = 15.0
 
 
 class Announcer:
+    """A node's records of one span, written under its `key` through `dht` (started with it)."""
+
     def __init__(
         self,
         dht,
-        peer: str,
+        key: NodeKey,
         addr: str,
         model: str,
         num_layers: int,
@@ -33,8 +35,8 @@ class Announcer:
         arch: str = "",
         role: str = BOTH,
     ):
-        self.dht = dht
-        self.peer, self.addr, self.model = peer, addr, model
+        self.dht, self.key = dht, key
+        self.peer, self.addr, self.model = key.peer, addr, model
         self.num_layers, self.fingerprint = num_layers, fingerprint
         self.start, self.end, self.ttl = start, end, ttl
         self.tls, self.arch, self.role = tls, arch, role
@@ -91,7 +93,7 @@ class Announcer:
         try:
             with trio.fail_after(ANNOUNCE_TIMEOUT):
                 stored = await trio.to_thread.run_sync(
-                    announce, self.dht, [rec], ttl or self.ttl, abandon_on_cancel=True
+                    announce, self.dht, [rec], ttl or self.ttl, self.key, abandon_on_cancel=True
                 )
         except trio.TooSlowError:
             log.warning(

@@ -25,10 +25,10 @@ from typing import TypeVar
 import trio
 
 from swarm.address import join_host_port
-from swarm.dht import node_id, read_nodes, start_dht, visible_maddrs
+from swarm.dht import NodeKey, read_nodes, start_dht, visible_maddrs
 from swarm.model.blocks import Span
-from swarm.model.linear import usable_formats
 from swarm.model.source import GGUFSource, SafetensorsSource, open_model
+from swarm.model.usable import usable_formats
 from swarm.node.announce import Announcer
 from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
@@ -91,7 +91,11 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
     if not cfg.automatic_span:
         source.config.check_span(cfg.start, cfg.end)
     fingerprint = source.fingerprint()
-    dht = start_dht(cfg.initial_peers, host=cfg.dht_host, nice=cfg.dht_nice)
+    # The node's key, for its life: its DHT signs its records with it, its relay registrations
+    # prove it. The process's for now: Node (server.py, mover.py) still names and signs
+    # hand-overs with the process's key, and a node's records and claims must name one peer.
+    key = NodeKey.process_wide()
+    dht = start_dht(cfg.initial_peers, host=cfg.dht_host, nice=cfg.dht_nice, key=key)
     try:
         if not cfg.initial_peers:
             say("started a new swarm; others join with:")
@@ -100,8 +104,8 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
         listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
         port = listeners[0].socket.getsockname()[1]
         addr = cfg.public_address or join_host_port(cfg.host, port)
-        usable = await trio.to_thread.run_sync(usable_formats, say)
-        life = Lifecycle(cfg, source, fingerprint, dht, addr, usable, observer)
+        usable = await trio.to_thread.run_sync(usable_formats, say, cfg.input_terms)
+        life = Lifecycle(cfg, source, fingerprint, dht, key, addr, usable, observer)
         span_range: Blocks | None = await life.first_span()
         settle = cfg.automatic_span  # the first choice may race a node choosing at once
         while span_range is not None:
@@ -116,7 +120,8 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
 
 
 class Lifecycle:
-    """A node on one span after another; its DHT peer, address and TLS key stay the same."""
+    """A node on one span after another; its DHT peer, signing key, address and TLS key stay
+    the same."""
 
     def __init__(
         self,
@@ -124,13 +129,14 @@ class Lifecycle:
         source: ModelSource,
         fingerprint: str,
         dht,
+        key: NodeKey,
         addr: str,
         usable: tuple[str, ...],
         observer: StepObserver | None,
     ):
         self.cfg, self.source, self.fingerprint, self.dht = cfg, source, fingerprint, dht
         self.addr, self.usable, self.observer = addr, usable, observer
-        self.me = node_id()
+        self.key, self.me = key, key.peer
         # one key for the node's life: a moved node keeps its identity
         self.identity = None if cfg.plaintext else Identity.generate()
 
@@ -221,7 +227,7 @@ class Lifecycle:
         config = self.source.config
         return Announcer(
             self.dht,
-            self.me,
+            self.key,
             self.addr,
             config.name,
             config.num_layers,
@@ -268,7 +274,9 @@ class Lifecycle:
             say(f"loading blocks {start}:{end}: {done}/{total}")
 
         span = await trio.to_thread.run_sync(
-            partial(Span.load, source, start, end, progress, cfg.weights, self.usable)
+            partial(
+                Span.load, source, start, end, progress, cfg.weights, self.usable, cfg.input_terms
+            )
         )
         directory = PeerDirectory.of_dht(
             self.dht, source.config.name, source.config.num_layers, plaintext=cfg.plaintext
@@ -322,7 +330,7 @@ class Lifecycle:
                 await announcer.publish(ONLINE, report())
 
         accept = node.accept_relayed
-        nursery.start_soon(stay_relayed, self.me, self.records, relayed_by, accept, say)
+        nursery.start_soon(stay_relayed, self.key, self.records, relayed_by, accept, say)
         with trio.move_on_after(RELAY_WAIT_S):
             await first.wait()
 

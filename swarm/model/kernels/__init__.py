@@ -103,11 +103,10 @@ class Kernels:
         terms: int | None = None,
     ) -> torch.Tensor:
         """x [rows, k] float32 -> x W^T [rows, n] float32, W packed by `pack`. x is taken as
-        `terms` int8 terms (default: the process's, `set_input_terms`, else this instruction
-        set's, TERMS_BY_ISA): 1 rounds each input by up to half a step of its group's largest
-        (llama.cpp's precision), 2 adds that rounding's own int8 (within 2^-16 of the largest)
-        for ~1.5x the arithmetic."""
-        terms = input_terms(self.isa) if terms is None else terms
+        `terms` int8 terms (default: this instruction set's, TERMS_BY_ISA): 1 rounds each input
+        by up to half a step of its group's largest (llama.cpp's precision), 2 adds that
+        rounding's own int8 (within 2^-16 of the largest) for ~1.5x the arithmetic."""
+        terms = input_terms(self.isa, terms)
         x = x.float().contiguous()
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         self._check(
@@ -217,27 +216,20 @@ def runnable_isas(flags: set[str] | None = None) -> list[str]:
     return [isa for isa in ISA_FLAGS if ISA_CPU_FLAGS[isa] <= flags]
 
 
-# int8 terms each matmul takes its input rows in, for the process (a node's --input-terms):
-# 2 keeps the default model's top-1 agreement with float32 at 0.997, 1 (llama.cpp's precision)
-# at 0.956. Unset, it follows the instruction set (TERMS_BY_ISA): vpdpbusd makes the second
-# term cheap, decode streaming memory either way; AVX2's vpmaddubsw path is compute-bound, and
-# there two terms held prompt passes to 0.63-0.83x llama.cpp's speed, one to 1.25-1.38x
-# (docs/benchmarks.md, 2026-11-26).
+# int8 terms each matmul takes its input rows in, where a node's --input-terms leaves it to the
+# instruction set: 2 keeps the default model's top-1 agreement with float32 at 0.997, 1
+# (llama.cpp's precision) at 0.956. vpdpbusd makes the second term cheap, decode streaming
+# memory either way; AVX2's vpmaddubsw path is compute-bound, and there two terms held prompt
+# passes to 0.63-0.83x llama.cpp's speed, one to 1.25-1.38x (docs/benchmarks.md, 2026-11-26).
 TERMS_BY_ISA = {"avx512vnni": 2, "avx2": 1}
-_input_terms: int | None = None
 
 
-def set_input_terms(terms: int | None) -> None:
-    """1 or 2 for every matmul of the process, or None: each instruction set's own."""
-    global _input_terms
+def input_terms(isa: str, terms: int | None = None) -> int:
+    """The int8 terms the kernels for `isa` take their inputs in: `terms` (1 or 2, a node's
+    --input-terms), or for None the instruction set's own (TERMS_BY_ISA)."""
     if terms not in (None, 1, 2):
         raise ValueError(f"input terms: 1, 2 or auto, not {terms}")
-    _input_terms = terms
-
-
-def input_terms(isa: str) -> int:
-    """The terms the kernels for `isa` take their inputs in."""
-    return _input_terms or TERMS_BY_ISA[isa]
+    return terms or TERMS_BY_ISA[isa]
 
 
 ISA_ENV = "SWARM_KERNELS_ISA"  # e.g. avx2 on an AVX-512 CPU: what an AVX2-only machine runs
