@@ -66,7 +66,7 @@ def call_seconds(fn, calls: int, threads: int) -> float:
     return statistics.median(times) if threads == 1 else min(times)
 
 
-def swarm_child(path: str, threads: int, decode_calls: int) -> dict:
+def swarm_child(path: str, threads: int, decode_calls: int, terms: int | None) -> dict:
     from swarm.model.blocks import Span
     from swarm.model.linear import BLOCKS
     from swarm.model.source import open_model
@@ -75,8 +75,10 @@ def swarm_child(path: str, threads: int, decode_calls: int) -> dict:
     source = open_model(path)
     hidden = source.config.hidden
     spans = {
-        "torch": Span.load(source, 0, 1, weights="auto", usable=TORCH_KERNELS),
-        "swarm": Span.load(source, 0, 1, weights="auto", usable=(*TORCH_KERNELS, BLOCKS)),
+        "torch": Span.load(source, 0, 1, weights="auto", usable=TORCH_KERNELS, terms=terms),
+        "swarm": Span.load(
+            source, 0, 1, weights="auto", usable=(*TORCH_KERNELS, BLOCKS), terms=terms
+        ),
     }
     out: dict = {v: {} for v in spans}
     out["formats"] = {
@@ -267,8 +269,7 @@ def main() -> None:
     if a.isa:
         os.environ[kernels.ISA_ENV] = a.isa  # the children inherit it
     if a.child:
-        kernels.set_input_terms(a.input_terms)
-        print(json.dumps(swarm_child(a.child, int(a.threads), a.decode_calls)))
+        print(json.dumps(swarm_child(a.child, int(a.threads), a.decode_calls, a.input_terms)))
         return
     qtypes, threads = a.qtypes.split(","), [int(t) for t in a.threads.split(",")]
     a.files.mkdir(parents=True, exist_ok=True)

@@ -39,9 +39,6 @@ def main() -> None:
     a = p.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(a.threads)
-    from swarm.model import kernels
-
-    kernels.set_input_terms(a.input_terms)
     from transformers import AutoModelForCausalLM
 
     source = open_model(a.model)
@@ -78,8 +75,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for fmt in a.formats.split(","):
         t = time.perf_counter()
-        span = Span.load(source, 0, source.config.num_layers, weights=fmt)
-        head = Head.load(source, "float32" if fmt == "float32" else "auto")  # as the client
+        span = Span.load(source, 0, source.config.num_layers, weights=fmt, terms=a.input_terms)
+        head = Head.load(
+            source, "float32" if fmt == "float32" else "auto", terms=a.input_terms
+        )  # as the client
         load = time.perf_counter() - t
         rows = {}
         for step in (None, 1):

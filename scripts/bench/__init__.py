@@ -7,8 +7,8 @@
   table    fixed-width tables
 
 Importing it puts this checkout first on the path, the one place that does: devtools/ is not
-installed, and a benchmark measures this checkout's swarm, not an installed one. swarm is
-imported before torch, as in a node (OpenMP's wait policy, see swarm/__init__).
+installed, and a benchmark measures this checkout's swarm, not an installed one. It sets
+OpenMP's wait policy before anything imports torch, as a node does (swarm.process.wait_passively).
 """
 
 import sys
@@ -18,4 +18,6 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import swarm  # noqa: E402,F401
+from swarm.process import wait_passively  # noqa: E402
+
+wait_passively()

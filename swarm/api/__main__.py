@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# ruff: noqa: E402 (the imports below load torch: OpenMP's policy must be set before)
+from swarm.process import wait_passively
+
+wait_passively()
+
 import argparse
 import os
 import signal
