@@ -341,19 +341,26 @@ class Session:
         try:
             with self._scope:
                 async with self._cache() as cache:
-                    if self.intake is not None:
-                        if await self._await_intake():
-                            await self._work(cache)
-                    elif await self._open_next_hop():
-                        await self._work(cache)
+                    await self._live(cache)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
-        except Exception:
-            # a bug must cost one connection, never the node and everyone else's sessions
-            log.exception("closing connection from %s after an internal error", self.owner.peer())
-            await self.owner.aclose()
         finally:
             self.close()
+
+    async def _live(self, cache: KVCache) -> None:
+        try:
+            if self.intake is not None:
+                if await self._await_intake():
+                    await self._work(cache)
+            elif await self._open_next_hop():
+                await self._work(cache)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            raise
+        except Exception:
+            # a bug costs this session only: its owner may be the previous node's connection,
+            # which every session that node forwards here shares
+            log.exception("session %s... failed on an internal error", self.sid[:8])
+            await self.fail(Error.of(SwarmError("internal error"), self.sid, self.hop))
 
     @asynccontextmanager
     async def _cache(self):
