@@ -16,10 +16,11 @@ from swarm.errors import NodeBusy, PeerFailed, ProtocolError
 from swarm.model.blocks import KVCache
 from swarm.node.compute import ComputeQueue
 from swarm.node.config import Limits, NodeConfig
+from swarm.node.context import Counters, SessionContext
 from swarm.node.directory import PeerDirectory
 from swarm.node.observer import NoObserver
 from swarm.node.server import Node
-from swarm.node.session import Counters, Session, SessionContext
+from swarm.node.session import Session
 from swarm.node.session_table import SessionTable
 from swarm.node.uplink import CLIENTS, Payload
 from swarm.protocol import DECODE, PREFILL, Close, Error, Hop, Open, Opened, Step

@@ -8,7 +8,9 @@ the compute lanes, and hands the output to the uplink. The session ends when its
 closed: by the client's close, a failure here or downstream, idling, or its connection's end.
 
 A session sees of its node only its `SessionContext`: the blocks, the compute lanes, the uplink,
-the next hops, the session table and the configuration, given once by the node.
+the next hops, the session table and the configuration, given once by the node. Moving a session
+to another node, either way, is swarm/node/handover/; the session keeps only where it stands in
+it (`state.move`) and the steps it holds meanwhile.
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,78 +29,32 @@ import trio
 
 from swarm.errors import HandoverRefused, PeerFailed, ProtocolError, SessionNotFound, SwarmError
 from swarm.node.admission import Share, peer_host, share_of
+from swarm.node.context import SessionContext, send_quietly
 from swarm.node.passes import DecodeItem, decode_pass, forward_pass
 from swarm.node.prompt import PromptPieces
-from swarm.node.session_state import Fail, SessionState, SinkGone, StepIn
-from swarm.node.uplink import CLIENTS, Payload
-from swarm.protocol import (
-    DECODE,
-    PREFILL,
-    Attach,
-    Close,
-    Error,
-    Hop,
-    KvChunk,
-    Moved,
-    Open,
-    Opened,
-    Release,
-    Resume,
-    Resumed,
-    Step,
+from swarm.node.session_state import (
+    COMING,
+    Copy,
+    Fail,
+    Move,
+    MoveEvent,
+    SessionState,
+    SinkGone,
+    StepIn,
+    Unpause,
 )
+from swarm.node.signal import Signal
+from swarm.node.uplink import CLIENTS, Payload
+from swarm.protocol import DECODE, PREFILL, Attach, Close, Error, Hop, Open, Opened, Step
 from swarm.wire import unpack_tensor
 
 if TYPE_CHECKING:
-    from swarm.model.blocks import KVCache, Span
-    from swarm.node.compute import ComputeQueue, Done, Ticket
-    from swarm.node.config import NodeConfig
-    from swarm.node.downstream import Downstream
-    from swarm.node.handover import CacheIntake
-    from swarm.node.observer import StepObserver
-    from swarm.node.session_table import SessionTable
-    from swarm.node.uplink import Uplink
+    from swarm.model.blocks import KVCache
+    from swarm.node.compute import Done, Ticket
+    from swarm.node.handover.cache import CacheIntake
     from swarm.transport import FramedStream
 
 log = logging.getLogger("swarm.node")
-
-
-@dataclass
-class Counters:
-    """What a node's sessions and connections did, for its status line."""
-
-    errors_sent: int = 0
-    steps_done: int = 0  # forward passes
-    tokens_done: int = 0  # tokens through them
-    prompt_passes: int = 0  # prompt passes (a replayed session costs one or more here)
-    prompt_tokens: int = 0
-    moved_in: int = 0  # sessions whose cache a leaving node handed over here
-    moved_out: int = 0  # sessions this node handed over to a replica
-    transfers: int = 0  # handovers in flight, either way
-
-
-@dataclass(frozen=True)
-class SessionContext:
-    """What a session may use of its node, given once by the node; it reaches nothing else."""
-
-    config: NodeConfig  # its limits, the prompt passes' sizes, the default wire dtype
-    span: Span  # the blocks: their width, a session's cache, the passes through them
-    compute: ComputeQueue  # the lanes its passes wait for
-    uplink: Uplink  # where its activations, results and closes leave
-    downstream: Downstream  # the connections to next hops, dialled only if announced
-    sessions: SessionTable  # its place, given up when it ends, and its turn for prompt passes
-    observer: StepObserver
-    counters: Counters
-    # a session opened with a handoff calls it once its prompt is in (swarm.node.mover.hand_off)
-    hand_off: Callable[[Session], None] | None = None
-
-
-async def send_quietly(conn: FramedStream, msg) -> None:
-    try:
-        with trio.move_on_after(5):
-            await conn.send(msg)
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-        pass
 
 
 class Session:
@@ -112,8 +67,10 @@ class Session:
         msg: Open,
         now: float,
         share: Share | None = None,
+        coming: bool = False,
     ):
-        """`share`: whose shares it counts in, if not those of an open from `owner`."""
+        """`share`: whose shares it counts in, if not those of an open from `owner`; `coming`:
+        handed over here, its cache still to come (its `intake`)."""
         hop = msg.route[msg.hop]
         self.ctx = ctx
         self.open_msg = msg
@@ -122,32 +79,26 @@ class Session:
         self.wire_dtype = msg.wire_dtype or ctx.config.wire_dtype or ctx.span.config.wire_dtype
         self.max_length = msg.max_length
         self.owner = owner  # only it may send steps
-        self._count_in(share or share_of(peer_host(owner), msg))
+        self.count_in(share or share_of(peer_host(owner), msg))
         self.sink: FramedStream | None = None  # the client's connection, on the last hop
         self.downstream: str | None = None  # "host:port" of the next hop
-        self.state = SessionState(msg.sid, msg.max_length, last=self.is_last, now=now)
+        self.state = SessionState(msg.sid, msg.max_length, self.is_last, now, coming)
         self.pieces = PromptPieces()
         self.decodes: deque[tuple[Step, torch.Tensor, float]] = deque()  # with arrival time
-        self._sink_token = msg.sink_token
+        self.sink_token = msg.sink_token
         self._tickets: list[Ticket] = []  # places held in the prompt lane
         self._wake = trio.Event()  # something to do came, or the state moved
+        self.changed = Signal()  # its state moved, a pass ended, or it fell quiet
         self._scope = trio.CancelScope()  # the task's work: cancelled when the session closes
         self.cache: KVCache | None = None  # while the task runs
-        # handing over (this node leaves): steps stop being computed and wait in `held`
-        self.paused = False
-        self.paused_at = 0.0
-        self.held: list[Step] = []
-        self.released = trio.Event()  # the owner sends no more steps here
         self._computing = False
-        # taken over (a leaving node hands it here): the cache fills through `intake`
-        self.intake: CacheIntake | None = None
-        self.ready = trio.Event()  # the cache is complete and checked
-        self._next_owner: FramedStream | None = None  # resumed, waiting for the sender's release
-        self._handed = False  # the sender released the session: its steps are all in
-        self._early: list[Step] = []  # steps from the next owner before that
-        self._sink_came = trio.Event()
-        self.moving = False  # its cache is being handed over (a drain or a handoff)
         self.prompt_end = 0  # where the prompt it computes last ends
+        # a hand-over's steps: held for the replica (sending), from the next owner before the
+        # sender released it (receiving); the cache coming through `intake` (receiving)
+        self.held: list[Step] = []
+        self.early: list[Step] = []
+        self.next_owner: FramedStream | None = None
+        self.intake: CacheIntake | None = None
 
     @property
     def is_last(self) -> bool:
@@ -162,7 +113,7 @@ class Session:
         )
         n, now = hidden.shape[1], time.monotonic()
         self.state.handle(StepIn(msg.phase, msg.pos, n, msg.end, now))
-        if self.paused:  # handing over: the replica computes it
+        if self.state.holds_steps:  # handing over: the replica computes it
             self.held.append(msg)
             return
         self._queue(msg, hidden, now)
@@ -178,107 +129,39 @@ class Session:
 
     def attach(self, conn: FramedStream, token: str) -> None:
         """The client claims this last hop's results, proving it with the open's token."""
-        if not secrets.compare_digest(self._sink_token.encode(), token.encode()):
+        if not secrets.compare_digest(self.sink_token.encode(), token.encode()):
             raise SessionNotFound(f"no session {self.sid[:8]}... to attach to here")
         self.state.handle(Attach(sid=self.sid, sink_token=token))
         self.sink = conn
-        self._sink_came.set()
+        self.changed.fire()
         self._wake.set()  # used now: its idle deadline moves
 
-    # ---- handed over to this node ----------------------------------------------------------
-
-    def take_chunk(self, chunk: KvChunk) -> None:
-        """A piece of the cache a leaving node hands over; raises HandoverRefused."""
-        if self.intake is None or self.ready.is_set():
-            raise SessionNotFound(f"no handover of session {self.sid[:8]}... under way here")
-        self.intake.take(chunk)
-
-    def install(self, now: float) -> None:
-        """The whole cache has come and been checked: the session goes on from its length."""
-        assert self.intake is not None
-        self.intake.install()
-        self.state.handle(Opened(sid=self.sid))
-        self.state.next_pos = self.intake.length
-        self.state.used, self.state.last_active = True, now
-        self.ready.set()
-
-    def resume(self, conn: FramedStream, msg: Resume) -> None:
-        """Whoever held the session on the leaving node claims it here: its owner (steps come
-        from it once the leaving node has passed on the last of its own) and/or its sink."""
-        if self.intake is None or not self.ready.is_set():
-            raise SessionNotFound(f"no session {self.sid[:8]}... to resume here")
-        if msg.sink:
-            self.attach(conn, msg.sink_token)
-        elif not secrets.compare_digest(self._sink_token.encode(), msg.sink_token.encode()):
-            raise SessionNotFound(f"no session {self.sid[:8]}... to resume here")
-        if msg.owner:
-            self._next_owner = conn
-            self._pass_ownership()
-
-    def step_from(self, conn: FramedStream, msg: Step) -> None:
-        """A step on `conn`: the owner's is taken; the next owner's waits until the leaving node
-        has passed on every step it still held."""
-        if conn is self.owner:
-            self.take_step(msg)
-        elif conn is self._next_owner and conn is not None:
-            self._early.append(msg)
-        else:
-            raise SessionNotFound(f"no session {self.sid[:8]}... on this connection")
-
-    def release(self, conn: FramedStream) -> None:
-        """The owner on `conn` will send no more steps on it."""
-        if conn is not self.owner:
-            raise SessionNotFound(f"no session {self.sid[:8]}... on this connection")
-        self.released.set()
-        if self.intake is not None:  # the leaving node's last steps are in: the owner may come
-            self._handed = True
-            self._pass_ownership()
-
-    async def follow(self, moved: Moved) -> None:
-        """The next hop left, handing this session over to `moved.to`: claim it there as its
-        owner, send the steps from now on there, and release it on the node that left once the
-        steps queued for that node have gone (it passes them on). If anything fails the
-        session stays as it was; it fails when the next hop is gone, and its client replays."""
-        if moved.hop != self.hop + 1 or self.state.closed or self.downstream is None:
-            return
-        downstream, uplink = self.ctx.downstream, self.ctx.uplink
-        old, dest = self.downstream, moved.to.link
-        try:
-            conn = await downstream.connect(moved.to)
-        except SwarmError as exc:
-            log.warning("cannot follow session %s... to %s: %s", self.sid[:8], dest, exc)
-            return
-        answer = downstream.expect_handover(dest, self.sid)
-        reply = None
-        uplink.send_control(conn, Resume(self.sid, self._sink_token, owner=True, sink=False))
-        with trio.move_on_after(self.ctx.config.limits.open_timeout_s):
-            reply = await answer.receive()
-        downstream.forget_handover(dest, self.sid)
-        if not isinstance(reply, Resumed) or self.state.closed:
-            log.warning("session %s... could not follow to %s: %s", self.sid[:8], dest, reply)
-            return
-        self.downstream = dest
-        self.route = tuple(moved.to if i == moved.hop else h for i, h in enumerate(self.route))
-        while uplink.pending(self.sid, old) and not self.state.closed:
-            await trio.sleep(0.005)
-        if (ds := downstream.stream(old)) is not None:
-            uplink.send_control(ds, Release(sid=self.sid))
-        log.info("session %s... follows its next hop to %s", self.sid[:8], dest)
-
-    def _count_in(self, share: Share) -> None:
+    def count_in(self, share: Share) -> None:
         self.host = share.host  # whose share it counts in
         self.via = share.via  # the node forwarding it here, if one does (its share too)
         self.origin = share.origin  # the user's host, for the next hop
 
-    def _pass_ownership(self) -> None:
-        if not self._handed or self._next_owner is None:
+    def moved(self, event: MoveEvent) -> Move | None:
+        """A step of a hand-over (swarm.node.handover); the session's new move, None once it
+        has closed. Raises the SwarmError its sender gets."""
+        if self.state.closed:
+            return None
+        move = self.state.move_on(event)
+        self.changed.fire()
+        return move
+
+    def unpause(self) -> None:
+        """The hand-over failed: compute the held steps here after all (a later drain or
+        prompt may try again)."""
+        if not self.state.accepts(Unpause()):
             return
-        self.owner, self._next_owner = self._next_owner, None
-        # handed over, it counted as its sender's forwarding; now as its owner's open would
-        self._count_in(share_of(peer_host(self.owner), self.open_msg))
-        early, self._early = self._early, []
-        for step in early:
-            self.take_step(step)
+        self.moved(Unpause())
+        held, self.held = self.held, []
+        for msg in held:
+            hidden = unpack_tensor(
+                msg.hidden, hidden=self.ctx.span.config.hidden, max_tokens=self.max_length
+            )
+            self._queue(msg, hidden, time.monotonic())
 
     def sink_gone(self) -> None:
         self.sink = None
@@ -301,6 +184,7 @@ class Session:
             self.state.handle(Close(sid=self.sid))
         self._let_go()
         self._scope.cancel()
+        self.changed.fire()
 
     async def fail(self, error: Error) -> None:
         """Tell the session's upstream (and so, hop by hop, the client) and end the session."""
@@ -380,7 +264,7 @@ class Session:
     async def _await_intake(self) -> bool:
         """A handed-over session waits for its cache; False if it did not come in time."""
         with trio.move_on_after(self.ctx.config.limits.open_timeout_s):
-            await self.ready.wait()
+            await self.changed.until(lambda: self.state.move is not COMING)
             return True
         err = HandoverRefused("the handed-over cache did not arrive in time")
         await self.fail(Error.of(err, self.sid, self.hop))
@@ -433,8 +317,10 @@ class Session:
                     await self._prompt_pass(cache)
                 else:
                     self._computing = False
+                    self.changed.fire()
                     await self._idle()
                 self._computing = False
+                self.changed.fire()
         finally:
             for ticket in self._tickets:
                 ticket.release()
@@ -444,30 +330,13 @@ class Session:
         """Nothing of the session is computing or waiting to be: its cache stands still."""
         return not (self._computing or self.decodes or self.pieces)
 
-    def pause(self) -> None:
-        """Compute nothing more: steps arriving from now on wait in `held` (for the replica)."""
-        self.paused = True
-        self.paused_at = time.monotonic()
-
-    def unpause(self) -> None:
-        """The handover failed: compute the held steps here after all (a later drain or
-        prompt may try again)."""
-        self.paused = False
-        self.moving = False
-        held, self.held = self.held, []
-        for msg in held:
-            hidden = unpack_tensor(
-                msg.hidden, hidden=self.ctx.span.config.hidden, max_tokens=self.max_length
-            )
-            self._queue(msg, hidden, time.monotonic())
-
     async def _sink_in_time(self) -> bool:
         """A handed-over last hop may compute a step before the client has resumed it here:
         the result waits for the client a little while."""
         if self.intake is None:
             return False
         with trio.move_on_after(self.ctx.config.limits.open_timeout_s):
-            await self._sink_came.wait()
+            await self.changed.until(lambda: self.sink is not None)
         return self.sink is not None
 
     async def _woken(self) -> None:
@@ -559,12 +428,14 @@ class Session:
         rest follows as passes finish), decoding here until it has all arrived. A layer with a
         sliding window shorter than the session waits for the whole prompt: the next pass
         would overwrite positions of its ring while they are copied out."""
-        if self.open_msg.handoff is None or self.moving or self.ctx.hand_off is None:
+        if self.open_msg.handoff is None or self.ctx.hand_off is None:
             return
+        if not self.state.accepts(Copy()):
+            return  # moving already
         assert self.cache is not None
         rings = any(k.shape[2] < self.max_length for k in self.cache.keys)
         if done_all or not rings:
-            self.moving = True
+            self.moved(Copy())
             self.ctx.hand_off(self)
 
     def _rank(self) -> float:
