@@ -10,7 +10,7 @@ import torch
 
 from swarm.errors import HandoverRefused
 from swarm.model.blocks import KVCache
-from swarm.node.handover import CacheIntake, pick_replicas, slab_digest, slabs
+from swarm.node.handover.cache import CacheIntake, pick_replicas, slab_digest, slabs
 from swarm.protocol import KvChunk
 from swarm.wire import pack_tensor
 from tests.test_placement import rec

@@ -12,7 +12,7 @@ import trio
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.dht import sign_as_node
-from swarm.node.handover import slab_digest
+from swarm.node.handover.cache import slab_digest
 from swarm.protocol import (
     Error,
     Handover,

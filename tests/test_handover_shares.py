@@ -16,7 +16,9 @@ import trio
 from devtools.launch import NodeProcess, stop_all
 from swarm.model.source import open_model
 from swarm.node.admission import share_of
+from swarm.node.handover.receive import claim, release
 from swarm.node.session import Session
+from swarm.node.session_state import Install
 from swarm.protocol import PREFILL, Attach, Attached, Hop, Open, Opened, Result, Resume, Step
 from swarm.tls import dial
 from swarm.transport import FramedStream
@@ -120,11 +122,12 @@ def test_a_handed_over_session_counts_as_forwarded_then_as_its_owners_once_claim
     )
     config = SimpleNamespace(wire_dtype="float32")
     ctx = SimpleNamespace(config=config, span=SimpleNamespace(config=config))
-    s = Session(ctx, sender, opening, 0.0, share_of("127.0.0.1", opening, handed=True))
+    share = share_of("127.0.0.1", opening, handed=True)
+    s = Session(ctx, sender, opening, 0.0, share, coming=True)
     assert (s.host, s.via, s.origin) == ("127.0.0.9 via 127.0.0.1", "127.0.0.1", "127.0.0.9")
     s.intake = object()  # its cache came and was checked
-    s.ready.set()
-    s.resume(client, Resume(sid=opening.sid, sink_token=token, owner=True, sink=False))
-    s.release(sender)  # the sender's last steps are in: the client owns it now
+    s.moved(Install())
+    claim(s, client, Resume(sid=opening.sid, sink_token=token, owner=True, sink=False))
+    release(s, sender)  # the sender's last steps are in: the client owns it now
     assert s.owner is client
     assert (s.host, s.via, s.origin) == ("127.0.0.9", "", "127.0.0.9")

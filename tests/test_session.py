@@ -5,6 +5,7 @@ behaviour is seen without processes or sockets. The last test runs a node in-pro
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -15,10 +16,11 @@ from swarm.errors import NodeBusy, PeerFailed, ProtocolError
 from swarm.model.blocks import KVCache
 from swarm.node.compute import ComputeQueue
 from swarm.node.config import Limits, NodeConfig
+from swarm.node.context import Counters, SessionContext
 from swarm.node.directory import PeerDirectory
 from swarm.node.observer import NoObserver
 from swarm.node.server import Node
-from swarm.node.session import Counters, Session, SessionContext
+from swarm.node.session import Session
 from swarm.node.session_table import SessionTable
 from swarm.node.uplink import CLIENTS, Payload
 from swarm.protocol import DECODE, PREFILL, Close, Error, Hop, Open, Opened, Step
@@ -299,3 +301,45 @@ async def test_an_evicted_sessions_holder_is_told_though_the_newcomer_hung_up(nu
     assert (told.code, told.sid) == ("busy", "a" * 32)
     assert "session evicted" in told.message
     await holder.aclose()
+
+
+class Faulty(Uplink):
+    """An uplink whose hand-off of one session's output raises: a bug in that session's work."""
+
+    def __init__(self, sid: str) -> None:
+        super().__init__()
+        self.sid = sid
+
+    def send_activations(self, payload: Payload) -> None:
+        if payload.sid == self.sid:
+            raise RuntimeError("a bug")
+        super().send_activations(payload)
+
+
+async def test_an_internal_error_fails_its_session_alone_not_the_connection_it_came_over(nursery):
+    # a middle hop: both sessions come over the previous node's one connection
+    ctx = context(nursery)
+    broken, fine = "b" * 32, "f" * 32
+    ctx = SessionContext(**{**vars(ctx), "uplink": Faulty(broken)})
+    upstream = Conn()
+    sessions = {}
+    for sid in (broken, fine):
+        sessions[sid] = Session(
+            ctx, upstream, replace(open_msg(3), sid=sid, hop=1), time.monotonic()
+        )
+        ctx.sessions.add(sessions[sid])
+        nursery.start_soon(sessions[sid].run)
+    await until(lambda: len(ctx.uplink.control) == 2)
+    for s in sessions.values():
+        await s.from_downstream(Opened(sid=s.sid))
+    await until(lambda: len(upstream.sent) == 2)
+    for sid, s in sessions.items():
+        s.take_step(replace(step(0, 4, 4)[0], sid=sid))
+    await until(lambda: ctx.uplink.payloads and len(upstream.sent) > 2)
+    err = upstream.sent[2]
+    assert (err.code, err.sid, err.hop) == ("error", broken, 1)
+    assert "internal error" in err.message
+    assert not upstream.closed and ctx.sessions.lookup(broken) is None
+    sessions[fine].take_step(replace(step(4, 1, 5, DECODE)[0], sid=fine))
+    await until(lambda: len(ctx.uplink.payloads) == 2)
+    assert [p.sid for p in ctx.uplink.payloads] == [fine, fine]

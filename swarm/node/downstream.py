@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
 from swarm.errors import PeerFailed, SwarmError
 from swarm.heartbeat import INTERVAL_S, Heartbeat, send_queue_busy
 from swarm.node.directory import PeerDirectory
-from swarm.node.session_table import SessionTable
 from swarm.node.uplink import ACK_NONCE_BASE, Uplink
 from swarm.protocol import Error, Hop, Moved, Opened, Ping, Pong, Resumed, Taken
 from swarm.transport import FramedStream, dial_hop
@@ -31,6 +32,27 @@ MAX_PINGS = 1000
 HEARTBEAT_NONCE_BASE = 1 << 32  # heartbeat pings: above the round-trip ones, below acks
 # how dialling fails: unreachable, unresolvable, not a valid host name, a failed TLS handshake
 UNREACHABLE = (OSError, UnicodeError, ValueError, trio.TooSlowError, trio.BrokenResourceError)
+
+
+class Upstream(Protocol):
+    """A session as its next hop's answers reach it."""
+
+    sid: str
+    hop: int
+    downstream: str | None  # the next hop's "host:port"
+
+    async def from_downstream(self, msg: Opened | Error) -> None: ...
+
+
+class Sessions(Protocol):
+    """The node's sessions, as far as the next hops' answers need them."""
+
+    def lookup(self, sid: str) -> Upstream | None: ...
+
+    def __iter__(self) -> Iterator[Upstream]: ...
+
+
+Follow = Callable[[Upstream, Moved], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -58,10 +80,17 @@ def classify(pong: Pong) -> RoundTrip | Acknowledged:
 
 class Downstream:
     def __init__(
-        self, uplink: Uplink, sessions: SessionTable, max_frame: int, directory: PeerDirectory
+        self,
+        uplink: Uplink,
+        sessions: Sessions,
+        max_frame: int,
+        directory: PeerDirectory,
+        follow: Follow,
     ):
+        """`follow`: what a session does when its next hop hands it over (`Moved`)."""
         self._uplink = uplink
         self._sessions = sessions
+        self._follow = follow
         self._max_frame = max_frame
         self._directory = directory
         self._streams: dict[str, FramedStream] = {}
@@ -159,7 +188,7 @@ class Downstream:
                     # the next hop left, handing the session over: follow it (in a task of its
                     # own: this reader must go on reading the pongs the move waits for)
                     assert self._nursery is not None
-                    self._nursery.start_soon(s.follow, msg)
+                    self._nursery.start_soon(self._follow, s, msg)
         except (SwarmError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             reason = exc
         await self.lost(ds, reason)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 import trio
 
-from swarm.dht import node_id, proves
+from swarm.dht import NodeKey
 from swarm.errors import (
     FingerprintMismatch,
     FrameTooLarge,
-    HandoverRefused,
     NodeBusy,
     PeerFailed,
     PlaintextRefused,
@@ -28,15 +28,17 @@ from swarm.errors import (
     SwarmError,
 )
 from swarm.model.blocks import Span
-from swarm.node.admission import ConnectionTable, Inbound, Throttle, peer_host, share_of
+from swarm.node.admission import ConnectionTable, Inbound, Throttle, peer_host
 from swarm.node.compute import ComputeQueue
 from swarm.node.config import NodeConfig
+from swarm.node.context import Counters, SessionContext, send_quietly
 from swarm.node.directory import PeerDirectory
 from swarm.node.downstream import Downstream
-from swarm.node.handover import CacheIntake, refusal
-from swarm.node.mover import hand_off
+from swarm.node.handover import receive
+from swarm.node.handover.follow import follow
+from swarm.node.handover.send import hand_off
 from swarm.node.observer import NoObserver, StepObserver
-from swarm.node.session import Counters, Session, SessionContext, send_quietly
+from swarm.node.session import Session
 from swarm.node.session_table import SessionTable
 from swarm.node.uplink import Uplink
 from swarm.protocol import (
@@ -54,10 +56,7 @@ from swarm.protocol import (
     Relay,
     Release,
     Resume,
-    Resumed,
     Step,
-    Taken,
-    handover_claim,
 )
 from swarm.records import DECODE
 from swarm.relay import RelayHub
@@ -78,17 +77,21 @@ class Node:
         *,
         directory: PeerDirectory,
         identity: Identity | None = None,
+        key: NodeKey | None = None,
     ):
+        """`key`: what names this node and signs its claims (the process's DHT key unless
+        given)."""
         self.config = config
         self.identity = identity  # the TLS key this node proves; None: plaintext (--plaintext)
+        self.key = key or NodeKey.process_wide()
         # relaying for nodes nobody can dial takes TLS: the relay must not read what it copies
         relays = config.limits.max_relayed if identity else 0
-        self.relay_hub = RelayHub(relays, node_id() if relays else "")
+        self.relay_hub = RelayHub(relays, self.key.peer if relays else "")
         self.directory = directory  # the next hops an open may name
         self.span = span
         self.fingerprint = fingerprint
         self.observer: StepObserver = observer or NoObserver()
-        self.sessions = SessionTable(config.limits)
+        self.sessions = SessionTable[Session](config.limits)
         self.connections = ConnectionTable(
             config.limits.max_connections, config.limits.max_host_connections
         )
@@ -102,7 +105,11 @@ class Node:
             max_batch=config.compute.max_batch,
         )
         self.downstream = Downstream(
-            self.uplink, self.sessions, config.limits.max_frame, self.directory
+            self.uplink,
+            self.sessions,
+            config.limits.max_frame,
+            self.directory,
+            lambda s, moved: follow(self.context, s, moved),
         )
         self.counters = Counters()
         self.context = SessionContext(
@@ -115,8 +122,24 @@ class Node:
             self.observer,
             self.counters,
             self._hand_off,
+            fingerprint,
+            self.directory,
+            self.key,
         )
-        self.handoff_turn = trio.Lock()  # a prefill node's handoffs, one cache at a time
+        # what a connection's messages do: one handler per message type
+        self._handlers = {
+            Step: self._step,
+            Ping: self._ping,
+            Open: self._open,
+            KvChunk: partial(receive.take_chunk, self.context),
+            Handover: self._take_handover,
+            HandoverTail: partial(receive.take_tail, self.context),
+            HandoverEnd: partial(receive.end, self.context),
+            Resume: partial(receive.resume, self.context),
+            Release: self._release,
+            Attach: self._attach,
+            Close: self._close,
+        }
         self.port: int | None = None
         self._nursery: trio.Nursery | None = None  # the node's own, while it serves
 
@@ -275,53 +298,31 @@ class Node:
                 return None
 
     async def _dispatch(self, conn: FramedStream, msg) -> None:
-        if isinstance(msg, Step):
-            s = self.sessions.lookup(msg.sid)
-            if s is None:
-                raise SessionNotFound(f"no session {msg.sid[:8]}... on this connection")
-            s.step_from(conn, msg)
-        elif isinstance(msg, Ping):
-            await conn.send(conn.pong(msg.nonce))  # with how the frame it follows arrived
-        elif isinstance(msg, Open):
-            await self._open(conn, msg)
-        elif isinstance(msg, KvChunk):
-            s = self.sessions.get(msg.sid, conn)
-            try:
-                s.take_chunk(msg)
-            except SwarmError as exc:
-                await self._refuse_handover(conn, s, exc)
-        elif isinstance(msg, Handover):
-            await self._take_handover(conn, msg)
-        elif isinstance(msg, HandoverTail):
-            s = self.sessions.get(msg.sid, conn)
-            try:
-                if s.intake is None or s.ready.is_set():
-                    raise SessionNotFound(f"no handover of {msg.sid[:8]}... under way here")
-                s.intake.extend(msg.length, s.max_length)
-            except SwarmError as exc:
-                await self._refuse_handover(conn, s, exc)
-        elif isinstance(msg, HandoverEnd):
-            await self._end_handover(conn, msg)
-        elif isinstance(msg, Resume):
-            s = self.sessions.lookup(msg.sid)
-            if s is None:
-                raise SessionNotFound(f"no session {msg.sid[:8]}... to resume here")
-            s.resume(conn, msg)
-            await conn.send(Resumed(sid=msg.sid))
-        elif isinstance(msg, Release):
-            self.sessions.get(msg.sid, conn).release(conn)
-        elif isinstance(msg, Attach):
-            s = self.sessions.lookup(msg.sid)
-            if s is None:
-                raise SessionNotFound(f"no session {msg.sid[:8]}... to attach to here")
-            s.attach(conn, msg.sink_token)
-            await conn.send(Attached(sid=msg.sid))
-        elif isinstance(msg, Close):
-            s = self.sessions.get(msg.sid, conn)
-            if s.owner is conn:
-                s.close()
-        else:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
             raise ProtocolError(f"a node does not accept {msg.t!r} messages from upstream")
+        await handler(conn, msg)
+
+    async def _step(self, conn: FramedStream, msg: Step) -> None:
+        receive.step(self.context, conn, msg)
+
+    async def _ping(self, conn: FramedStream, msg: Ping) -> None:
+        await conn.send(conn.pong(msg.nonce))  # with how the frame it follows arrived
+
+    async def _release(self, conn: FramedStream, msg: Release) -> None:
+        receive.release(self.sessions.get(msg.sid, conn), conn)
+
+    async def _attach(self, conn: FramedStream, msg: Attach) -> None:
+        s = self.sessions.lookup(msg.sid)
+        if s is None:
+            raise SessionNotFound(f"no session {msg.sid[:8]}... to attach to here")
+        s.attach(conn, msg.sink_token)
+        await conn.send(Attached(sid=msg.sid))
+
+    async def _close(self, conn: FramedStream, msg: Close) -> None:
+        s = self.sessions.get(msg.sid, conn)
+        if s.owner is conn:
+            s.close()
 
     async def _reply_error(self, conn: FramedStream, exc: SwarmError, sid: str = "") -> None:
         self.counters.errors_sent += 1
@@ -394,88 +395,18 @@ class Node:
                 f"a handoff of blocks {to.start}:{to.end} from a hop computing"
                 f" {hop.start}:{hop.end}"
             )
-        if to.peer == node_id():
+        if to.peer == self.key.peer:
             raise ProtocolError("a handoff to the node itself")
         if self.config.role == DECODE or self.config.limits.handover == "off":
             raise NodeBusy("this node hands no sessions on (--role decode or --handover off)")
 
     def _hand_off(self, session: Session) -> None:
-        assert self._nursery is not None, "Node.serve is not running"
-        self._nursery.start_soon(hand_off, self, session)
+        self._spawn(hand_off, self.context, session)
 
-    # ---- sessions handed over here -------------------------------------------------------
+    def _spawn(self, fn, *args) -> None:
+        """Start a task that must outlive the connection that caused it."""
+        assert self._nursery is not None, "Node.serve is not running"
+        self._nursery.start_soon(fn, *args)
 
     async def _take_handover(self, conn: FramedStream, msg: Handover) -> None:
-        """A leaving node hands a session over: admit it as an open (no one is evicted for it),
-        then let its cache come in (KvChunk) before HandoverEnd proves where it came from."""
-        opening, now = msg.open, time.monotonic()
-        try:
-            if opening.handoff is not None:  # a session handed on goes no further
-                raise HandoverRefused("a handed-over session that names a handoff of its own")
-            self._check_open(opening)
-            if msg.length > opening.max_length:
-                raise HandoverRefused(
-                    f"cache of {msg.length} positions for a session of {opening.max_length}"
-                )
-            share = share_of(peer_host(conn), opening, handed=True)
-            session = Session(self.context, conn, opening, now, share)
-            if self.sessions.make_room(session, now):
-                raise NodeBusy("no free place for a handed-over session without evicting one")
-            cache = self.span.allocate_cache(session.start, session.end, session.max_length)
-            width = self.span.config.kv_heads * self.span.config.head_dim
-            session.intake = CacheIntake(cache, msg.length, width)
-            self.sessions.add(session)
-        except SwarmError as exc:
-            self.counters.errors_sent += 1
-            await send_quietly(conn, Error.of(exc, sid=opening.sid, hop=opening.hop))
-            return
-        self.counters.transfers += 1
-        assert self._nursery is not None, "Node.serve is not running"
-        if msg.peer:  # its record is read while the cache comes, not after
-            self._nursery.start_soon(self.directory.record, msg.peer)
-        self._nursery.start_soon(self._hold_transfer, session)
-        self._nursery.start_soon(session.run)
-
-    async def _hold_transfer(self, session: Session) -> None:
-        """Count the transfer in flight until the cache is in or the session ended."""
-        try:
-            while not session.ready.is_set() and not session.state.closed:
-                await trio.sleep(0.05)
-        finally:
-            self.counters.transfers -= 1
-
-    async def _end_handover(self, conn: FramedStream, msg: HandoverEnd) -> None:
-        s = self.sessions.get(msg.sid, conn)
-        try:
-            if s.intake is None or s.ready.is_set():
-                raise SessionNotFound(f"no handover of session {msg.sid[:8]}... under way here")
-            if not s.intake.complete:
-                raise HandoverRefused(f"the cache is incomplete ({s.intake.missing()})")
-            claim = handover_claim(node_id(), msg.sid, s.intake.length, s.intake.digest())
-            if msg.digest != s.intake.digest() or not proves(msg.peer, msg.key, claim, msg.proof):
-                raise HandoverRefused(
-                    f"the handover of {msg.sid[:8]}... is not signed by node {msg.peer[:16]}"
-                )
-            record = await self.directory.record(msg.peer)
-            if record is None or record.fingerprint != self.fingerprint:
-                raise HandoverRefused(
-                    f"node {msg.peer[:16]} announces no span of these weights"
-                    f" ({self.fingerprint}); its cache is not taken"
-                )
-            s.install(time.monotonic())
-        except SwarmError as exc:
-            await self._refuse_handover(conn, s, exc)
-            return
-        self.counters.moved_in += 1
-        log.info("session %s... handed over here at position %d", s.sid[:8], s.intake.length)
-        await conn.send(Taken(sid=msg.sid))
-
-    async def _refuse_handover(self, conn: FramedStream, s: Session, exc: SwarmError) -> None:
-        """Drop the handed-over session (its cache with it) and tell the sender why; a session
-        not being handed over only gets the error."""
-        err = Error.of(refusal(exc), sid=s.sid, hop=s.hop)
-        log.info("refused a handover of %s...: %s", s.sid[:8], exc)
-        if s.intake is not None and not s.ready.is_set():
-            s.evict(err)
-        self.counters.errors_sent += 1
-        await send_quietly(conn, err)
+        await receive.take(self.context, conn, msg, self._check_open, self._spawn)

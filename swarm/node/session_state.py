@@ -7,6 +7,12 @@ one event, checks it against the table, moves to the next state or raises the er
 gets; it never touches a socket or a clock (times come in as arguments), so the tests drive it
 directly. A failure is a transition too: the next hop refusing the open, or any error later,
 closes the session through `Fail`, which keeps the error that ended it.
+
+A hand-over (swarm/node/handover/) is a second column of the same kind, `Move`, in `MOVES`:
+sending, the session is `copying` its cache to a replica while it computes on, `holding` the
+steps that arrive once paused for the tail, `sent` when the replica took it and `left` once its
+owner released it here; receiving, its cache is `coming`, then `installed`, and the session is
+`here` once both its new owner has `claimed` it and the sender has `released` it.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import enum
 from dataclasses import dataclass
 
 from swarm.errors import ProtocolError, SessionNotFound, ShapeMismatch, SwarmError
-from swarm.protocol import DECODE, Attach, Close, Error, Opened
+from swarm.protocol import DECODE, Attach, Close, Error, Opened, Release, Taken
 
 
 class State(enum.Enum):
@@ -48,7 +54,45 @@ class Fail:
     error: Error
 
 
+class Move(enum.Enum):
+    HERE = "here"  # computed here, nothing moving
+    COPYING = "copying"  # its cache goes to a replica while it computes on here
+    HOLDING = "holding"  # paused for the tail: steps arriving wait for the replica
+    SENT = "sent"  # the replica took it; its owner and sink have been told to go there
+    LEFT = "left"  # its owner released it here: the held steps follow, then it closes
+    COMING = "coming"  # handed over here: its cache is arriving
+    INSTALLED = "installed"  # its cache is in; the sender still owns it
+    CLAIMED = "claimed"  # its next owner claimed it; the sender has not released it yet
+    RELEASED = "released"  # the sender released it; its next owner has not claimed it yet
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Its cache starts for a replica (a drain, or a prefill node's handoff)."""
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Compute nothing more here: the cache must stand still for its tail."""
+
+
+@dataclass(frozen=True)
+class Unpause:
+    """The hand-over failed: the session goes on here, its held steps first."""
+
+
+@dataclass(frozen=True)
+class Install:
+    """The whole handed-over cache has come and been checked."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Its next owner resumed it here."""
+
+
 Event = Opened | StepIn | Attach | SinkGone | Close | Fail
+MoveEvent = Copy | Pause | Unpause | Taken | Release | Install | Claim
 
 OPENING, OPEN, ATTACHED, CLOSED = State.OPENING, State.OPEN, State.ATTACHED, State.CLOSED
 
@@ -60,16 +104,36 @@ TRANSITIONS: dict[State, dict[type, State]] = {
     CLOSED: {},
 }
 
+HERE, COPYING, HOLDING, SENT, LEFT = Move.HERE, Move.COPYING, Move.HOLDING, Move.SENT, Move.LEFT
+COMING, INSTALLED, CLAIMED, RELEASED = Move.COMING, Move.INSTALLED, Move.CLAIMED, Move.RELEASED
+
+# move -> {event type: next move}; an owner's Release outside a hand-over changes nothing
+MOVES: dict[Move, dict[type, Move]] = {
+    HERE: {Copy: COPYING, Release: HERE},
+    COPYING: {Pause: HOLDING, Unpause: HERE, Release: COPYING},
+    HOLDING: {Taken: SENT, Unpause: HERE, Release: HOLDING},
+    SENT: {Release: LEFT, Unpause: HERE},
+    LEFT: {Release: LEFT, Unpause: HERE},
+    COMING: {Install: INSTALLED},
+    INSTALLED: {Claim: CLAIMED, Release: RELEASED},
+    CLAIMED: {Claim: CLAIMED, Release: HERE},
+    RELEASED: {Claim: HERE, Release: RELEASED},
+}
+
 
 class SessionState:
     """One session's state and step bookkeeping. `last`: the session ends the route here (no
     next hop to wait for, and a client attaches to it)."""
 
-    def __init__(self, sid: str, max_length: int, last: bool, now: float = 0.0):
+    def __init__(
+        self, sid: str, max_length: int, last: bool, now: float = 0.0, coming: bool = False
+    ):
+        """`coming`: a session handed over here, its cache still to come."""
         self.sid = sid
         self.max_length = max_length
         self.last = last
         self.state = OPENING
+        self.move = COMING if coming else HERE
         self.next_pos = 0  # position the next accepted step must start at
         self.opened_at = now
         self.last_active = now
@@ -85,8 +149,22 @@ class SessionState:
     def closed(self) -> bool:
         return self.state is CLOSED
 
-    def accepts(self, event: Event) -> bool:
+    @property
+    def holds_steps(self) -> bool:
+        """Paused for a hand-over: steps are kept for the replica, not computed."""
+        return self.move in (HOLDING, SENT, LEFT)
+
+    def accepts(self, event: Event | MoveEvent) -> bool:
+        if isinstance(event, MoveEvent):
+            return self.state is not CLOSED and type(event) in MOVES[self.move]
         return type(event) in TRANSITIONS[self.state]
+
+    def move_on(self, event: MoveEvent) -> Move:
+        """Take a hand-over's `event`; the new move. Raises the SwarmError its sender gets."""
+        if not self.accepts(event):
+            raise self._refusal(event)
+        self.move = MOVES[self.move][type(event)]
+        return self.move
 
     def handle(self, event: Event) -> State:
         """Take `event`; the new state. Raises the SwarmError its sender should get."""
@@ -134,8 +212,10 @@ class SessionState:
         if step.phase == DECODE and step.tokens != 1:
             raise ShapeMismatch(f"a decode step carries one token, this one {step.tokens}")
 
-    def _refusal(self, event: Event) -> SwarmError:
+    def _refusal(self, event: Event | MoveEvent) -> SwarmError:
         short = self.sid[:8]
+        if isinstance(event, MoveEvent) and self.state is not CLOSED:
+            return SessionNotFound(f"no hand-over of session {short}... is {self.move.value}")
         if isinstance(event, Attach):
             return SessionNotFound(f"no session {short}... to attach to here")
         if isinstance(event, StepIn) and self.state is OPENING:

@@ -14,16 +14,34 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from swarm.errors import CacheFull, NodeBusy, SessionNotFound
 
 if TYPE_CHECKING:
     from swarm.node.config import Limits
-    from swarm.node.session import Session
+    from swarm.node.session_state import SessionState
 
 
-class SessionTable:
+class Seated(Protocol):
+    """A session as the table weighs it (swarm.node.session.Session is one)."""
+
+    sid: str
+    host: str  # whose share it counts in
+    via: str  # the node forwarding it here, if one does
+    max_length: int  # the cache tokens it reserves
+    state: SessionState  # how long it idled, whether anyone used it
+    owner: object  # the connections holding it
+    sink: object | None
+
+    @property
+    def pieces(self) -> object: ...  # truthy while prompt pieces wait
+
+
+Session = TypeVar("Session", bound=Seated)
+
+
+class SessionTable(Generic[Session]):
     def __init__(self, limits: Limits):
         self.limits = limits
         self._sessions: dict[str, Session] = {}

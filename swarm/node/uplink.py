@@ -33,6 +33,7 @@ from swarm.link.estimator import LinkEstimator, SentFrame
 from swarm.link.options import LinkOptions
 from swarm.link.scheduler import LinkScheduler, Send, Volume
 from swarm.link.tcpinfo import read_tcp_info, set_notsent_lowat
+from swarm.node.signal import Signal
 from swarm.protocol import PREFILL, KvChunk, Message, Ping, Result, Step, to_wire
 from swarm.transport import FramedStream
 from swarm.wire import encode_frame, pack_tensor, tensor_nbytes
@@ -80,6 +81,7 @@ class Uplink:
         self._clients: dict[FramedStream, LinkEstimator] = {}  # results' links, per connection
         self._lowat: weakref.WeakSet[FramedStream] = weakref.WeakSet()  # connections set up
         self._wake = trio.Event()
+        self._gone = Signal()  # a frame was written or dropped
         self._clock0 = time.monotonic()
         self.bytes_sent = 0
         # dest -> (nonce, frame, the scheduler's mark after it, the prompt bytes the scheduler
@@ -148,11 +150,20 @@ class Uplink:
             for p in self._payloads.values()
         )
 
+    async def until_sent(self, sid: str, dest: str | None = None) -> None:
+        """Return once nothing of `sid` (to `dest`, if given) waits to be sent."""
+        await self._gone.until(lambda: not self.pending(sid, dest))
+
+    async def until_control_sent(self, stream: FramedStream) -> None:
+        """Return once no control frame for `stream` waits to be written."""
+        await self._gone.until(lambda: not self.control_pending(stream))
+
     def end_session(self, sid: str) -> None:
         self.scheduler.end_session(sid)
         self.scheduler.end_session(f"{sid}/kv")
         for vid in [v for v, p in self._payloads.items() if p.sid == sid]:
             _done(self._payloads.pop(vid))
+        self._gone.fire()
 
     def observe_decode_arrival(self, sid: str) -> None:
         self.scheduler.observe_decode_arrival(sid, self.now())
@@ -265,6 +276,7 @@ class Uplink:
                 stream, frame = self._control.popleft()
                 if not stream.closed:
                     await self._write(stream, frame)
+                self._gone.fire()
                 continue
             send = self.scheduler.next_send(self.now())
             if send is None:
@@ -283,6 +295,7 @@ class Uplink:
                 self.scheduler.sent(send, started=now, finished=now)
                 if p is not None and send.last:
                     _done(p)
+                self._gone.fire()
                 continue
             try:
                 await self._send(send, p)
@@ -294,6 +307,7 @@ class Uplink:
             finally:
                 if send.last:
                     _done(p)
+                self._gone.fire()
 
     async def _send(self, send: Send, p: Payload) -> None:
         """Write `send`, cut from `p`, with an acknowledgement request behind it if it is

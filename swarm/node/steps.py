@@ -1,0 +1,249 @@
+"""How a session computes its steps: decode steps first, prompt pieces gathered into passes
+(prompt.py) in their turn in the prompt lane, each awaited in the compute lanes and its output
+handed to the uplink, for the next hop or the client. The session's task runs `_work` until
+the session closes (session.py: the rest of a session, and where it stands)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+import trio
+
+from swarm.errors import ProtocolError, SessionNotFound, SwarmError
+from swarm.node.passes import DecodeItem, decode_pass, forward_pass
+from swarm.node.prompt import PromptPieces
+from swarm.node.session_state import Copy, SessionState
+from swarm.node.signal import Signal
+from swarm.node.uplink import CLIENTS, Payload
+from swarm.protocol import DECODE, PREFILL, Error, Open, Step
+
+if TYPE_CHECKING:
+    from swarm.model.blocks import KVCache
+    from swarm.node.compute import Done, Ticket
+    from swarm.node.context import SessionContext
+    from swarm.node.handover.cache import CacheIntake
+    from swarm.transport import FramedStream
+
+log = logging.getLogger("swarm.node")
+
+
+class StepWork:
+    """The half of a `Session` that computes: what it reads of the session is declared here."""
+
+    ctx: SessionContext
+    sid: str
+    hop: int
+    start: int
+    end: int
+    max_length: int
+    wire_dtype: str
+    open_msg: Open
+    state: SessionState
+    sink: FramedStream | None
+    downstream: str | None
+    intake: CacheIntake | None
+    cache: KVCache | None
+    changed: Signal
+    pieces: PromptPieces
+    decodes: deque[tuple[Step, torch.Tensor, float]]
+    prompt_end: int
+    _tickets: list[Ticket]
+    _wake: trio.Event
+    _computing: bool
+
+    @property
+    def is_last(self) -> bool:
+        raise NotImplementedError
+
+    async def fail(self, error: Error) -> None:
+        raise NotImplementedError
+
+    def moved(self, event) -> object:
+        raise NotImplementedError
+
+    def _queue(self, msg: Step, hidden: torch.Tensor, now: float) -> None:
+        if msg.phase == DECODE:
+            self.ctx.uplink.observe_decode_arrival(self.sid)
+            self.decodes.append((msg, hidden, now))
+        else:
+            self.pieces.add(msg, hidden, now)
+            self.ctx.observer.prompt_piece(self.sid, now, msg.pos, hidden.shape[1], msg.end)
+        self._wake.set()
+
+    async def _work(self, cache: KVCache) -> None:
+        try:
+            while not self.state.closed:
+                self._computing = True
+                if self.decodes:
+                    await self._decode(cache, *self.decodes.popleft())
+                elif self.pieces:
+                    await self._prompt_pass(cache)
+                else:
+                    self._computing = False
+                    self.changed.fire()
+                    await self._idle()
+                self._computing = False
+                self.changed.fire()
+        finally:
+            for ticket in self._tickets:
+                ticket.release()
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing of the session is computing or waiting to be: its cache stands still."""
+        return not (self._computing or self.decodes or self.pieces)
+
+    async def _sink_in_time(self) -> bool:
+        """A handed-over last hop may compute a step before the client has resumed it here:
+        the result waits for the client a little while."""
+        if self.intake is None:
+            return False
+        with trio.move_on_after(self.ctx.config.limits.open_timeout_s):
+            await self.changed.until(lambda: self.sink is not None)
+        return self.sink is not None
+
+    async def _woken(self) -> None:
+        self._wake = trio.Event()
+        await self._wake.wait()
+
+    async def _idle(self) -> None:
+        limits = self.ctx.config.limits
+        idle, unused = limits.session_idle_s, limits.open_deadline_s
+        with trio.move_on_after(self.state.deadline(idle, unused) - time.monotonic()):
+            await self._woken()
+            return
+        if self.state.expired(time.monotonic(), idle, unused):
+            if self.state.used:
+                err = SessionNotFound("session expired after idling")
+            else:
+                what = "attached" if self.is_last else "stepped"
+                err = SessionNotFound(f"session dropped: not {what} within {unused:g} s of opening")
+            await self.fail(Error.of(err, self.sid, self.hop))
+
+    async def _decode(self, cache: KVCache, step: Step, hidden: torch.Tensor, arrived: float):
+        compute, span = self.ctx.compute, self.ctx.span
+        try:
+            if hidden.shape[1] == 1:  # joins other sessions' steps through the same blocks
+                run = functools.partial(decode_pass, span, self.start, self.end)
+                item = DecodeItem(cache, step.pos, hidden)
+                done = await compute.decode((self.start, self.end), item, run)
+            else:
+                fn = functools.partial(
+                    forward_pass, span, cache, self.start, self.end, step.pos, hidden
+                )
+                done = await compute.run(DECODE, fn, hidden.shape[1])
+        except Exception as exc:
+            await self._compute_failed(exc)
+            return
+        if await self._forward(step, done):
+            self.ctx.observer.decode_step(arrived, time.monotonic(), done.elapsed, done.usage)
+
+    async def _prompt_pass(self, cache: KVCache) -> None:
+        """Wait for the prompt lane, then compute what has arrived by then (up to a pass's
+        worth), holding the next place in the lane already if more waits."""
+        config, compute = self.ctx.config.compute, self.ctx.compute
+        if not self._tickets:
+            self._tickets.append(compute.reserve(PREFILL, self._rank()))
+        ticket = self._tickets[0]
+        await ticket.turn()
+        wait = self.pieces.wait(time.monotonic(), config.min_pass_tokens, config.gather_s)
+        if wait > 0:  # a few tokens only: let more come, a little while
+            self._tickets.pop(0).release()
+            with trio.move_on_after(wait):
+                while (
+                    self.pieces.wait(time.monotonic(), config.min_pass_tokens, config.gather_s) > 0
+                ):
+                    await self._woken()
+            return
+        step, hidden = self.pieces.take(config.pass_tokens, time.monotonic())
+        self.prompt_end = step.end
+        if self.pieces:  # more than one pass waits: queue the next, behind any decode step
+            self._tickets.append(compute.reserve(PREFILL, self._rank()))
+        fn = functools.partial(
+            forward_pass, self.ctx.span, cache, self.start, self.end, step.pos, hidden
+        )
+        try:
+            done = await ticket.run(fn, hidden.shape[1])
+        except Exception as exc:
+            await self._compute_failed(exc)
+            return
+        finally:
+            self._tickets.remove(ticket)
+            ticket.release()
+        self.ctx.counters.prompt_passes += 1
+        self.ctx.counters.prompt_tokens += hidden.shape[1]
+        if await self._forward(step, done):
+            out = done.result
+            self._prompt_computed(done_all=step.pos + out.shape[1] == step.end)
+            self.ctx.observer.prompt_pass(
+                self.sid,
+                time.monotonic(),
+                step.pos,
+                out.shape[1],
+                step.end,
+                done.elapsed,
+                done.usage,
+            )
+
+    def _prompt_computed(self, done_all: bool) -> None:
+        """Opened with a handoff (this node computes prompts for a decode node): the session
+        goes to that node, its cache streaming there from the prompt's first pass on (the
+        rest follows as passes finish), decoding here until it has all arrived. A layer with a
+        sliding window shorter than the session waits for the whole prompt: the next pass
+        would overwrite positions of its ring while they are copied out."""
+        if self.open_msg.handoff is None or self.ctx.hand_off is None:
+            return
+        if not self.state.accepts(Copy()):
+            return  # moving already
+        assert self.cache is not None
+        rings = any(k.shape[2] < self.max_length for k in self.cache.keys)
+        if done_all or not rings:
+            self.moved(Copy())
+            self.ctx.hand_off(self)
+
+    def _rank(self) -> float:
+        compute = self.ctx.compute
+        left = self.pieces.tokens_left()
+        rank = compute.prefill_rank(self.pieces.prompt_since, left)
+        per_token = compute.prefill_token_seconds or 0.0
+        cost = min(left, self.ctx.config.compute.pass_tokens) * per_token
+        return self.ctx.sessions.prompt_rank(self, rank, cost)
+
+    async def _compute_failed(self, error: Exception) -> None:
+        if self.state.closed:
+            return
+        log.exception("step failed in session %s...", self.sid[:8], exc_info=error)
+        err = error if isinstance(error, SwarmError) else ProtocolError(f"compute failed: {error}")
+        await self.fail(Error.of(err, sid=self.sid, hop=self.hop))
+
+    async def _forward(self, step: Step, done: Done) -> bool:
+        """Queue a pass's output for the next hop (or the client); False if the session ended."""
+        if self.state.closed:
+            return False
+        out = done.result
+        n = out.shape[1]
+        self.ctx.counters.steps_done += 1
+        self.ctx.counters.tokens_done += n
+        if not self.is_last:
+            ds = self.ctx.downstream.stream(self.downstream)
+            if ds is None:
+                return True  # lost: the sessions through it are failing
+            to, dest, phase, result = ds, self.downstream, step.phase, False
+        elif step.pos + n != step.end:
+            return True  # a middle chunk of a prefill: the client needs only the last token
+        elif self.sink is None and not await self._sink_in_time():
+            err = SessionNotFound("no client attached to receive results")
+            await self.fail(Error.of(err, self.sid, self.hop))
+            return False
+        else:
+            to, dest, phase, result, out = self.sink, CLIENTS, DECODE, True, out[:, -1:]
+        payload = Payload(
+            to, dest, self.sid, phase, step.pos, step.end, out, self.wire_dtype, result=result
+        )
+        self.ctx.uplink.send_activations(payload)
+        return True
