@@ -6,7 +6,7 @@ same cores in both):
              prompt delays the decode steps of the streams it serves.
   P/D:       one --role prefill, one --role decode; streams decode on the decode node, prompts
              go to the prefill node, which answers the first token and hands each session with
-             its cache to the decode node (swarm/node/mover.py), decoding it meanwhile; a
+             its cache to the decode node (swarm/node/handover/), decoding it meanwhile; a
              session generating fewer than --handoff-min-new tokens stays there.
 Each node runs on a core of its own (taskset; --no-pin: any), as on two PCs, its threads, DHT
 process and p2pd with it; the clients run on any core (--client-core: one). In each round

@@ -3,7 +3,7 @@
 One run, two rounds on the default model (every block on one node, so a session's route is that
 node): in each, 8 sessions open on a node, feed a prompt of --depth tokens and decode steadily;
 a replica (the whole model too) starts, then the node gets SIGTERM.
-  handover: the node hands each session's cache to the replica (swarm/node/mover.py).
+  handover: the node hands each session's cache to the replica (swarm/node/handover/).
   replay:   the node runs --handover off --grace 0: its sessions' clients route anew and replay
             every token so far as a prompt on the replica (what a crash costs too).
 A session's stall is the longest gap between two of its tokens from the signal on. With

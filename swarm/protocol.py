@@ -79,7 +79,7 @@ class Open:
     # behind a forwarding node a share of its own (swarm.node.admission.share_of)
     origin: str = text(64, default="")
     # on the last hop only: once the prompt is in, hand the session and its cache over to this
-    # node serving the same blocks (prefill on one node, decode on another; swarm.node.mover)
+    # node serving the same blocks (prefill on one node, decode on another; swarm.node.handover)
     handoff: Hop | None = declare(HOP, default=None)
     t: str = tag("open")
 
@@ -245,7 +245,7 @@ class HandoverTail:
 @dataclass(frozen=True)
 class HandoverEnd:
     """The last frame of a handover: the sender `peer` proves its node id by signing
-    `handover_claim` with the key behind it (`key`, `proof`, as swarm.dht.sign_as_node)."""
+    `handover_claim` with the key behind it (`key`, `proof`, as swarm.dht.NodeKey.sign)."""
 
     sid: str = text(64)
     digest: str = text(64)

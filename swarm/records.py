@@ -70,7 +70,7 @@ class NodeRecord:
     reach: str = ""  # what its dial-back check found: "direct", "relayed", "unknown", "" (none)
     arch: str = ""  # the model's family, and "experts/used" for a mixture ("qwen3_moe 128/8")
     prompt_passes: int = 0  # prompt passes since the node started (replays cost some)
-    moved_in: int = 0  # sessions leaving nodes handed over to it (swarm.node.mover)
+    moved_in: int = 0  # sessions leaving nodes handed over to it (swarm.node.handover)
     moved_out: int = 0  # sessions it handed over to replicas
     transfers: int = 0  # caches being handed over, either way, when it wrote the record
     role: str = BOTH  # PREFILL: clients send it long prompts, it hands their caches on

@@ -1,4 +1,4 @@
-"""A leaving node hands its sessions to a replica with their caches (swarm/node/mover.py): the
+"""A leaving node hands its sessions to a replica with their caches (swarm/node/handover/): the
 sessions go on there without replaying a token, and every failure falls back to replay."""
 
 from __future__ import annotations

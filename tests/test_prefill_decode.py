@@ -1,6 +1,6 @@
 """Prefill on one node, decode on another (P/D): a client sends a long prompt to a node that
 announces itself for prompts (--role prefill), which computes it, answers the first token and
-hands the session, cache and all, to the node the session decodes on (swarm/node/mover.py)."""
+hands the session, cache and all, to the node the session decodes on (swarm/node/handover/)."""
 
 from __future__ import annotations
 

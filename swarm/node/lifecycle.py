@@ -32,8 +32,8 @@ from swarm.model.usable import usable_formats
 from swarm.node.announce import Announcer
 from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
+from swarm.node.handover.send import hand_over_all
 from swarm.node.measure import blocks_that_fit, measure_throughput
-from swarm.node.mover import hand_over_all
 from swarm.node.observer import StepObserver
 from swarm.node.placement import better_span, choose_span, coverage, gaps, settled_span
 from swarm.node.server import Node
@@ -92,9 +92,8 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
         source.config.check_span(cfg.start, cfg.end)
     fingerprint = source.fingerprint()
     # The node's key, for its life: its DHT signs its records with it, its relay registrations
-    # prove it. The process's for now: Node (server.py, mover.py) still names and signs
-    # hand-overs with the process's key, and a node's records and claims must name one peer.
-    key = NodeKey.process_wide()
+    # and hand-overs prove it; its own, so two nodes in one process are two nodes
+    key = NodeKey.generate()
     dht = start_dht(cfg.initial_peers, host=cfg.dht_host, nice=cfg.dht_nice, key=key)
     try:
         if not cfg.initial_peers:
@@ -219,7 +218,7 @@ class Lifecycle:
         """Move the open sessions to replicas the DHT announces, by `deadline`."""
         with trio.move_on_at(deadline):
             records = await self.records()
-            moved = await hand_over_all(node, records, self.me, deadline, say)
+            moved = await hand_over_all(node.context, records, self.me, deadline, say)
             if moved:
                 say(f"handed {moved} sessions over")
 
@@ -282,7 +281,13 @@ class Lifecycle:
             self.dht, source.config.name, source.config.num_layers, plaintext=cfg.plaintext
         )
         node = Node(
-            cfg, span, self.fingerprint, self.observer, directory=directory, identity=self.identity
+            cfg,
+            span,
+            self.fingerprint,
+            self.observer,
+            directory=directory,
+            identity=self.identity,
+            key=self.key,
         )
         node.compute.decode_step_seconds = await trio.to_thread.run_sync(measure_throughput, span)
         formats = ", ".join(f"{n} {fmt}" for fmt, n in span.formats.items())
