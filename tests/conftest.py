@@ -7,6 +7,7 @@ import torch
 
 from devtools.launch import start_swarm, stop_all
 from swarm.model.tiny import reference_greedy, save_tiny_llama, save_tiny_tokenizer
+from tests.helpers.flags import exact_flags
 
 __all__ = [
     "reference_greedy",
@@ -56,7 +57,7 @@ def tiny_swarm(tiny_model_dir):
         model=str(tiny_model_dir),
         # records live 30 s: under a load average of 36 a node refreshing every 3 s at TTL 10
         # fell out of the DHT and a route found its blocks unserved
-        extra=["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "30"],
+        extra=exact_flags(ttl=30),
     )
     yield nodes
     stop_all(nodes)
@@ -141,7 +142,7 @@ def nodes_greedy(path, spans, ids: list[int], new_tokens: int) -> list[int]:
     """Greedy tokens after `ids` through real nodes serving `spans` of `path` at float32."""
     from swarm.client.client import Client
 
-    flags = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+    flags = exact_flags(ttl=10)
     nodes = start_swarm(spans, model=str(path), extra=flags)
     try:
         client = Client(nodes[0].maddrs[:1], model=str(path), wire_dtype="float32")

@@ -30,11 +30,12 @@ from devtools.cdp import Browser
 from devtools.launch import start_node, start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.model.tiny import save_tiny_llama, save_tiny_tokenizer
+from tests.helpers.flags import exact_flags
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 KEY = "test-key-1"
 # records refresh every 2 s; a 3 s TTL let a record lapse while Chromium took the cores
-NODE_FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "6"]
+NODE_FLAGS = exact_flags(ttl=6)
 QUESTION = [{"role": "user", "content": "Tell me about the bees, please."}]
 
 

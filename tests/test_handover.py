@@ -18,8 +18,9 @@ from devtools.launch import NodeProcess, start_node, stop_all
 from swarm.client.client import Client
 from swarm.dht import start_dht, visible_maddrs
 from tests.conftest import reference_greedy
+from tests.helpers.flags import exact_flags
 
-EXACT = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+EXACT = exact_flags(ttl=10)
 # prompts whose greedy continuations never come within 0.08 of a tie between the two likeliest
 # tokens (a random tiny model has many near-ties, where float noise of 1e-5 between two runs of a
 # node may pick either)

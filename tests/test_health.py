@@ -35,6 +35,7 @@ from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
 from swarm.health.state import Collector, CollectorConfig
 from swarm.records import MODELS_KEY, ModelRecord, NodeRecord, Reported, block_key
 from swarm.transport import Reach
+from tests.helpers.flags import exact_flags
 
 MODEL, LAYERS, FINGERPRINT = "tiny-fake", 8, "fp-test-0001"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -477,7 +478,7 @@ def swarm(tiny_model_dir):
     real = start_swarm(
         list(SPANS.values()),
         model=str(tiny_model_dir),
-        extra=["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", str(NODE_TTL)],
+        extra=exact_flags(ttl=NODE_TTL),
     )
     cleanup: list[subprocess.Popen] = [n.proc for n in real]
     dht = None

@@ -17,8 +17,9 @@ from swarm.model.rope import Rotary, llama3_frequencies
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny_llama, save_tiny_tokenizer
 from tests.conftest import swarm_greedy
+from tests.helpers.flags import exact_flags
 
-FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+FLAGS = exact_flags(ttl=10)
 PROMPT = [5, 50, 150, 250, 350, 450]
 TINY_SHAPE = dict(
     vocab_size=512,
