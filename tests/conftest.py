@@ -152,3 +152,14 @@ def nodes_greedy(path, spans, ids: list[int], new_tokens: int) -> list[int]:
             client.close()
     finally:
         stop_all(nodes)
+
+
+@pytest.fixture
+def dht_peers():
+    """A DHT peer of the test's own that nodes and clients join, so the swarm outlives the
+    node that leaves (a client knowing only that node's DHT peer would lose the swarm)."""
+    from swarm.dht import start_dht, visible_maddrs
+
+    dht = start_dht()
+    yield visible_maddrs(dht)[:1]
+    dht.shutdown()
