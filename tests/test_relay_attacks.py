@@ -23,8 +23,8 @@ from swarm.protocol import Error, Hop, Relay, relay_claim
 from swarm.relay import CONTROL_SILENCE_S, RelayHub
 from swarm.tls import Identity
 from swarm.transport import FramedStream, connect, ping
+from tests.helpers.doubles import Doubling
 from tests.helpers.flags import exact_flags
-from tests.test_session import Doubling
 
 FLAGS = exact_flags()
 RELAY_ID = "the-relays-own-node-id"  # what an in-process hub's proofs are bound to
