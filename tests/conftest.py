@@ -138,6 +138,27 @@ def tiny_family(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(family, **config) -> (model, its folder, its F32 GGUF file in another folder), made on
+    first use; no tokenizer, no reference tokens (`tiny_family` adds them)."""
+    from devtools.hf_to_gguf import write_gguf
+    from swarm.model.tiny import save_tiny
+
+    made = {}
+
+    def get(family: str, **config):
+        key = (family, repr(sorted(config.items())))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{family}")
+            model = save_tiny(family, folder, **config)
+            path = write_gguf(folder, tmp_path_factory.mktemp("gguf") / f"{family}.gguf")
+            made[key] = model, folder, path
+        return made[key]
+
+    return get
+
+
 def nodes_greedy(path, spans, ids: list[int], new_tokens: int) -> list[int]:
     """Greedy tokens after `ids` through real nodes serving `spans` of `path` at float32."""
     from swarm.client.client import Client
