@@ -8,6 +8,7 @@ import torch
 from devtools.launch import start_swarm, stop_all
 from swarm.model.tiny import reference_greedy, save_tiny_llama, save_tiny_tokenizer
 from swarm.process import wait_passively
+from tests.helpers.flags import exact_flags
 
 __all__ = [
     "reference_greedy",
@@ -59,7 +60,7 @@ def tiny_swarm(tiny_model_dir):
         model=str(tiny_model_dir),
         # records live 30 s: under a load average of 36 a node refreshing every 3 s at TTL 10
         # fell out of the DHT and a route found its blocks unserved
-        extra=["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "30"],
+        extra=exact_flags(ttl=30),
     )
     yield nodes
     stop_all(nodes)
@@ -140,11 +141,32 @@ def tiny_family(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(family, **config) -> (model, its folder, its F32 GGUF file in another folder), made on
+    first use; no tokenizer, no reference tokens (`tiny_family` adds them)."""
+    from devtools.hf_to_gguf import write_gguf
+    from swarm.model.tiny import save_tiny
+
+    made = {}
+
+    def get(family: str, **config):
+        key = (family, repr(sorted(config.items())))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{family}")
+            model = save_tiny(family, folder, **config)
+            path = write_gguf(folder, tmp_path_factory.mktemp("gguf") / f"{family}.gguf")
+            made[key] = model, folder, path
+        return made[key]
+
+    return get
+
+
 def nodes_greedy(path, spans, ids: list[int], new_tokens: int) -> list[int]:
     """Greedy tokens after `ids` through real nodes serving `spans` of `path` at float32."""
     from swarm.client.client import Client
 
-    flags = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+    flags = exact_flags(ttl=10)
     nodes = start_swarm(spans, model=str(path), extra=flags)
     try:
         client = Client(nodes[0].maddrs[:1], model=str(path), wire_dtype="float32")
@@ -154,3 +176,14 @@ def nodes_greedy(path, spans, ids: list[int], new_tokens: int) -> list[int]:
             client.close()
     finally:
         stop_all(nodes)
+
+
+@pytest.fixture
+def dht_peers():
+    """A DHT peer of the test's own that nodes and clients join, so the swarm outlives the
+    node that leaves (a client knowing only that node's DHT peer would lose the swarm)."""
+    from swarm.dht import start_dht, visible_maddrs
+
+    dht = start_dht()
+    yield visible_maddrs(dht)[:1]
+    dht.shutdown()

@@ -18,6 +18,7 @@ from swarm.protocol import Attach, Attached, Close, Error, Hop, Open, Opened
 from swarm.tls import dial
 from swarm.transport import FramedStream
 from tests.conftest import reference_greedy
+from tests.helpers.flags import exact_flags
 
 PROMPT = [5, 50, 150, 250, 350]
 NEW = 8
@@ -34,7 +35,7 @@ LIMITS = {
     "--open-deadline": DEADLINE,
     "--evict-idle": EVICT_IDLE,
 }
-NODE_ARGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+NODE_ARGS = exact_flags(ttl=10)
 NODE_ARGS += [str(x) for kv in LIMITS.items() for x in kv]
 
 

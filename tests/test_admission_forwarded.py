@@ -14,8 +14,9 @@ from swarm.model.source import open_model
 from swarm.protocol import Error, Open, Opened
 from swarm.tls import dial
 from swarm.transport import FramedStream
+from tests.helpers.flags import exact_flags
 
-FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--threads", "1"]
+FLAGS = exact_flags(threads=1)
 SECOND = ["--max-host-sessions", "2", "--max-forwarded-sessions", "4"]
 
 

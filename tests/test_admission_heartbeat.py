@@ -19,6 +19,7 @@ from swarm.heartbeat import Heartbeat
 from swarm.model.source import open_model
 from swarm.model.tiny import TINY
 from swarm.protocol import Hop
+from tests.helpers.flags import exact_flags
 
 STEP_TIMEOUT = 30.0  # the fallback the heartbeat must beat by far
 
@@ -28,7 +29,7 @@ def chain(tiny_model_dir):
     nodes = start_swarm(
         [(0, 2), (2, 4), (4, 6)],
         model=str(tiny_model_dir),
-        extra=["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"],
+        extra=exact_flags(ttl=10),
     )
     wait_online(nodes, str(tiny_model_dir))
     yield nodes

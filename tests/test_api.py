@@ -9,18 +9,12 @@ holding half of another model, whose API must answer 503 naming the blocks nobod
 from __future__ import annotations
 
 import json
-import os
-import queue
 import re
 import shutil
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
@@ -30,63 +24,13 @@ from devtools.cdp import Browser
 from devtools.launch import start_node, start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.model.tiny import save_tiny_llama, save_tiny_tokenizer
+from tests.helpers.api import KEY, ApiServer
+from tests.helpers.flags import exact_flags
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-KEY = "test-key-1"
 # records refresh every 2 s; a 3 s TTL let a record lapse while Chromium took the cores
-NODE_FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "6"]
+NODE_FLAGS = exact_flags(ttl=6)
 QUESTION = [{"role": "user", "content": "Tell me about the bees, please."}]
-
-
-@dataclass
-class ApiServer:
-    proc: subprocess.Popen
-    url: str = ""
-    lines: list[str] = field(default_factory=list)
-
-    @classmethod
-    def start(cls, peers: list[str], model: Path, *extra: str, key: str | None = KEY):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("SWARM_API_KEY", None)
-        if key:
-            env["SWARM_API_KEY"] = key  # the environment variable path of --api-key
-        cmd = [sys.executable, "-m", "swarm.api", "--initial-peers", *peers, "--model", str(model)]
-        cmd += ["--port", "0", "--wire-dtype", "float32", *extra]
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        server = cls(proc)
-        found: queue.Queue[str | None] = queue.Queue()
-
-        def pump() -> None:
-            for line in proc.stdout:
-                server.lines.append(line.rstrip("\n"))
-                if m := re.search(r"api on (http://\S+)/v1 ", line):
-                    found.put(m.group(1))
-            found.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-        try:
-            url = found.get(timeout=180)
-        except queue.Empty:
-            url = None
-        if url is None:
-            server.stop()
-            raise RuntimeError("the API server did not start:\n" + "\n".join(server.lines))
-        server.url = url
-        return server
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def openai(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, **kw)
 
 
 @pytest.fixture(scope="module")

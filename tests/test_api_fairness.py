@@ -16,7 +16,8 @@ import trio.testing
 
 from devtools.launch import start_swarm, stop_all
 from swarm.api.fair import FairSlots
-from tests.test_api import NODE_FLAGS, ApiServer
+from tests.helpers.api import ApiServer
+from tests.helpers.flags import exact_flags
 
 MAX_CONNECTIONS = 64
 
@@ -76,7 +77,7 @@ def small_api(tiny_model_dir):
     """An API server with 4 generation slots, at most 2 for one caller; idle connections
     closed after 2 s; 64 connections, 16 for one address. Its own nodes: the shared tiny
     swarm's session counts are other tests'."""
-    nodes = start_swarm([(0, 3), (3, 6)], model=str(tiny_model_dir), extra=NODE_FLAGS)
+    nodes = start_swarm([(0, 3), (3, 6)], model=str(tiny_model_dir), extra=exact_flags(ttl=6))
     extra = ("--max-requests", "4", "--max-caller-requests", "2", "--idle-timeout", "2")
     extra += ("--max-connections", str(MAX_CONNECTIONS), "--max-caller-connections", "16")
     try:

@@ -11,6 +11,7 @@ import pytest
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
 from tests.conftest import swarm_greedy
+from tests.helpers.flags import exact_flags
 
 pytestmark = pytest.mark.slow
 
@@ -50,9 +51,7 @@ def mean_batch(client: Client) -> float:
     return max(r.decode_batch for r in client.nodes())
 
 
-@pytest.mark.parametrize(
-    "weights", [["--weights", "float32", "--wire-dtype", "float32"], ["--wire-dtype", "float32"]]
-)
+@pytest.mark.parametrize("weights", [exact_flags(), ["--wire-dtype", "float32"]])
 def test_concurrent_sessions_get_the_tokens_each_gets_alone(weights):
     """float32 weights: token-identical by construction of the math; at the default weights
     too (measured: the int4 kernel computes each row alone, so batching changes no bit)."""

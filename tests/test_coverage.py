@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from swarm.node.placement import coverage as counted_coverage
 from swarm.records import block_coverage, coverage, coverage_gaps, format_blocks
-from tests.test_placement import rec
+from tests.helpers.records import rec
 
 LAYERS = 6
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from swarm.model import kernels
 from swarm.model.blocks import Span
 from swarm.model.source import open_model
-from tests.test_kernels import ISAS, lib_for, needs_kernels, synthetic_gguf
+from tests.helpers.kernels import ISAS, lib_for, needs_kernels
+from tests.helpers.scripts import synthetic_gguf
 
 pytestmark = needs_kernels
 

@@ -20,15 +20,8 @@ from tests.conftest import (
     nodes_greedy,
     split_greedy,
 )
+from tests.helpers.tiny import LLAMA3
 
-LLAMA3 = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
 VARIANTS = {
     **{f: (f, {}) for f in FAMILIES},
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),

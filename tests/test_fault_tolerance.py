@@ -11,6 +11,7 @@ from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.errors import RouteUnavailable
 from tests.conftest import reference_greedy
+from tests.helpers.flags import exact_flags
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 NEW = 30
@@ -22,16 +23,7 @@ def redundant_swarm(tiny_model_dir):
     nodes = start_swarm(
         [(0, 3), (0, 3), (3, 6), (3, 6)],
         model=str(tiny_model_dir),
-        extra=[
-            "--weights",
-            "float32",
-            "--wire-dtype",
-            "float32",
-            "--announce-ttl",
-            "20",
-            "--grace",
-            "3",
-        ],
+        extra=[*exact_flags(ttl=20), "--grace", "3"],
     )
     yield nodes
     for n in nodes:

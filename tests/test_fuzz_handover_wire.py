@@ -26,7 +26,7 @@ from swarm.protocol import (
     parse_message,
     to_wire,
 )
-from tests.test_fuzz_wire import hops, hostile_scalars, sids
+from tests.helpers.strategies import hops, hostile_scalars, sids
 
 KINDS = ["handover", "kv", "handover_tail", "handover_end", "taken", "moved", "resume"]
 KINDS += ["resumed", "release"]

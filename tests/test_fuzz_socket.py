@@ -43,6 +43,7 @@ from swarm.records import NodeRecord
 from swarm.transport import FramedStream, connect, ping
 from swarm.wire import FrameDecoder, encode_frame, pack_tensor
 from tests.conftest import reference_greedy
+from tests.helpers.flags import exact_flags
 
 HIDDEN = 64
 IDLE = 3.0  # --connection-idle of the nodes here
@@ -52,12 +53,7 @@ PROMPT = [7, 70, 170, 270, 370, 470, 3, 33]
 MAX_LENGTH = 480  # the tiny model's context is 512
 NODE_ARGS = [
     "--plaintext",  # these attacks speak raw frames; TLS's own are in tests/test_tls.py
-    "--weights",
-    "float32",
-    "--wire-dtype",
-    "float32",
-    "--announce-ttl",
-    "10",
+    *exact_flags(ttl=10),
     "--connection-idle",
     str(IDLE),
     # every attack here comes from 127.0.0.1, dozens at once: the share of one address is

@@ -27,7 +27,6 @@ from swarm.protocol import (
     Attached,
     Close,
     Error,
-    Hop,
     Open,
     Opened,
     Ping,
@@ -39,6 +38,7 @@ from swarm.protocol import (
 )
 from swarm.records import BOTH, DEFAULT_WEIGHTS, PREFILL, ROLES, NodeRecord
 from swarm.wire import WIRE_DTYPES, FrameDecoder, encode_frame, pack_tensor, unpack_tensor
+from tests.helpers.strategies import hops, hostile_scalars, scalars, sids, small_ints
 
 MAX_FRAME = 512  # small, so random prefixes land on both sides of the limit
 HIDDEN = 8
@@ -72,14 +72,6 @@ def examples(request, record_property):
 
 # ---- strategies -------------------------------------------------------------------------------
 
-scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**63), 2**64 - 1)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=12)
-    | st.binary(max_size=24)
-)
 # what msgpack can carry and give back unchanged: str-keyed maps, lists, scalars
 packable = st.recursive(
     scalars,
@@ -87,13 +79,6 @@ packable = st.recursive(
         st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
     ),
     max_leaves=16,
-)
-# what an attacker can put in a field: the above plus NaN and the extension types msgpack decodes
-hostile_scalars = (
-    scalars
-    | st.floats()
-    | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=8))
-    | st.builds(msgpack.Timestamp, st.integers(0, 2**33), st.integers(0, 999_999_999))
 )
 hostile = st.recursive(
     hostile_scalars,
@@ -104,12 +89,6 @@ hostile = st.recursive(
     max_leaves=16,
 )
 maps = st.dictionaries(st.text(max_size=8), packable, max_size=6)
-
-sids = st.text(max_size=64)
-small_ints = st.integers(0, 2**31)
-hops = st.builds(
-    Hop, st.text(max_size=20), small_ints, small_ints, small_ints, st.text(max_size=20)
-)
 
 
 @st.composite

@@ -13,6 +13,7 @@ import torch
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
 from tests.conftest import reference_greedy, swarm_greedy
+from tests.helpers.flags import exact_flags
 
 pytestmark = [
     pytest.mark.slow,
@@ -28,7 +29,7 @@ PROMPTS = [
     "Photosynthesis is the process by which",
 ]
 NEW_TOKENS = 40
-FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--threads", "1"]
+FLAGS = exact_flags(threads=1)
 
 
 @pytest.fixture(scope="module")

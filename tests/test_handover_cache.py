@@ -13,7 +13,7 @@ from swarm.model.blocks import KVCache
 from swarm.node.handover.cache import CacheIntake, pick_replicas, slab_digest, slabs
 from swarm.protocol import KvChunk
 from swarm.wire import pack_tensor
-from tests.test_placement import rec
+from tests.helpers.records import rec
 
 HEADS, DIM, LENGTH = 2, 4, 64
 CAPACITIES = (LENGTH, 8)  # a full layer and a sliding window of 8 (a ring)

@@ -25,14 +25,15 @@ from swarm.protocol import (
 from swarm.transport import dial_hop
 from swarm.wire import pack_tensor
 from tests.conftest import reference_greedy
-from tests.test_handover import EXACT, PROMPTS
+from tests.helpers.flags import exact_flags
+from tests.helpers.handover import PROMPTS
 
 LAYERS, WIDTH, LENGTH = 6, 32, 4  # the tiny model: 2 kv heads of 16; a 4-token session
 
 
 @pytest.fixture(scope="module")
 def node(tiny_model_dir):
-    [n] = start_swarm([(0, 6)], model=str(tiny_model_dir), extra=EXACT)
+    [n] = start_swarm([(0, 6)], model=str(tiny_model_dir), extra=exact_flags(ttl=10))
     yield n
     stop_all([n])
 

@@ -23,12 +23,7 @@ from swarm.protocol import PREFILL, Attach, Attached, Hop, Open, Opened, Result,
 from swarm.tls import dial
 from swarm.transport import FramedStream
 from swarm.wire import pack_tensor
-from tests.test_handover import (
-    dht_peers,  # noqa: F401 (a fixture)
-    left_with,
-    start_full_node,
-    wait_for_lines,
-)
+from tests.helpers.handover import left_with, start_full_node, wait_for_lines
 
 USERS = [f"127.0.0.{i}" for i in range(2, 6)]  # 4 sessions: twice one address's share
 PROMPT = 7

@@ -35,6 +35,8 @@ from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
 from swarm.health.state import Collector, CollectorConfig
 from swarm.records import MODELS_KEY, ModelRecord, NodeRecord, Reported, block_key
 from swarm.transport import Reach
+from tests.helpers.flags import exact_flags
+from tests.helpers.records import node_record
 
 MODEL, LAYERS, FINGERPRINT = "tiny-fake", 8, "fp-test-0001"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -45,19 +47,15 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 def rec(peer: str, start: int, end: int, **kw) -> NodeRecord:
     base = dict(
-        peer=peer,
         addr=f"10.0.0.{start}:{7000 + end}",
         model=MODEL,
-        start=start,
-        end=end,
-        state="online",
         fingerprint=FINGERPRINT,
         version="0.1.0",
         num_layers=LAYERS,
         throughput=10.0,
         updated=1000.0,
     )
-    return NodeRecord(**{**base, **kw})
+    return node_record(peer, start, end, **{**base, **kw})
 
 
 def view(
@@ -477,7 +475,7 @@ def swarm(tiny_model_dir):
     real = start_swarm(
         list(SPANS.values()),
         model=str(tiny_model_dir),
-        extra=["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", str(NODE_TTL)],
+        extra=exact_flags(ttl=NODE_TTL),
     )
     cleanup: list[subprocess.Popen] = [n.proc for n in real]
     dht = None

@@ -8,15 +8,17 @@ import re
 from swarm.health.render import render_page
 from swarm.health.snapshot import DhtStatus, Known, Snapshot, build_model_view
 from swarm.records import ModelRecord, NodeRecord
+from tests.helpers.records import node_record
 
 LAYERS = 30
 NOW = 1001.0
 
 
 def record(i: int, span: tuple[int, int], fingerprint: str = "fp") -> NodeRecord:
-    return NodeRecord(
-        f"peer{i:03d}", f"10.0.{i // 250}.{i % 250}:7000", "m", *span, "online", fingerprint,
-        "0", LAYERS, free_cache_tokens=4096, throughput=20.0, sessions=i % 3, updated=1000.0,
+    return node_record(
+        f"peer{i:03d}", *span, addr=f"10.0.{i // 250}.{i % 250}:7000", fingerprint=fingerprint,
+        version="0", num_layers=LAYERS, free_cache_tokens=4096, throughput=20.0, sessions=i % 3,
+        updated=1000.0,
     )  # fmt: skip
 
 

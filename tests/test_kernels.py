@@ -3,7 +3,6 @@ this CPU runs: what they compute against the dequantized weights, and what they 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -19,18 +18,10 @@ from swarm.model.blocks import Span
 from swarm.model.linear import BLOCKS, Blocks, Int4, Int8
 from swarm.model.source import open_model
 from swarm.model.weights import Fused, RawTensor, make_linear
-from tests.test_weights import as_float32
+from tests.helpers.kernels import ISAS, TORCH_KERNELS, as_float32, lib_for, needs_kernels
+from tests.helpers.scripts import synthetic_gguf
 
-_SPEC = importlib.util.spec_from_file_location(
-    "synthetic_gguf", Path(__file__).parent.parent / "scripts" / "synthetic_gguf.py"
-)
-synthetic_gguf = importlib.util.module_from_spec(_SPEC)
-sys.modules["synthetic_gguf"] = synthetic_gguf
-_SPEC.loader.exec_module(synthetic_gguf)
-
-ISAS = kernels.runnable_isas()
 KINDS = list(kernels.FORMATS)
-TORCH_KERNELS = ("float32", "bfloat16", "int8", "int4")
 # where each block's float16 scales sit: (offset, count)
 _HALVES = {
     "Q4_0": (0, 1),
@@ -40,15 +31,6 @@ _HALVES = {
     "Q5_K": (0, 2),
     "Q6_K": (208, 1),
 }
-
-needs_kernels = pytest.mark.skipif(not ISAS, reason="this CPU runs none of swarm's kernels")
-
-
-def lib_for(isa: str) -> kernels.Kernels:
-    lib = kernels.load(isa)
-    if lib is None:
-        pytest.skip(f"swarm's {isa} kernels do not build here (no C compiler?)")
-    return lib
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:

@@ -15,8 +15,9 @@ import psutil
 from devtools.launch import start_node, stop_all
 from swarm.client.client import Client
 from tests.conftest import reference_greedy, swarm_greedy
+from tests.helpers.flags import exact_flags
 
-FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--threads", "1"]
+FLAGS = exact_flags(threads=1)
 PROMPT = [5, 50, 150, 250]
 
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import ast
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "swarm"
+from tests.helpers.imports import PACKAGE, ROOT, imported, modules
+
 TOP_MODULES = "swarm (its modules)"  # how the table names the modules directly in swarm/
 
 
@@ -46,23 +44,6 @@ def layer_of(module: str, layers: list[Layer]) -> Layer:
     return best
 
 
-def imported(source: str, module: str, is_package: bool) -> set[str]:
-    """Every swarm module `module`'s source names in an import, at any depth of the code."""
-    out = set()
-    package = module if is_package else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parent + ([base] if base else []))
-            # `from swarm import node` names a module; `from swarm.x import y` names x
-            out |= {f"{base}.{a.name}" for a in node.names} if base == "swarm" else {base}
-    return {m for m in out if m == "swarm" or m.startswith("swarm.")}
-
-
 def upward_imports(module: str, source: str, is_package: bool, layers: list[Layer]) -> list[str]:
     """'a -> b (layer x may not import layer y)' for each import of a layer `module` may not use."""
     own = layer_of(module, layers)
@@ -74,14 +55,6 @@ def upward_imports(module: str, source: str, is_package: bool, layers: list[Laye
         if theirs.name != own.name and theirs.name not in own.may_import:
             bad.append(f"{module} -> {target} ({own.name} may not import {theirs.name})")
     return bad
-
-
-def modules() -> list[tuple[str, Path]]:
-    out = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        out.append((".".join(parts[:-1] if parts[-1] == "__init__" else parts), path))
-    return out
 
 
 LAYERS = read_layers((ROOT / "docs" / "design.md").read_text())

@@ -22,6 +22,7 @@ import pytest
 from devtools.launch import start_node, stop_all
 from swarm.client.client import Client
 from tests.conftest import reference_greedy
+from tests.helpers.flags import exact_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_LOG_NODE = str(ROOT / "devtools" / "step_log.py")
@@ -67,7 +68,7 @@ def shaped_swarm(request, tiny_model_dir, tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    common = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "3"]
+    common = exact_flags(ttl=3)
     common += ["--link-policy", "fifo" if policy == "fifo" else "molink", *VARIANTS[policy]]
     nodes = [start_node((0, 3), model=str(tiny_model_dir), extra=common)]
     try:

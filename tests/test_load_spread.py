@@ -12,8 +12,9 @@ import pytest
 
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
+from tests.helpers.flags import exact_flags
 
-FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--threads", "1"]
+FLAGS = exact_flags(threads=1)
 PROMPT = [5, 50, 150, 250]
 
 

@@ -12,8 +12,10 @@ from swarm.client.client import Client
 from swarm.client.routing import MAX_PER_ADDRESS, MAX_PER_HOST, bounded
 from swarm.records import NodeRecord
 from tests.conftest import reference_greedy, swarm_greedy
+from tests.helpers.flags import exact_flags
+from tests.helpers.records import node_record
 
-FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+FLAGS = exact_flags(ttl=10)
 PROMPT = [5, 50, 150, 250]
 
 
@@ -50,7 +52,7 @@ def test_a_node_announcing_blocks_it_does_not_serve_is_left_out(tiny_model_dir, 
 
 
 def rec(peer: str, addr: str) -> NodeRecord:
-    return NodeRecord(peer, addr, "m", 0, 6, "online", "f", "v", 6)
+    return node_record(peer, 0, 6, addr=addr)
 
 
 def test_forged_records_at_one_address_are_dialled_a_few_at_most():

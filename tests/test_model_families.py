@@ -10,15 +10,13 @@ import json
 import pytest
 import torch
 
-from devtools.launch import start_swarm, stop_all
-from swarm.client.client import Client
 from swarm.model.config import Llama3Rope, Rope
 from swarm.model.rope import Rotary, llama3_frequencies
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny_llama, save_tiny_tokenizer
-from tests.conftest import swarm_greedy
+from tests.conftest import nodes_greedy
+from tests.helpers.tiny import LLAMA3
 
-FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
 PROMPT = [5, 50, 150, 250, 350, 450]
 TINY_SHAPE = dict(
     vocab_size=512,
@@ -28,26 +26,10 @@ TINY_SHAPE = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
 )
-LLAMA3 = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,  # tiny: the scaling touches the tiny head's bands
-}
 
 
 def swarm_tokens(path, new_tokens: int) -> list[int]:
-    nodes = start_swarm([(0, 3), (3, 6)], model=str(path), extra=FLAGS)
-    try:
-        client = Client(nodes[0].maddrs[:1], model=str(path), wire_dtype="float32")
-        try:
-            return swarm_greedy(client, PROMPT, new_tokens)
-        finally:
-            client.close()
-    finally:
-        stop_all(nodes)
+    return nodes_greedy(path, [(0, 3), (3, 6)], PROMPT, new_tokens)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import trio
 from swarm.node.lifecycle import Move, Stop, drain, first_of, watch_for_move
 from swarm.node.status import Status
 from swarm.records import NodeRecord
-from tests.test_placement import LAYERS, rec
+from tests.helpers.records import LAYERS, rec
 
 GRACE = 30.0
 

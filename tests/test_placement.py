@@ -14,27 +14,7 @@ from swarm.node.placement import (
     coverage,
     settled_span,
 )
-from swarm.records import NodeRecord
-
-LAYERS = 12
-
-
-def rec(
-    peer: str, start: int, end: int, state: str = "online", tps: float = 10.0, sessions: int = 0
-):
-    return NodeRecord(
-        peer=peer,
-        addr="127.0.0.1:1",
-        model="m",
-        start=start,
-        end=end,
-        state=state,
-        fingerprint="f",
-        version="v",
-        num_layers=LAYERS,
-        throughput=tps,
-        sessions=sessions,
-    )
+from tests.helpers.records import LAYERS, rec
 
 
 def test_a_new_node_takes_the_blocks_nobody_serves():

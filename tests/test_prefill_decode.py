@@ -16,10 +16,9 @@ from swarm.errors import NodeBusy, ProtocolError
 from swarm.protocol import Error, Open
 from swarm.transport import dial_hop
 from tests.conftest import reference_greedy
-from tests.test_handover import (
+from tests.helpers.handover import (
     LONG_PROMPT,
     PROMPTS,
-    dht_peers,  # noqa: F401 (a fixture)
     left_with,
     start_full_node,
     wait_for_lines,

@@ -26,8 +26,9 @@ from swarm.errors import PeerFailed
 from swarm.protocol import Hop, Ping, Pong
 from swarm.transport import dial_hop
 from tests.conftest import reference_greedy
+from tests.helpers.flags import exact_flags
 
-FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "6"]
+FLAGS = exact_flags(ttl=6)
 PROMPT = [5, 50, 150, 250, 350, 450]
 NEW_TOKENS = 12
 

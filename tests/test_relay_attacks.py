@@ -23,9 +23,10 @@ from swarm.protocol import Error, Hop, Relay, relay_claim
 from swarm.relay import CONTROL_SILENCE_S, RelayHub
 from swarm.tls import Identity
 from swarm.transport import FramedStream, connect, ping
-from tests.test_session import Doubling
+from tests.helpers.doubles import Doubling
+from tests.helpers.flags import exact_flags
 
-FLAGS = ["--weights", "float32", "--wire-dtype", "float32"]
+FLAGS = exact_flags()
 RELAY_ID = "the-relays-own-node-id"  # what an in-process hub's proofs are bound to
 ROUNDS, ACCEPTS = 10, 24  # before the fix, 5 rounds of 12 ended the node 2 times in 3
 

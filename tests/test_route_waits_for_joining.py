@@ -13,8 +13,9 @@ from devtools.launch import start_node, stop_all
 from devtools.liar_node import start_liar
 from swarm.client.client import Client
 from swarm.records import JOINING
+from tests.helpers.flags import exact_flags
 
-FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--threads", "1"]
+FLAGS = exact_flags(threads=1)
 
 
 @pytest.mark.slow

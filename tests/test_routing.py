@@ -12,16 +12,10 @@ from swarm.client.probe import RoundTrips, pick_probes
 from swarm.client.routing import Estimates, find_route, hop_cost
 from swarm.errors import RouteUnavailable
 from swarm.records import NodeRecord
+from tests.helpers.records import ROUTE_LAYERS as LAYERS
+from tests.helpers.records import route_rec as rec
 
-LAYERS = 6
 SPANS = [(0, 2), (2, 4), (4, 6)]
-
-
-def rec(peer: str, start: int, end: int, sessions: int = 0, throughput: float = 100.0):
-    return NodeRecord(
-        peer, f"10.0.0.{len(peer)}:7000", "m", start, end, "online", "f", "v", LAYERS,
-        free_cache_tokens=4096, throughput=throughput, sessions=sessions, tls="a" * 64,
-    )  # fmt: skip
 
 
 def replicas(n: int) -> list[NodeRecord]:

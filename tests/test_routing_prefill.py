@@ -16,7 +16,8 @@ from swarm.client.routing import (
     pick_prefill,
 )
 from swarm.records import DECODE, PREFILL, NodeRecord
-from tests.test_routing import LAYERS, rec
+from tests.helpers.records import ROUTE_LAYERS as LAYERS
+from tests.helpers.records import route_rec as rec
 
 MB = 1_000_000
 

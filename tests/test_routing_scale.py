@@ -10,8 +10,9 @@ from devtools.crowd import Crowd
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.client.probe import EXPLORE, PER_BLOCK
+from tests.helpers.flags import exact_flags
 
-FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--threads", "1"]
+FLAGS = exact_flags(threads=1)
 SPANS = [(0, 2), (2, 4), (4, 6)]
 
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 import trio
 
 from swarm.errors import NodeBusy, PeerFailed, ProtocolError
-from swarm.model.blocks import KVCache
 from swarm.node.compute import ComputeQueue
 from swarm.node.config import Limits, NodeConfig
 from swarm.node.context import Counters, SessionContext
@@ -26,8 +24,8 @@ from swarm.node.uplink import CLIENTS, Payload
 from swarm.protocol import DECODE, PREFILL, Close, Error, Hop, Open, Opened, Step
 from swarm.transport import FramedStream
 from swarm.wire import pack_tensor
+from tests.helpers.doubles import HIDDEN, Doubling
 
-HIDDEN = 8
 SID = "s" * 32
 TOKEN = "t" * 32
 
@@ -47,25 +45,6 @@ class Conn:
 
     async def aclose(self) -> None:
         self.closed = True
-
-
-class Doubling:
-    """Blocks that double the activations; a session's cache only counts its positions."""
-
-    config = SimpleNamespace(hidden=HIDDEN)
-    start, end = 0, 4
-
-    def allocate_cache(self, start: int, end: int, max_length: int) -> KVCache:
-        return KVCache(keys=[], values=[])
-
-    def forward(self, h, cache: KVCache, pos: int, start: int, end: int) -> torch.Tensor:
-        cache.length = pos + h.shape[1]
-        return h * 2
-
-    def decode(self, h, caches: list[KVCache], positions: list[int], start: int, end: int):
-        for cache, pos in zip(caches, positions):
-            cache.length = pos + 1
-        return h * 2
 
 
 class Uplink:

@@ -7,6 +7,7 @@ import pytest
 from devtools.launch import start_node, start_swarm, stop_all
 from swarm.client.client import Client
 from tests.conftest import reference_greedy, swarm_greedy
+from tests.helpers.flags import exact_flags
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,7 @@ def expected(default_reference):
 @pytest.mark.parametrize("parts", [2, 3])
 def test_float32_wire_gives_the_unsplit_models_greedy_tokens(parts, expected):
     spans = [(0, 15), (15, 30)] if parts == 2 else [(0, 10), (10, 20), (20, 30)]
-    nodes = start_swarm(spans, extra=["--weights", "float32", "--wire-dtype", "float32"])
+    nodes = start_swarm(spans, extra=exact_flags())
     try:
         client = Client(nodes[0].maddrs[:1], wire_dtype="float32")
         try:

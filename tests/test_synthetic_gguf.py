@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
 
 from swarm.model.source import open_model
-
-_SPEC = importlib.util.spec_from_file_location(
-    "synthetic_gguf", Path(__file__).parent.parent / "scripts" / "synthetic_gguf.py"
-)
-synthetic_gguf = importlib.util.module_from_spec(_SPEC)
-sys.modules["synthetic_gguf"] = synthetic_gguf  # its dataclasses look their module up
-_SPEC.loader.exec_module(synthetic_gguf)
+from tests.helpers.scripts import synthetic_gguf
 
 # small, but with GQA, two layers and more rows than one generation chunk (vocab 600)
 SHAPES = synthetic_gguf.Shapes(

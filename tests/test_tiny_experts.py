@@ -26,6 +26,7 @@ from swarm.model.tiny import (
     reference_greedy,
     save_tiny,
 )
+from tests.helpers.tiny import logits_of, variant
 
 PROMPT = list(range(5, 5 + 30 * 13, 13))  # 30 tokens, past Mixtral's window
 LONG = list(range(5, 5 + 70 * 7, 7))
@@ -110,35 +111,6 @@ ABSENT_KEYS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(family, config) -> (model, its folder, its F32 GGUF file in another folder)."""
-    made = {}
-
-    def get(family: str, **config):
-        key = (family, repr(sorted(config.items())))
-        if key not in made:
-            folder = tmp_path_factory.mktemp(f"tiny-{family}")
-            model = save_tiny(family, folder, **config)
-            path = write_gguf(folder, tmp_path_factory.mktemp("gguf") / f"{family}.gguf")
-            made[key] = model, folder, path
-        return made[key]
-
-    return get
-
-
-def _variant(model, **change):
-    config = type(model.config)(**{**model.config.to_dict(), **change})
-    other = type(model)(config).float().eval()
-    other.load_state_dict(model.state_dict())
-    return other
-
-
-def _logits(model, ids):
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0]
-
-
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_same_seed_saves_the_same_experts_and_another_seed_others(tmp_path, family):
     save_tiny(family, tmp_path / "a", seed=3)
@@ -166,7 +138,7 @@ def test_the_folder_holds_one_tensor_per_expert_as_hub_checkpoints_do(tiny, fami
 def test_greedy_decoding_is_finite_varied_and_clear_of_ties(tiny, family):
     model, _, _ = tiny(family)
     tokens = reference_greedy(model, PROMPT, 40)
-    assert torch.isfinite(_logits(model, PROMPT + tokens)).all()
+    assert torch.isfinite(logits_of(model, PROMPT + tokens)).all()
     assert len(set(tokens)) >= 10, tokens
     assert min_greedy_margin(model, PROMPT, 40) > 1e-3
 
@@ -255,7 +227,7 @@ def test_the_routed_mlp_is_the_specification_over_the_folder_tensors(tmp_path, f
 )
 def test_the_family_switch_changes_what_the_model_computes(tiny, family, change):
     model, _, _ = tiny(family)
-    ours, theirs = _logits(model, LONG), _logits(_variant(model, **change), LONG)
+    ours, theirs = logits_of(model, LONG), logits_of(variant(model, **change), LONG)
     assert (ours - theirs).abs().max() > 0.1
 
 
@@ -270,7 +242,7 @@ def test_mlp_only_layers_makes_a_dense_layer_that_the_file_cannot_hold(tmp_path)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_transformers_reads_the_gguf_back_into_the_same_weights_and_logits(tiny, family):
+def test_transformers_reads_the_gguf_back_into_the_same_weights_andlogits_of(tiny, family):
     model, _, path = tiny(family)
     assert gguf_check.config_mismatches(model.config, path) == {}
     loaded = gguf_check.load_gguf_model(model, path)
@@ -366,7 +338,7 @@ def test_q8_0_quantizes_each_expert_s_rows_and_keeps_routers_f32(tiny, tmp_path)
         assert (torch.from_numpy(down[expert]) - value).abs().le(err + 1e-7).all(), expert
     # logits jump wherever rounding swaps an expert: the greedy choices mostly survive
     loaded = gguf_check.load_gguf_model(model, path)
-    ours, theirs = _logits(model, LONG).argmax(-1), _logits(loaded, LONG).argmax(-1)
+    ours, theirs = logits_of(model, LONG).argmax(-1), logits_of(loaded, LONG).argmax(-1)
     assert (ours == theirs).float().mean() > 0.8
 
 

@@ -19,20 +19,13 @@ from devtools import gguf_check, gguf_tables, hf_to_gguf
 from devtools.hf_to_gguf import UnsupportedCheckpoint, write_gguf
 from swarm.model.gguf_file import GGUFFile
 from swarm.model.tiny import FAMILIES, min_greedy_margin, reference_greedy, save_tiny
+from tests.helpers.tiny import LLAMA3, logits_of, variant
 
 PROMPT = list(range(5, 5 + 30 * 13, 13))  # 30 tokens, past every tiny model's window
 LONG = list(range(5, 5 + 70 * 7, 7))  # a prompt and 40 new tokens' worth
 GEMMA3_ONE_BASE = {
     "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
     "sliding_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-}
-LLAMA3 = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
 }
 
 # the keys each family's file must hold, beside the shape every family has
@@ -65,36 +58,6 @@ EXPECTED_KEYS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """family -> (model, its folder, its F32 GGUF file in another folder), made on first use."""
-    made = {}
-
-    def get(family: str, **config):
-        key = (family, repr(sorted(config.items())))
-        if key not in made:
-            folder = tmp_path_factory.mktemp(f"tiny-{family}")
-            model = save_tiny(family, folder, **config)
-            path = write_gguf(folder, tmp_path_factory.mktemp("gguf") / f"{family}.gguf")
-            made[key] = model, folder, path
-        return made[key]
-
-    return get
-
-
-def _variant(model, **change):
-    """The same weights under a config with `change`."""
-    config = type(model.config)(**{**model.config.to_dict(), **change})
-    other = type(model)(config).float().eval()
-    other.load_state_dict(model.state_dict())
-    return other
-
-
-def _logits(model, ids):
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_same_seed_saves_the_same_weights_and_another_seed_others(tmp_path, family):
     model = save_tiny(family, tmp_path / "a", seed=3)
@@ -110,7 +73,7 @@ def test_same_seed_saves_the_same_weights_and_another_seed_others(tmp_path, fami
 def test_greedy_decoding_is_finite_varied_and_clear_of_ties(tiny, family):
     model, _, _ = tiny(family)
     tokens = reference_greedy(model, PROMPT, 40)
-    assert torch.isfinite(_logits(model, PROMPT + tokens)).all()
+    assert torch.isfinite(logits_of(model, PROMPT + tokens)).all()
     assert len(set(tokens)) >= 10, tokens
     assert min_greedy_margin(model, PROMPT, 40) > 1e-4
 
@@ -130,7 +93,7 @@ def test_greedy_decoding_is_finite_varied_and_clear_of_ties(tiny, family):
 )
 def test_the_family_switch_changes_what_the_model_computes(tiny, family, change):
     model, _, _ = tiny(family)
-    ours, theirs = _logits(model, LONG), _logits(_variant(model, **change), LONG)
+    ours, theirs = logits_of(model, LONG), logits_of(variant(model, **change), LONG)
     assert (ours - theirs).abs().max() > 0.1
 
 
@@ -149,8 +112,8 @@ def test_norm_weights_and_biases_are_off_their_neutral_values(tiny, family):
 def test_a_window_changes_nothing_before_the_prompt_outgrows_it(tiny, family):
     model, _, _ = tiny(family)
     window = model.config.sliding_window
-    other = _variant(model, sliding_window=4096)
-    assert torch.equal(_logits(model, LONG[:window]), _logits(other, LONG[:window]))
+    other = variant(model, sliding_window=4096)
+    assert torch.equal(logits_of(model, LONG[:window]), logits_of(other, LONG[:window]))
 
 
 def test_gemma3_has_both_sliding_and_full_layers_each_with_its_rope_base(tiny):
@@ -168,7 +131,7 @@ def test_a_tied_qwen2_stores_no_lm_head_in_either_format(tiny, tied):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_transformers_reads_the_gguf_back_into_the_same_weights_and_logits(tiny, family):
+def test_transformers_reads_the_gguf_back_into_the_same_weights_andlogits_of(tiny, family):
     model, _, path = tiny(family)
     assert gguf_check.config_mismatches(model.config, path) == {}
     loaded = gguf_check.load_gguf_model(model, path)

@@ -21,9 +21,10 @@ from swarm.records import NodeRecord
 from swarm.tls import Identity
 from swarm.transport import FramedStream, connect, dial_hop, ping
 from tests.conftest import reference_greedy, swarm_greedy
+from tests.helpers.flags import exact_flags
 
 PROMPT = [5, 50, 150, 250, 350]
-NODE_FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+NODE_FLAGS = exact_flags(ttl=10)
 
 
 async def test_a_node_answers_over_tls_with_the_key_its_record_names(tiny_swarm):

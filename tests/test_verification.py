@@ -14,8 +14,9 @@ from swarm.client.client import Client
 from swarm.health.render import render_page
 from swarm.health.state import Collector, CollectorConfig
 from tests.conftest import reference_greedy, swarm_greedy
+from tests.helpers.flags import exact_flags
 
-FLAGS = ["--weights", "float32", "--wire-dtype", "float32", "--announce-ttl", "10"]
+FLAGS = exact_flags(ttl=10)
 PROMPT = [5, 50, 150, 250]
 
 

@@ -8,15 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from swarm.model.blocks import Block, KVCache, Span
-from swarm.model.experts import MLP
-from swarm.model.linear import BLOCKS, Blocks, Dense, Int4, Int8, Linear
+from swarm.model.blocks import KVCache, Span
+from swarm.model.linear import BLOCKS, Blocks, Dense, Int4, Int8
 from swarm.model.quant import gguf_int4, quantize_int4
 from swarm.model.source import default_model_path, open_model
-from swarm.model.weights import Fused, RawTensor, make_linear
+from swarm.model.weights import RawTensor, make_linear
+from tests.helpers.kernels import TORCH_KERNELS, as_float32
 
 BF16_STEP = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value by <= 2^-8 of it
-TORCH_KERNELS = ("float32", "bfloat16", "int8", "int4")  # `usable` without swarm's kernels
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -163,22 +162,6 @@ def test_the_kv_cache_holds_half_the_bytes_per_token_outside_the_exact_mode(tiny
     assert bytes_per_token(packed) * 2 == bytes_per_token(exact)
     assert packed.allocate_cache(0, 2, 8).keys[0].dtype == torch.bfloat16
     assert KVCache.bytes_per_token(source.config, 2) == bytes_per_token(exact)
-
-
-def as_float32(span: Span) -> Span:
-    """The same span with every matrix replaced by its dequantized float32 weights."""
-
-    def dense(lin: Linear) -> Dense:
-        return Dense(lin.dequantized(), lin.bias)
-
-    blocks = []
-    for b in span.blocks:
-        qkv = Fused([dense(lin) for lin in b.qkv.linears], b.qkv.sizes)
-        m = b.mlp
-        gate_up = Fused([dense(lin) for lin in m.gate_up.linears], m.gate_up.sizes)
-        mlp = MLP(gate_up, dense(m.down), m.activate)
-        blocks.append(Block(span.config, b.norms, qkv, dense(b.o), mlp))
-    return Span(span.config, span.start, span.end, blocks, "float32")
 
 
 @pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4"])

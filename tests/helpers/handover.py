@@ -1,0 +1,61 @@
+"""What the hand-over tests share: prompts without near-ties, full nodes of the tiny model, and
+what a node says about the sessions it handed over."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+
+from devtools.launch import NodeProcess, start_node, stop_all
+from tests.helpers.flags import exact_flags
+
+# prompts whose greedy continuations never come within 0.08 of a tie between the two likeliest
+# tokens (a random tiny model has many near-ties, where float noise of 1e-5 between two runs of a
+# node may pick either)
+PROMPTS = [
+    [271, 256, 451, 178, 376, 232, 150],
+    [177, 358, 182, 307, 257, 299, 411],
+    [38, 433, 50, 486, 141, 245, 359, 343, 36],
+    [89, 315, 62, 255, 33, 114, 396],
+]
+LONG_PROMPT = [  # 48 tokens (a margin of 0.065): ~86 KB of cache to move by the time it leaves
+    *(385, 369, 356, 165, 476, 144, 155, 4, 372, 389, 307, 472, 415, 327, 487, 485, 36, 15),
+    *(425, 122, 57, 246, 369, 492, 241, 491, 400, 200, 407, 131, 470, 223, 420, 255, 70, 478),
+    *(257, 96, 7, 413, 479, 381, 158, 424, 357, 398, 80, 313),
+]
+_LEFT = re.compile(r"left with (\d+) prompt passes .*here (\d+), to replicas (\d+)")
+
+
+def left_with(node: NodeProcess, timeout: float = 60.0) -> tuple[int, int, int]:
+    """Stop `node`; its prompt passes, sessions handed over to it and by it."""
+    node.stop(signal.SIGTERM, timeout)
+    for line in node.lines:
+        if m := _LEFT.search(line):
+            return int(m.group(1)), int(m.group(2)), int(m.group(3))
+    raise AssertionError("the node did not say what it did:\n" + "\n".join(node.lines))
+
+
+def wait_for_lines(node: NodeProcess, needle: str, count: int, timeout: float = 30.0) -> None:
+    """Until `node` has said `needle` in `count` lines: here, sessions handed over (their
+    clients, waiting, read where to only with their next step)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(needle in line for line in list(node.lines)) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not {count} {needle!r} from the node:\n" + "\n".join(node.lines))
+
+
+def start_full_node(
+    model_dir, peers, *extra: str, layers=(0, 6), stderr=subprocess.DEVNULL
+) -> NodeProcess:
+    """A node serving `layers` (every block) of the tiny model, serving once this returns."""
+    node = start_node(layers, peers, str(model_dir), [*exact_flags(ttl=10), *extra], stderr=stderr)
+    try:
+        node.wait_serving()
+    except BaseException:
+        stop_all([node])
+        raise
+    return node
