@@ -13,9 +13,28 @@ from tests.helpers.records import LAYERS, rec
 GRACE = 30.0
 
 
+class FakeSessions:
+    """A session table's count and its wait for the last one to leave."""
+
+    def __init__(self, sessions: int):
+        self.count = sessions
+        self.emptied = trio.Event()
+
+    def __len__(self) -> int:
+        return self.count
+
+    def clear(self) -> None:
+        self.count = 0
+        self.emptied.set()
+
+    async def until_empty(self) -> None:
+        if self.count:
+            await self.emptied.wait()
+
+
 class FakeNode:
     def __init__(self, sessions: int):
-        self.sessions = ["s"] * sessions
+        self.sessions = FakeSessions(sessions)
         self.accepting = True
 
     def stop_accepting(self) -> None:

@@ -43,7 +43,6 @@ from swarm.relay import check_reachable, stay_relayed
 from swarm.tls import Identity
 
 SETTLE_S = 2.0  # how long a node without --layers lets simultaneous choices reach the DHT
-DRAIN_POLL_S = 0.2
 OFFLINE_TTL_S = 10.0  # the offline record outlives a short --announce-ttl, so readers see it
 RELAY_WAIT_S = 30.0  # how long serving waits for a first relay before it says where it is
 
@@ -379,8 +378,7 @@ async def drain(
     if hand_over is not None:
         await hand_over(deadline)
     with trio.move_on_at(deadline):
-        while len(node.sessions):
-            await trio.sleep(DRAIN_POLL_S)
+        await node.sessions.until_empty()
     if len(node.sessions):
         say(f"grace period over; closing {len(node.sessions)} sessions")
 

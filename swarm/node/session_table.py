@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from swarm.errors import CacheFull, NodeBusy, SessionNotFound
+from swarm.node.signal import Signal
 
 if TYPE_CHECKING:
     from swarm.node.config import Limits
@@ -46,6 +47,7 @@ class SessionTable(Generic[Session]):
         self.limits = limits
         self._sessions: dict[str, Session] = {}
         self.accepting = True
+        self._left = Signal()  # a session gave its place up
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -185,4 +187,8 @@ class SessionTable(Generic[Session]):
         if self._sessions.get(session.sid) is not session:
             return False
         del self._sessions[session.sid]
+        self._left.fire()
         return True
+
+    async def until_empty(self) -> None:
+        await self._left.until(lambda: not self._sessions)
