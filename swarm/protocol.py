@@ -26,6 +26,11 @@ from swarm.schema import (
 PREFILL = "prefill"
 DECODE = "decode"
 PHASES = (PREFILL, DECODE)
+# A verification step (speculative decoding: a step with `spec`) carries a token and the drafts
+# after it, at most this many in all, and may start up to MAX_REWIND positions before the end of
+# what the session holds (the drafts of rounds a rejection made stale), never before a plain step.
+MAX_VERIFY_TOKENS = 16
+MAX_REWIND = 64
 
 
 def link_name(addr: str, peer: str, relay: str) -> str:
@@ -107,7 +112,9 @@ class Attached:
 
 @dataclass(frozen=True)
 class Step:
-    """Activations for tokens [pos, pos + n) of a phase whose input ends at `end`."""
+    """Activations for tokens [pos, pos + n) of a phase whose input ends at `end`. With `spec`
+    (a verification round's id, the client's): a decode step of up to MAX_VERIFY_TOKENS tokens
+    that may rewind the session to `pos`; the last hop returns every token's hidden state."""
 
     sid: str = text(64)
     phase: str = one_of(PHASES)
@@ -115,16 +122,19 @@ class Step:
     end: int = integer(1)
     # a wire tensor map: the receiver, which knows the shape expected, decodes and checks it
     hidden: Any = unchecked()
+    spec: int | None = integer(1, default=None)
     t: str = tag("step")
 
 
 @dataclass(frozen=True)
 class Result:
-    """Last node -> client: hidden state of token end-1 after the final block."""
+    """Last node -> client: hidden state of token end-1 after the final block; for a
+    verification step (`spec`, its round's id), of each of its tokens."""
 
     sid: str = text(64)
     end: int = integer(1)
     hidden: Any = unchecked()
+    spec: int | None = integer(1, default=None)
     t: str = tag("result")
 
 

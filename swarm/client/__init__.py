@@ -57,9 +57,12 @@ class Clients:
     ) -> Iterator[str]:
         """Yield the reply as text pieces while tokens arrive. `options`: the fields of
         ClientOptions (model, wire_dtype, ...) and of Sampling (greedy unless temperature > 0)."""
+        speculative = options.pop("speculative", None)  # the reply's, not the client's
         client_options, sampling = split_options(options)
         with self._cache.use(*_key(initial_peers, client_options)) as client:
-            yield from client.stream(prompt, max_new_tokens, stop, **vars(sampling))
+            yield from client.stream(
+                prompt, max_new_tokens, stop, speculative=speculative, **vars(sampling)
+            )
 
     def generate(self, prompt: Prompt, max_new_tokens: int = MAX_NEW_TOKENS, **kwargs) -> str:
         """The reply to a prompt (a string, or chat messages [{"role", "content"}]) as text;

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
-import random
 import threading
 import time
 from collections.abc import Generator, Sequence
@@ -12,9 +10,11 @@ from dataclasses import replace
 
 import torch
 
+from swarm.client.decoding import Decoding, Drafter, PromptLookup, SpeculationStats
+from swarm.client.draft import DraftModel
 from swarm.client.head_batch import LogitsBatcher
+from swarm.client.inference import InferenceSession
 from swarm.client.options import MAX_NEW_TOKENS, ClientOptions, Sampling
-from swarm.client.probe import round_trips
 from swarm.client.reply import ReplyStream, ReplyText, Sampler
 from swarm.client.router import Router
 from swarm.client.routing import (
@@ -27,14 +27,10 @@ from swarm.client.routing import (
 )
 from swarm.client.runtime import TrioThread
 from swarm.client.session import RemoteSession
-from swarm.client.verify import Reports, Verdict, check_last_step
+from swarm.client.verify import Reports
 from swarm.dht import read_nodes, start_dht
 from swarm.errors import (
-    FingerprintMismatch,
     NoChatTemplate,
-    ProtocolError,
-    SpanError,
-    SwarmError,
 )
 from swarm.model.blocks import KVCache
 from swarm.model.head import Head
@@ -43,7 +39,6 @@ from swarm.protocol import Hop
 from swarm.records import JOINING, NodeRecord, format_blocks
 
 log = logging.getLogger("swarm.client")
-SHUN_S = 600.0  # how long a node that answered as no honest one would stays out of routes
 # reading the records takes 50 ms to over a second as the swarm grows: routes drawn within this
 # long of a read share it (a node that left since costs a retry; one joined since, a wait)
 RECORDS_FRESH_S = 1.0
@@ -66,6 +61,7 @@ class Client:
         self.config = self.source.config
         self.fingerprint = self.source.fingerprint()
         self._heads: dict[str, Head] = {}
+        self._drafts: dict[str, DraftModel] = {}  # draft models by path, loaded once
         self._weights: dict[str, str] = {}  # peer -> the weight format its record announces
         self._tokenizer = None
         self._loading = threading.Lock()  # tokenizer and heads load once, whatever the threads
@@ -227,8 +223,25 @@ class Client:
                 self._heads[weights] = Head.load(self.source, weights)
         return self._heads[weights]
 
-    def session(self, max_length: int) -> InferenceSession:
-        return InferenceSession(self, max_length)
+    def session(self, max_length: int, speculative: str | None = None) -> InferenceSession:
+        """A session of up to `max_length` tokens; `speculative` (default: the client's
+        option) as ClientOptions.speculative says, for the Decoding it runs."""
+        return InferenceSession(self, max_length, self.drafter(speculative))
+
+    def drafter(self, speculative: str | None = None) -> Drafter | None:
+        """None for "off"; prompt lookup for "lookup"; else the draft model at that path,
+        loaded once (DraftRefused if its vocabulary is not the served model's)."""
+        speculative = speculative or self.options.speculative
+        if speculative == "off":
+            return None
+        if speculative == "lookup":
+            return PromptLookup()
+        with self._loading:
+            if speculative not in self._drafts:
+                self._drafts[speculative] = DraftModel(
+                    speculative, self.source.tokenizer(), self.config.name
+                )
+        return self._drafts[speculative]
 
     def reply_text(self, stop: Sequence[str] = ()) -> ReplyText:
         """A reply's text as its tokens come, ending at this model's end of text or a stop."""
@@ -239,14 +252,17 @@ class Client:
         prompt: str | list[dict[str, str]],
         max_new_tokens: int = MAX_NEW_TOKENS,
         stop: Sequence[str] = (),
+        speculative: str | None = None,
         **sampling,
     ) -> ReplyStream:
         """The reply's text piece by piece as tokens arrive: iterate the ReplyStream, whose
-        `tokens` are this reply's own, however many threads share the client. `sampling`: the
-        fields of swarm.client.options.Sampling (greedy by default)."""
+        `tokens` are this reply's own, however many threads share the client, and whose
+        `speculation` says what speculative decoding did. `sampling`: the fields of
+        swarm.client.options.Sampling (greedy by default); `speculative`: see session()."""
         text = self.reply_text(stop)
         sampler = Sampler(Sampling(**sampling))
-        return ReplyStream(self._pieces(prompt, max_new_tokens, sampler, text), text)
+        pieces = self._pieces(prompt, max_new_tokens, sampler, text, speculative)
+        return ReplyStream(pieces, text)
 
     def _pieces(
         self,
@@ -254,21 +270,20 @@ class Client:
         max_new_tokens: int,
         sampler: Sampler,
         text: ReplyText,
-    ) -> Generator[str, None, None]:
+        speculative: str | None,
+    ) -> Generator[str, None, SpeculationStats]:
         ids = self.encode(prompt)
-        with self.session(len(ids) + max_new_tokens) as session:
-            logits = session.feed(ids)
-            for i in range(max_new_tokens):
-                piece, done = text.add(sampler(logits))
+        with self.session(len(ids) + max_new_tokens, speculative) as session:
+            decoding = Decoding(session, ids, max_new_tokens, sampler, session.drafter)
+            for token in decoding:
+                piece, done = text.add(token)
                 if piece:
                     yield piece
                 if done:
-                    break
-                if i + 1 < max_new_tokens:
-                    logits = session.feed([text.tokens[-1]])
-            else:
-                if tail := text.flush():
-                    yield tail
+                    return decoding.stats
+            if tail := text.flush():
+                yield tail
+            return decoding.stats
 
     def generate(self, prompt: str | list[dict[str, str]], **kwargs) -> str:
         return "".join(self.stream(prompt, **kwargs))
@@ -289,150 +304,3 @@ class Client:
                 enc = enc["input_ids"]
             return list(enc)
         return self.tokenizer.encode(prompt)
-
-
-class InferenceSession:
-    """Token ids in, next-token logits out. Survives node failures by rerouting and replaying."""
-
-    def __init__(self, client: Client, max_length: int):
-        if max_length > client.config.max_position:
-            raise ValueError(
-                f"{max_length} tokens exceed the model's context of {client.config.max_position}"
-            )
-        self.client = client
-        self.max_length = max_length
-        self.history: list[int] = []
-        self.remote: RemoteSession | None = None
-        self.excluded: set[str] = set()
-        self.recoveries: list[float] = []  # seconds each failure took to recover from
-        self.last_hidden: torch.Tensor | None = None  # the final hidden state of the last token
-        self._held = 0.0  # the router's token for our session on the current route
-        self._route: list[Hop] = []  # as held, whatever hops were handed over since
-
-    def __enter__(self) -> InferenceSession:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.remote is not None:
-            self.client.release_route(self._route, self._held)
-            self.client.loop.run(self.remote.aclose)
-            self.remote = None
-
-    def _open(self, tokens: int) -> None:
-        """Open a session on a new route for a first step of `tokens`: a long prompt may go
-        to a prefill node, which hands the session on to the route's last hop (P/D)."""
-        # counted on its nodes at once: load their records do not show yet, which sessions
-        # routed at the same moment must see
-        route, self._held = self.client.hold_route(self.excluded, self.max_length)
-        self._route = list(route)
-        handoff = None
-        prefill = self.client.prefill_hop(route[-1], tokens, self.max_length, self.excluded)
-        if prefill is not None:
-            if self.max_length - tokens >= self.client.options.handoff_min_new:
-                handoff, route = route[-1], [*route[:-1], prefill]
-            else:  # a short answer: the session stays where its prompt is computed
-                self.client.release_route(route, self._held)
-                route = self._route = [*route[:-1], prefill]
-                self._held = self.client.router.opened(route)
-        remote = self.client.remote_session(route, self.max_length, handoff)
-        try:
-            self.client.loop.run(remote.open)
-        except BaseException:
-            self.client.release_route(route, self._held)
-            self.client.loop.run(remote.aclose)
-            raise
-        self.remote = remote
-        log.info(
-            "route: %s%s",
-            " -> ".join(f"{h.addr}[{h.start}:{h.end}]" for h in route),
-            f", then {handoff.addr} once the prompt is in" if handoff else "",
-        )
-
-    def feed(self, ids: list[int]) -> torch.Tensor:
-        """Append tokens; return logits [vocab] for the next one."""
-        failed_at = None
-        for attempt in itertools.count():
-            try:
-                logits = self._step(ids)
-            except SwarmError as exc:
-                if not _route_may_help(exc) or attempt == self.client.options.max_retries:
-                    raise
-                failed_at = failed_at or time.monotonic()
-                self._reroute(exc, attempt)
-                continue
-            if failed_at is not None:
-                self.recoveries.append(time.monotonic() - failed_at)
-            return logits
-
-    def _step(self, ids: list[int]) -> torch.Tensor:
-        """One try at feeding `ids`; on a new route, the tokens so far go first."""
-        replay = []
-        if self.remote is None:
-            self._open(len(self.history) + len(ids))
-            replay = self.history  # a new route: rebuild its caches from the tokens so far
-        head = self.client.head(self.remote.route)
-        hidden = head.embed_tokens(replay + ids)
-        started = time.perf_counter()
-        out = self.last_hidden = self.client.loop.run(self.remote.step, hidden)
-        if len(replay) + len(ids) == 1:  # a decode step: its time is the route's cost a token
-            self.client.observe_step(self.remote.route, time.perf_counter() - started)
-        self.history += ids
-        return self.client.logits.logits(head, out)
-
-    def verify(self, rng: random.Random | None = None) -> Verdict:
-        """Recompute the last step on other routes (see swarm.client.verify); nodes found
-        computing wrongly go into client.suspects, which every route of the client leaves out,
-        and are reported in the DHT, where the health page shows them."""
-        if self.remote is None or self.last_hidden is None:
-            raise ValueError("nothing to verify yet: feed the session first")
-        route = self.remote.route
-        verdict = check_last_step(
-            self.client, route, self.history, self.last_hidden, rng, self.excluded
-        )
-        if verdict.suspects:  # every route of the client leaves them out from now on
-            log.warning("nodes computing wrongly, left out: %s", ", ".join(verdict.suspects))
-            self.client.suspects |= verdict.suspects
-            self.client.reports.publish(self.client.dht, self.client.config.name, verdict.outvoted)
-            self.close()  # the next step routes anew, replaying
-        return verdict
-
-    def _reroute(self, exc: SwarmError, attempt: int) -> None:
-        """Leave the route that failed, blaming whom `exc` names (or the hops that went quiet),
-        and back off before the next try."""
-        self._blame(exc)
-        log.warning("route failed (%s); rerouting, attempt %d", exc, attempt + 1)
-        self.close()
-        time.sleep(min(0.25 * 2**attempt, 4.0))
-
-    def _blame(self, exc: SwarmError) -> None:
-        peer = getattr(exc, "peer", None)
-        if peer:
-            self.excluded.add(peer)
-            self.client.router.failed(peer)  # the client's other sessions wait for a pong too
-            if _misbehaved(exc):  # every session of this client leaves it out for a while
-                self.client.shunned[peer] = time.monotonic() + SHUN_S
-            return
-        if self.remote is None:
-            return
-        # nobody named: a hop hung. Ping each; exclude the silent ones.
-        hops = {h.peer: h for h in self.remote.route}
-        alive = self.client.loop.run(round_trips, hops, 2.0)
-        for peer in hops.keys() - alive.keys():
-            self.excluded.add(peer)
-            self.client.router.failed(peer)
-
-
-def _misbehaved(exc: SwarmError) -> bool:
-    """A hop named by `exc` answered as no honest node of this model would: blocks it announced
-    but does not serve, other weights, a broken message."""
-    liar = isinstance(exc, (SpanError, FingerprintMismatch, ProtocolError))
-    return liar and bool(getattr(exc, "peer", None))
-
-
-def _route_may_help(exc: SwarmError) -> bool:
-    """Whether another route may succeed: the error says so (a busy or dead peer), or leaving
-    out a hop that misbehaved may."""
-    return exc.retry_elsewhere or _misbehaved(exc)

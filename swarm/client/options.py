@@ -64,6 +64,13 @@ class ClientOptions:
         " at least this many tokens after its prompt",
         type=non_negative_int,
     )
+    speculative: str = option(
+        "lookup",
+        "speculative decoding: 'lookup' drafts from the session's own tokens, a path drafts with"
+        " that model (the served model's vocabulary), 'off' decodes a token a step; the output"
+        " is the same, token for token",
+        metavar="lookup|off|PATH",
+    )
 
 
 @dataclass(frozen=True)

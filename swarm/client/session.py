@@ -67,6 +67,7 @@ class RemoteSession:
         self._token = ""  # the sink token, which also claims the session where it moves
         self.moves = 0  # hops handed over to another node (their caches moved; no replay)
         self.handoff = handoff  # where the last hop hands the session once the prompt is in
+        self._rounds: dict[int, Result] = {}  # verification rounds' results read early
 
     async def open(self) -> None:
         first, last = self.route[0], self.route[-1]
@@ -170,9 +171,38 @@ class RemoteSession:
         out = unpack_tensor(result.hidden, hidden=self.hidden, max_tokens=1)
         return out[:, -1]
 
-    async def _await_result(self, end: int, timeout: float) -> Result | Moved | None:
+    async def send_round(self, hidden: torch.Tensor, pos: int, spec: int) -> None:
+        """Send verification round `spec`: tokens [1, n, hidden] at positions [pos, pos + n),
+        drafts after a token the client has decided; rounds before it need not be answered
+        yet, and a round at a position before the last one's end rewinds the route there."""
+        end = pos + hidden.shape[1]
+        if end > self.max_length:
+            raise ProtocolError(f"session holds {self.max_length} tokens; {end} requested")
+        packed = pack_tensor(hidden, self.wire_dtype or self.own_dtype)
+        await self._send_first(Step(self.sid, DECODE, pos, end, packed, spec=spec))
+        self.position = end
+
+    async def round_result(self, spec: int, pos: int, tokens: int) -> torch.Tensor:
+        """Round `spec`'s final hidden states [tokens, hidden]; a stale round's are dropped."""
+        for old in [r for r in self._rounds if r < spec]:
+            del self._rounds[old]
+        answer = self._rounds.pop(spec, None)
+        timeout = self.step_timeout + 0.05 * tokens
+        while answer is None:
+            answer = await self._await_result(pos + tokens, timeout, spec)
+            if isinstance(answer, Moved):
+                await self._follow(answer)
+                answer = None
+            elif answer is None:
+                raise PeerFailed(f"no result within {timeout:.0f} s", hop=None)
+        return unpack_tensor(answer.hidden, hidden=self.hidden, max_tokens=tokens)[0]
+
+    async def _await_result(
+        self, end: int, timeout: float, spec: int | None = None
+    ) -> Result | Moved | None:
         """The step's Result (None: none within `timeout`), or a Moved: a hop was handed over
-        to another node, whose connection the result then comes on."""
+        to another node, whose connection the result then comes on. Awaiting verification
+        round `spec`, the results of later rounds are kept for their turn."""
         answer: Result | Moved | None = None
         try:
             async with trio.open_nursery() as nursery:
@@ -192,9 +222,13 @@ class RemoteSession:
                             self._raise_error(msg, len(self.route) - 1)
                         if isinstance(msg, Moved) and msg.sid == self.sid:
                             moved(msg)
-                        if isinstance(msg, Result) and msg.sid == self.sid and msg.end == end:
+                        if not isinstance(msg, Result) or msg.sid != self.sid:
+                            continue
+                        if msg.spec == spec and msg.end == end:
                             answer = msg
                             break
+                        if msg.spec is not None and spec is not None and msg.spec > spec:
+                            self._rounds[msg.spec] = msg
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             raise _first_swarm_error(group) from None

@@ -9,11 +9,12 @@ transformers model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from swarm.errors import ProtocolError
 from swarm.model import kernels
 from swarm.model.config import ModelConfig
 from swarm.model.experts import MLP, Experts
@@ -43,6 +44,44 @@ class KVCache:
     keys: list[torch.Tensor]  # per layer [1, kv_heads, capacity, head_dim]
     values: list[torch.Tensor]
     length: int = 0
+    # position -> [(layer, keys, values)] a ring's slot held before that position took it: what
+    # a rewind (speculative decoding's rejected drafts) puts back
+    overwritten: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = field(
+        default_factory=dict
+    )
+
+    def keep_for_rewind(self, pos: int, tokens: int, depth: int) -> None:
+        """Before positions [pos, pos + tokens) are written: keep what they overwrite in ring
+        layers, so that `rewind` can go back up to `depth` positions from their end."""
+        for q in range(pos, pos + tokens):
+            kept = [
+                (layer, k[0, :, q % k.shape[2]].clone(), v[0, :, q % k.shape[2]].clone())
+                for layer, (k, v) in enumerate(zip(self.keys, self.values))
+                if q >= k.shape[2]  # a ring that wraps here: position q - capacity goes
+            ]
+            if kept:
+                self.overwritten[q] = kept
+        for q in [q for q in self.overwritten if q < pos + tokens - depth]:
+            del self.overwritten[q]
+
+    def rewind(self, pos: int) -> None:
+        """Forget positions [pos, length): every ring slot they took gets back what it held.
+        Raises ProtocolError, changing nothing, where a ring no longer holds what it needs."""
+        if pos >= self.length:
+            return
+        capacity = min(k.shape[2] for k in self.keys) if self.keys else self.length
+        lost = [q for q in range(max(pos, capacity), self.length) if q not in self.overwritten]
+        if lost:
+            raise ProtocolError(
+                f"cannot rewind to position {pos}: a sliding window's cache no longer holds"
+                f" what position {lost[0]} overwrote"
+            )
+        for q in range(self.length - 1, pos - 1, -1):
+            for layer, k, v in self.overwritten.pop(q, ()):
+                slot = q % self.keys[layer].shape[2]
+                self.keys[layer][0, :, slot] = k
+                self.values[layer][0, :, slot] = v
+        self.length = pos
 
     @classmethod
     def allocate(

@@ -109,10 +109,13 @@ class Session(StepWork):
             msg.hidden, hidden=self.ctx.span.config.hidden, max_tokens=self.max_length
         )
         n, now = hidden.shape[1], time.monotonic()
-        self.state.handle(StepIn(msg.phase, msg.pos, n, msg.end, now))
+        spec = msg.spec is not None
+        self.state.handle(StepIn(msg.phase, msg.pos, n, msg.end, now, spec=spec))
         if self.state.holds_steps:  # handing over: the replica computes it
             self.held.append(msg)
             return
+        if spec:  # a rewind makes the rounds queued after its position stale: dropped
+            self._drop_decodes_from(msg.pos)
         self._queue(msg, hidden, now)
 
     def attach(self, conn: FramedStream, token: str) -> None:

@@ -21,7 +21,17 @@ import enum
 from dataclasses import dataclass
 
 from swarm.errors import ProtocolError, SessionNotFound, ShapeMismatch, SwarmError
-from swarm.protocol import DECODE, Attach, Close, Error, Opened, Release, Taken
+from swarm.protocol import (
+    DECODE,
+    MAX_REWIND,
+    MAX_VERIFY_TOKENS,
+    Attach,
+    Close,
+    Error,
+    Opened,
+    Release,
+    Taken,
+)
 
 
 class State(enum.Enum):
@@ -40,6 +50,7 @@ class StepIn:
     tokens: int
     end: int
     now: float = 0.0
+    spec: bool = False  # a verification step (speculative decoding): it may rewind
 
 
 @dataclass(frozen=True)
@@ -135,6 +146,7 @@ class SessionState:
         self.state = OPENING
         self.move = COMING if coming else HERE
         self.next_pos = 0  # position the next accepted step must start at
+        self.floor = 0  # where plain steps' positions end: no verification step rewinds below
         self.opened_at = now
         self.last_active = now
         self.used = False  # stepped, or (last hop) attached: someone is behind the session
@@ -173,6 +185,8 @@ class SessionState:
         if isinstance(event, StepIn):
             self._check_step(event)
             self.next_pos = event.pos + event.tokens
+            if not event.spec:
+                self.floor = self.next_pos
             self.last_active = event.now
             self.used = True
         elif isinstance(event, Attach):
@@ -199,7 +213,9 @@ class SessionState:
         return now - self.last_active
 
     def _check_step(self, step: StepIn) -> None:
-        if step.pos != self.next_pos:
+        if step.spec:
+            self._check_verification(step)
+        elif step.pos != self.next_pos:
             raise ProtocolError(
                 f"step for positions {step.pos}:{step.pos + step.tokens} out of order; expected"
                 f" position {self.next_pos}"
@@ -209,8 +225,23 @@ class SessionState:
                 f"step covers {step.pos}:{step.pos + step.tokens} of a phase ending at"
                 f" {step.end}; the session holds at most {self.max_length} tokens"
             )
-        if step.phase == DECODE and step.tokens != 1:
+        if step.phase == DECODE and step.tokens != 1 and not step.spec:
             raise ShapeMismatch(f"a decode step carries one token, this one {step.tokens}")
+
+    def _check_verification(self, step: StepIn) -> None:
+        if step.phase != DECODE:
+            raise ProtocolError("a verification step is a decode step")
+        if step.tokens > MAX_VERIFY_TOKENS:
+            raise ShapeMismatch(
+                f"a verification step carries at most {MAX_VERIFY_TOKENS} tokens,"
+                f" this one {step.tokens}"
+            )
+        lowest = max(self.floor, self.next_pos - MAX_REWIND)
+        if not lowest <= step.pos <= self.next_pos:
+            raise ProtocolError(
+                f"verification step at position {step.pos}: this session may go on at"
+                f" {self.next_pos} or rewind to {lowest} at the earliest"
+            )
 
     def _refusal(self, event: Event | MoveEvent) -> SwarmError:
         short = self.sid[:8]

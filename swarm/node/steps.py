@@ -20,7 +20,7 @@ from swarm.node.prompt import PromptPieces
 from swarm.node.session_state import Copy, SessionState
 from swarm.node.signal import Signal
 from swarm.node.uplink import CLIENTS, Payload
-from swarm.protocol import DECODE, PREFILL, Error, Open, Step
+from swarm.protocol import DECODE, MAX_REWIND, PREFILL, Error, Open, Step
 
 if TYPE_CHECKING:
     from swarm.model.blocks import KVCache
@@ -75,6 +75,12 @@ class StepWork:
             self.ctx.observer.prompt_piece(self.sid, now, msg.pos, hidden.shape[1], msg.end)
         self._wake.set()
 
+    def _drop_decodes_from(self, pos: int) -> None:
+        stale = [d for d in self.decodes if d[0].pos >= pos]
+        for d in stale:
+            self.decodes.remove(d)
+        self.ctx.counters.steps_dropped += len(stale)
+
     async def _work(self, cache: KVCache) -> None:
         try:
             while not self.state.closed:
@@ -128,6 +134,9 @@ class StepWork:
     async def _decode(self, cache: KVCache, step: Step, hidden: torch.Tensor, arrived: float):
         compute, span = self.ctx.compute, self.ctx.span
         try:
+            if step.spec is not None:  # a verification round: its drafts may be rejected
+                cache.rewind(step.pos)
+                cache.keep_for_rewind(step.pos, hidden.shape[1], MAX_REWIND)
             if hidden.shape[1] == 1:  # joins other sessions' steps through the same blocks
                 run = functools.partial(decode_pass, span, self.start, self.end)
                 item = DecodeItem(cache, step.pos, hidden)
@@ -236,6 +245,8 @@ class StepWork:
             to, dest, phase, result = ds, self.downstream, step.phase, False
         elif step.pos + n != step.end:
             return True  # a middle chunk of a prefill: the client needs only the last token
+        elif step.spec is not None:  # a verification round: the client checks every token
+            to, dest, phase, result = self.sink, CLIENTS, DECODE, True
         elif self.sink is None and not await self._sink_in_time():
             err = SessionNotFound("no client attached to receive results")
             await self.fail(Error.of(err, self.sid, self.hop))
@@ -243,7 +254,16 @@ class StepWork:
         else:
             to, dest, phase, result, out = self.sink, CLIENTS, DECODE, True, out[:, -1:]
         payload = Payload(
-            to, dest, self.sid, phase, step.pos, step.end, out, self.wire_dtype, result=result
+            to,
+            dest,
+            self.sid,
+            phase,
+            step.pos,
+            step.end,
+            out,
+            self.wire_dtype,
+            result=result,
+            spec=step.spec,
         )
         self.ctx.uplink.send_activations(payload)
         return True

@@ -63,6 +63,7 @@ class Payload:
     values: torch.Tensor | None = None
     layer: int = -1
     done: trio.Event | None = None  # set once its last byte is written (or it is dropped)
+    spec: int | None = None  # a verification round's id (speculative decoding)
 
 
 class Uplink:
@@ -370,9 +371,16 @@ class Uplink:
             )
             return encode_frame(to_wire(chunk))
         if p.result:
-            msg: Message = Result(sid=p.sid, end=p.end, hidden=hidden)
+            msg: Message = Result(sid=p.sid, end=p.end, hidden=hidden, spec=p.spec)
         else:
-            msg = Step(sid=p.sid, phase=p.phase, pos=p.pos + offset, end=p.end, hidden=hidden)
+            msg = Step(
+                sid=p.sid,
+                phase=p.phase,
+                pos=p.pos + offset,
+                end=p.end,
+                hidden=hidden,
+                spec=p.spec,
+            )
         return encode_frame(to_wire(msg))
 
     def _measure(self, p: Payload, nbytes: int, started: float, finished: float) -> None:

@@ -1,0 +1,229 @@
+"""A session through the swarm that survives node failures: token ids in, logits out, by
+single steps (`feed`) or by verification rounds of drafts (`send_round`, speculative decoding)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarm.client.probe import round_trips
+from swarm.client.session import RemoteSession
+from swarm.client.verify import Verdict, check_last_step
+from swarm.errors import FingerprintMismatch, ProtocolError, SpanError, SwarmError
+from swarm.protocol import Hop
+
+log = logging.getLogger("swarm.client")
+SHUN_S = 600.0  # how long a node that answered as no honest one would stays out of routes
+
+
+@dataclass(frozen=True)
+class Round:
+    """A verification round in flight: tokens `ids` at positions [pos, pos + len(ids)), the
+    first a token the client decided, the rest drafts after it."""
+
+    spec: int
+    pos: int
+    ids: tuple[int, ...]
+
+
+class InferenceSession:
+    """Token ids in, next-token logits out. Survives node failures by rerouting and replaying."""
+
+    def __init__(self, client: Any, max_length: int, drafter: Any = None):
+        """`client`: the swarm.client.Client whose routes, head and runtime it uses;
+        `drafter`: what proposes drafts for a Decoding of it (swarm.client.decoding)."""
+        if max_length > client.config.max_position:
+            raise ValueError(
+                f"{max_length} tokens exceed the model's context of {client.config.max_position}"
+            )
+        self.client = client
+        self.max_length = max_length
+        self.drafter = drafter
+        self.history: list[int] = []
+        self.remote: RemoteSession | None = None
+        self.excluded: set[str] = set()
+        self.recoveries: list[float] = []  # seconds each failure took to recover from
+        self.last_hidden: torch.Tensor | None = None  # the final hidden state of the last token
+        self._held = 0.0  # the router's token for our session on the current route
+        self._route: list[Hop] = []  # as held, whatever hops were handed over since
+        self._spec = 0  # the last verification round's id
+        self._rows: tuple[Round, torch.Tensor] | None = None  # its final hidden states
+        self._attempt = 0  # failed tries of the step or round under way
+        self._failed_at: float | None = None
+
+    def __enter__(self) -> InferenceSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.remote is not None:
+            self.client.release_route(self._route, self._held)
+            self.client.loop.run(self.remote.aclose)
+            self.remote = None
+
+    def _open(self, tokens: int) -> None:
+        """Open a session on a new route for a first step of `tokens`: a long prompt may go
+        to a prefill node, which hands the session on to the route's last hop (P/D)."""
+        # counted on its nodes at once: load their records do not show yet, which sessions
+        # routed at the same moment must see
+        route, self._held = self.client.hold_route(self.excluded, self.max_length)
+        self._route = list(route)
+        handoff = None
+        prefill = self.client.prefill_hop(route[-1], tokens, self.max_length, self.excluded)
+        if prefill is not None:
+            if self.max_length - tokens >= self.client.options.handoff_min_new:
+                handoff, route = route[-1], [*route[:-1], prefill]
+            else:  # a short answer: the session stays where its prompt is computed
+                self.client.release_route(route, self._held)
+                route = self._route = [*route[:-1], prefill]
+                self._held = self.client.router.opened(route)
+        remote = self.client.remote_session(route, self.max_length, handoff)
+        try:
+            self.client.loop.run(remote.open)
+        except BaseException:
+            self.client.release_route(route, self._held)
+            self.client.loop.run(remote.aclose)
+            raise
+        self.remote = remote
+        log.info(
+            "route: %s%s",
+            " -> ".join(f"{h.addr}[{h.start}:{h.end}]" for h in route),
+            f", then {handoff.addr} once the prompt is in" if handoff else "",
+        )
+
+    def feed(self, ids: list[int]) -> torch.Tensor:
+        """Append tokens; return logits [vocab] for the next one."""
+        while True:
+            try:
+                logits = self._step(ids)
+            except SwarmError as exc:
+                self.recover(exc)
+                continue
+            self._recovered()
+            return logits
+
+    def recover(self, exc: SwarmError) -> None:
+        """After `exc` in a step or a round: leave the route (the next step or round opens
+        another and replays the history there), or raise `exc` where another route cannot
+        help or the retries are spent."""
+        if not _route_may_help(exc) or self._attempt == self.client.options.max_retries:
+            self._attempt, self._failed_at = 0, None
+            raise exc
+        self._failed_at = self._failed_at or time.monotonic()
+        self._reroute(exc, self._attempt)
+        self._attempt += 1
+
+    def _recovered(self) -> None:
+        if self._failed_at is not None:
+            self.recoveries.append(time.monotonic() - self._failed_at)
+        self._attempt, self._failed_at = 0, None
+
+    def send_round(self, ids: list[int], pos: int) -> Round:
+        """Send `ids` (a decided token, then drafts) for positions [pos, pos + len(ids)); `pos`
+        at most where the rounds in flight end, at least len(history). A new route first
+        rebuilds its caches from the history. Answered by `round_logits`, in order."""
+        if self.remote is None:
+            self._open(pos + len(ids))
+            self.client.loop.run(self.remote.step, self._head().embed_tokens(self.history[:pos]))
+        self._spec += 1
+        r = Round(self._spec, pos, tuple(ids))
+        hidden = self._head().embed_tokens(list(ids))
+        self.client.loop.run(self.remote.send_round, hidden, pos, r.spec)
+        return r
+
+    def round_logits(self, r: Round) -> torch.Tensor:
+        """Logits [len(r.ids), vocab]: row i for the token after r.ids[i]."""
+        started = time.perf_counter()
+        hidden = self.client.loop.run(self.remote.round_result, r.spec, r.pos, len(r.ids))
+        if len(r.ids) == 1:  # as a decode step: the route's cost a token
+            self.client.observe_step(self.remote.route, time.perf_counter() - started)
+        self._rows = (r, hidden)
+        return self._head().logits_rows(hidden)
+
+    def keep(self, r: Round, n: int) -> None:
+        """The route's caches hold r.ids[:n] after the history: the tokens the client accepted
+        of round `r` (the last whose logits it read)."""
+        assert self._rows is not None and self._rows[0] == r and r.pos == len(self.history)
+        self.history += r.ids[:n]
+        self.last_hidden = self._rows[1][n - 1 : n]
+        self._recovered()
+
+    def _head(self):
+        return self.client.head(self.remote.route)
+
+    def _step(self, ids: list[int]) -> torch.Tensor:
+        """One try at feeding `ids`; on a new route, the tokens so far go first."""
+        replay = []
+        if self.remote is None:
+            self._open(len(self.history) + len(ids))
+            replay = self.history  # a new route: rebuild its caches from the tokens so far
+        head = self.client.head(self.remote.route)
+        hidden = head.embed_tokens(replay + ids)
+        started = time.perf_counter()
+        out = self.last_hidden = self.client.loop.run(self.remote.step, hidden)
+        if len(replay) + len(ids) == 1:  # a decode step: its time is the route's cost a token
+            self.client.observe_step(self.remote.route, time.perf_counter() - started)
+        self.history += ids
+        return self.client.logits.logits(head, out)
+
+    def verify(self, rng: random.Random | None = None) -> Verdict:
+        """Recompute the last step on other routes (see swarm.client.verify); nodes found
+        computing wrongly go into client.suspects, which every route of the client leaves out,
+        and are reported in the DHT, where the health page shows them."""
+        if self.remote is None or self.last_hidden is None:
+            raise ValueError("nothing to verify yet: feed the session first")
+        route = self.remote.route
+        verdict = check_last_step(
+            self.client, route, self.history, self.last_hidden, rng, self.excluded
+        )
+        if verdict.suspects:  # every route of the client leaves them out from now on
+            log.warning("nodes computing wrongly, left out: %s", ", ".join(verdict.suspects))
+            self.client.suspects |= verdict.suspects
+            self.client.reports.publish(self.client.dht, self.client.config.name, verdict.outvoted)
+            self.close()  # the next step routes anew, replaying
+        return verdict
+
+    def _reroute(self, exc: SwarmError, attempt: int) -> None:
+        """Leave the route that failed, blaming whom `exc` names (or the hops that went quiet),
+        and back off before the next try."""
+        self._blame(exc)
+        log.warning("route failed (%s); rerouting, attempt %d", exc, attempt + 1)
+        self.close()
+        time.sleep(min(0.25 * 2**attempt, 4.0))
+
+    def _blame(self, exc: SwarmError) -> None:
+        peer = getattr(exc, "peer", None)
+        if peer:
+            self.excluded.add(peer)
+            self.client.router.failed(peer)  # the client's other sessions wait for a pong too
+            if _misbehaved(exc):  # every session of this client leaves it out for a while
+                self.client.shunned[peer] = time.monotonic() + SHUN_S
+            return
+        if self.remote is None:
+            return
+        # nobody named: a hop hung. Ping each; exclude the silent ones.
+        hops = {h.peer: h for h in self.remote.route}
+        alive = self.client.loop.run(round_trips, hops, 2.0)
+        for peer in hops.keys() - alive.keys():
+            self.excluded.add(peer)
+            self.client.router.failed(peer)
+
+
+def _misbehaved(exc: SwarmError) -> bool:
+    """A hop named by `exc` answered as no honest node of this model would: blocks it announced
+    but does not serve, other weights, a broken message."""
+    liar = isinstance(exc, (SpanError, FingerprintMismatch, ProtocolError))
+    return liar and bool(getattr(exc, "peer", None))
+
+
+def _route_may_help(exc: SwarmError) -> bool:
+    """Whether another route may succeed: the error says so (a busy or dead peer), or leaving
+    out a hop that misbehaved may."""
+    return exc.retry_elsewhere or _misbehaved(exc)
