@@ -230,3 +230,22 @@ def test_an_address_pushing_several_prompts_takes_its_turn_in_the_prompt_lane():
     # a1 waits behind A's two other prompts, in turns with B's: 2 passes x 2 addresses
     assert t.prompt_rank(a1, 10.0, 1.0) == 14.0
     assert t.prompt_rank(b, 10.5, 1.0) == 10.5  # a lone prompt keeps the lane's rank
+
+
+def test_a_session_bigger_than_the_whole_cache_is_refused_naming_both_sizes():
+    limits = replace(
+        LIMITS, max_cache_tokens=512, max_session_tokens=8192, max_host_cache_tokens=8192
+    )
+    table = SessionTable(limits)
+    table.add(Held("small", "10.0.0.1", max_length=100))
+    with pytest.raises(NodeBusy, match="1525 cache tokens.* whole cache of 512"):
+        table.add(Held("big", "10.0.0.2", max_length=1525))
+    assert [s.sid for s in table] == ["small"]
+
+
+def test_a_session_bigger_than_the_whole_cache_of_an_empty_node_is_refused_too():
+    limits = replace(
+        LIMITS, max_cache_tokens=512, max_session_tokens=8192, max_host_cache_tokens=8192
+    )
+    with pytest.raises(NodeBusy, match="whole cache of 512"):
+        SessionTable(limits).add(Held("big", "10.0.0.2", max_length=1525))

@@ -99,6 +99,11 @@ class SessionTable(Generic[Session]):
                 f"session wants {want} tokens, this node allows {lim.max_session_tokens}"
                 " per session"
             )
+        if want > lim.max_cache_tokens:  # no eviction makes room: another node may have it
+            raise NodeBusy(
+                f"session wants {want} cache tokens, more than this node's whole cache of"
+                f" {lim.max_cache_tokens}"
+            )
         left = list(self._sessions.values())
         gone: list[Session] = []
 
@@ -153,6 +158,8 @@ class SessionTable(Generic[Session]):
         return s.state.idle_for(now) >= self.limits.evict_idle_s
 
     def _victim(self, left: list[Session], host: str, now: float) -> Session | None:
+        if not left:
+            return None
         counts = Counter(s.host for s in left)
         idle = [s for s in left if self._idle(s, now)]
         if idle:  # the address holding the most first; never used, then longest idle
