@@ -1,4 +1,4 @@
-"""The cache a handover moves (swarm/node/handover.py, sans IO): copied while the session goes
+"""The cache a handover moves (swarm/node/handover/cache.py, sans IO): copied while the session goes
 on, then its tail, it lands exactly as the sender holds it, sliding-window rings included."""
 
 from __future__ import annotations

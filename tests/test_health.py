@@ -39,6 +39,7 @@ from tests.helpers.flags import exact_flags
 from tests.helpers.records import node_record
 
 MODEL, LAYERS, FINGERPRINT = "tiny-fake", 8, "fp-test-0001"
+CHECKOUT = str(Path(__file__).resolve().parents[1])  # a fake node runs this file: tests.helpers
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -360,7 +361,7 @@ class Proc:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": CHECKOUT},
         )
         p = cls(proc, name)
         threading.Thread(target=p._pump, daemon=True).start()

@@ -15,6 +15,6 @@ One hand-over, top to bottom:
 - cache.py, sans IO: the cache cut into slabs, their digest, the receiver's `CacheIntake`
   checking every chunk, and `pick_replicas`.
 
-The session's own part is where it stands (`Move` in ../session_state.py, one table) and the
+The session's own part is where it stands (`Move` in swarm/node/session_state.py, one table) and the
 steps it holds meanwhile. Each side takes the node's `SessionContext`, never the node.
 """
