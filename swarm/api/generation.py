@@ -18,6 +18,7 @@ from swarm.api.fair import FairSlots
 from swarm.api.schema import ApiError, GenerationRequest
 from swarm.client.aio import AsyncSession
 from swarm.client.client import Client
+from swarm.client.decoding import SpeculationStats
 from swarm.client.options import Sampling
 from swarm.client.reply import Sampler
 from swarm.client.routing import missing_blocks, usable
@@ -32,12 +33,20 @@ class Reply:
     prompt_tokens: int
     completion_tokens: int = 0
     finish_reason: str | None = None  # "stop" (end of text or a stop string) or "length"
+    speculation: SpeculationStats | None = None  # drafts proposed and accepted so far
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict:
+        """OpenAI's usage object; speculative decoding's drafts as its predicted outputs'
+        accepted and rejected prediction tokens."""
+        drafts = self.speculation or SpeculationStats()
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": drafts.accepted,
+                "rejected_prediction_tokens": drafts.proposed - drafts.accepted,
+            },
         }
 
 
@@ -157,25 +166,27 @@ async def open_reply(
             raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
         max_tokens = backend.budget(request, len(ids))
         await backend.check_route()
+        # the request's "speculative": false decodes a token a step; else the server's way
+        speculative = None if s.speculative else "off"
         try:
-            async with AsyncSession(backend.client, len(ids) + max_tokens) as session:
-                logits = await session.feed(ids)
-                reply = Reply(prompt_tokens=len(ids))
+            async with AsyncSession(backend.client, len(ids) + max_tokens, speculative) as session:
                 sampler = Sampler(Sampling(temperature=s.temperature, top_p=s.top_p, seed=s.seed))
+                tokens = session.tokens(ids, max_tokens, sampler)
+                first = await anext(tokens)  # the prompt's pass: its errors before any byte
+                reply = Reply(prompt_tokens=len(ids), speculation=session.decoding.stats)
                 text = backend.client.reply_text(s.stop)
 
                 async def pieces() -> AsyncIterator[str]:
-                    nonlocal logits
-                    for i in range(max_tokens):
-                        piece, done = text.add(sampler(logits))
+                    token = first
+                    while token is not None:
+                        piece, done = text.add(token)
                         reply.completion_tokens += 1
                         if piece:
                             yield piece
                         if done:
                             reply.finish_reason = "stop"
                             return
-                        if i + 1 < max_tokens:
-                            logits = await session.feed([text.tokens[-1]])
+                        token = await anext(tokens, None)
                     reply.finish_reason = "length"
                     if tail := text.flush():
                         yield tail

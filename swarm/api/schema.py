@@ -52,6 +52,7 @@ class Sampling:
     top_p: float
     seed: int | None
     stop: tuple[str, ...]
+    speculative: bool = True  # false: a token a step, whatever the server's --speculative
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         seed=None if seed is None else seed % 2**63,
         stop=_stop(body),
+        speculative=_flag(body, "speculative") if "speculative" in body else True,
     )
     if sampling.top_p == 0.0:
         raise invalid("top_p", "top_p must be above 0")

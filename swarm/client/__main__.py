@@ -57,14 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         print()
         total = time.perf_counter() - t0
         tokens = len(reply.tokens)
+        drafts = reply.speculation
+        said = f"; drafts {drafts.accepted}/{drafts.proposed} accepted" if drafts else ""
         if first and tokens > 1:
             print(
                 f"[{tokens} tokens; first after {first - t0:.2f} s;"
-                f" {(tokens - 1) / (time.perf_counter() - first):.1f} tokens/s after]",
+                f" {(tokens - 1) / (time.perf_counter() - first):.1f} tokens/s after{said}]",
                 file=sys.stderr,
             )
         else:
-            print(f"[{tokens} tokens in {total:.2f} s]", file=sys.stderr)
+            print(f"[{tokens} tokens in {total:.2f} s{said}]", file=sys.stderr)
     except SwarmError as exc:
         print(f"\nerror: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

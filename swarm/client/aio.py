@@ -14,17 +14,21 @@ from collections.abc import AsyncIterator, Sequence
 import torch
 import trio
 
-from swarm.client.client import Client, InferenceSession
+from swarm.client.client import Client
+from swarm.client.decoding import Decoding
 from swarm.client.options import MAX_NEW_TOKENS, Sampling
 from swarm.client.reply import Sampler
 
 
 class AsyncSession:
-    """`async with AsyncSession(client, max_length) as s: logits = await s.feed(ids)`."""
+    """`async with AsyncSession(client, max_length) as s: logits = await s.feed(ids)`, or
+    `async for token in s.tokens(ids, max_new_tokens, sampler)`; `speculative` as
+    Client.session's."""
 
-    def __init__(self, client: Client, max_length: int):
-        self._session = InferenceSession(client, max_length)
+    def __init__(self, client: Client, max_length: int, speculative: str | None = None):
+        self._session = client.session(max_length, speculative)
         self._broken = False
+        self.decoding: Decoding | None = None  # once tokens() began: its stats
 
     async def __aenter__(self) -> AsyncSession:
         return self
@@ -34,10 +38,23 @@ class AsyncSession:
 
     async def feed(self, ids: list[int]) -> torch.Tensor:
         """Append tokens; logits [vocab] for the next one."""
+        return await self._in_thread(self._session.feed, ids)
+
+    async def tokens(
+        self, ids: list[int], max_new_tokens: int, sampler: Sampler
+    ) -> AsyncIterator[int]:
+        """The reply's tokens after prompt `ids` (a Decoding: speculative where the session's
+        drafter proposes), each step or round in a worker thread."""
+        self.decoding = Decoding(self._session, ids, max_new_tokens, sampler, self._session.drafter)
+        tokens = iter(self.decoding)
+        while (token := await self._in_thread(next, tokens, None)) is not None:
+            yield token
+
+    async def _in_thread(self, fn, *args):
         if self._broken:
             raise RuntimeError("this session was cancelled mid-step; open a new one")
         try:
-            return await trio.to_thread.run_sync(self._session.feed, ids, abandon_on_cancel=True)
+            return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
         except trio.Cancelled:
             self._broken = True
             raise
@@ -53,21 +70,19 @@ async def astream(
     prompt: str | list[dict[str, str]],
     max_new_tokens: int = MAX_NEW_TOKENS,
     stop: Sequence[str] = (),
+    speculative: str | None = None,
     **sampling,
 ) -> AsyncIterator[str]:
     """`Client.stream` for trio tasks: the reply's text piece by piece."""
     ids = await trio.to_thread.run_sync(client.encode, prompt)
     sampler = Sampler(Sampling(**sampling))
     text = client.reply_text(stop)
-    async with AsyncSession(client, len(ids) + max_new_tokens) as session:
-        logits = await session.feed(ids)
-        for i in range(max_new_tokens):
-            piece, done = text.add(sampler(logits))
+    async with AsyncSession(client, len(ids) + max_new_tokens, speculative) as session:
+        async for token in session.tokens(ids, max_new_tokens, sampler):
+            piece, done = text.add(token)
             if piece:
                 yield piece
             if done:
                 return
-            if i + 1 < max_new_tokens:
-                logits = await session.feed([text.tokens[-1]])
         if tail := text.flush():
             yield tail

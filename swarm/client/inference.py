@@ -160,6 +160,12 @@ class InferenceSession:
 
     def _step(self, ids: list[int]) -> torch.Tensor:
         """One try at feeding `ids`; on a new route, the tokens so far go first."""
+        if self.remote is not None and self.remote.position != len(self.history):
+            # verification rounds went past the history: only a round may rewind the route
+            r = self.send_round(ids, len(self.history))
+            logits = self.round_logits(r)
+            self.keep(r, len(ids))
+            return logits[-1]
         replay = []
         if self.remote is None:
             self._open(len(self.history) + len(ids))

@@ -8,6 +8,7 @@ and `python -m swarm.api` are these fields (swarm/options.py derives the flags).
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -24,6 +25,13 @@ from swarm.options import (
 )
 
 MAX_NEW_TOKENS = 64  # a reply's length where its caller names none
+
+
+def speculative_arg(text: str) -> str:
+    """--speculative: lookup, off, or the path of a draft model that exists."""
+    if text in ("lookup", "off") or os.path.exists(text):
+        return text
+    raise argparse.ArgumentTypeError(f"lookup, off or a draft model's path, not {text!r}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class ClientOptions:
         " that model (the served model's vocabulary), 'off' decodes a token a step; the output"
         " is the same, token for token",
         metavar="lookup|off|PATH",
+        type=speculative_arg,
     )
 
 
