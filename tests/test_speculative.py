@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from swarm.client.decoding import Decoding, PromptLookup, Tuner
+from swarm.client.decoding import Decoding, PromptLookup
 from swarm.client.inference import Round
 from swarm.client.options import Sampling
 from swarm.client.reply import Sampler
@@ -24,6 +24,7 @@ from swarm.model.source import open_model
 from swarm.model.tiny import save_tiny_llama
 from swarm.node.session_state import SessionState, StepIn
 from swarm.protocol import DECODE, MAX_REWIND, MAX_VERIFY_TOKENS, PREFILL, Opened
+from tests.helpers.speculation import Fixed
 from tests.test_session import SID, TOKEN, Conn, context, open_msg, start, step, until
 
 # ---- prompt lookup ------------------------------------------------------------------------
@@ -337,20 +338,6 @@ class Greedy:
         for _ in range(k):
             seq.append(int(self.logits(seq)[-1].argmax()))
         return seq[len(tokens) :]
-
-
-class Fixed(Tuner):
-    """Always this many drafts a round and rounds in flight."""
-
-    def __init__(self, drafts: int, in_flight: int):
-        super().__init__()
-        self.k, self.n = drafts, in_flight
-
-    def drafts(self, produced: int) -> int:
-        return self.k
-
-    def in_flight(self, drafts: int) -> int:
-        return self.n
 
 
 def decoded(logits: Memo, prompt, new: int, sampler: Sampler, drafter=None, tuner=None):
