@@ -1,0 +1,20 @@
+"""What speculative decoding's tests share: a tuner that does as it is told."""
+
+from __future__ import annotations
+
+from swarm.client.decoding import Tuner
+
+
+class Fixed(Tuner):
+    """Always this many drafts a round and rounds in flight, whatever it measures: rounds the
+    same in every run, as long as a test wants them."""
+
+    def __init__(self, drafts: int, in_flight: int):
+        super().__init__()
+        self.k, self.n = drafts, in_flight
+
+    def drafts(self, produced: int) -> int:
+        return self.k
+
+    def in_flight(self, drafts: int) -> int:
+        return self.n
