@@ -57,16 +57,9 @@ def test_greedy_tokens_without_speculation_are_the_models(family):
     assert stats.rounds == 0
 
 
-ROUND_LONGER_THAN_THE_WINDOW = pytest.mark.xfail(
-    strict=True,
-    reason="bug: a round longer than a ring's window, partly accepted, leaves the ring"
-    " without the accepted positions' keys (tests/test_speculative.py, the rewind's xfails)",
-)
-
-
 def long_rounds() -> Fixed:
-    """As many drafts a round and rounds in flight as a round may have: the same rounds in
-    every run (the client's own tuner goes by what it measures), longer than any window."""
+    """As many drafts a round and rounds in flight as there may be (rounds no longer than a
+    window): the same rounds every run (the client's own tuner goes by what it measures)."""
     return Fixed(MAX_DRAFTS, MAX_IN_FLIGHT)
 
 
@@ -77,12 +70,8 @@ def test_greedy_tokens_drafted_by_prompt_lookup_are_plain_decodings(family):
     assert stats.rounds > 0  # a random model seldom repeats itself: few drafts are accepted
 
 
-def test_greedy_tokens_drafted_by_the_served_model_itself_are_plain_decodings(
-    family, tiny_family, request
-):
+def test_greedy_tokens_drafted_by_the_served_model_itself_are_plain_decodings(family, tiny_family):
     name, model, client = family
-    if name == "gemma2":  # its drafts are partly accepted in rounds longer than its window
-        request.applymarker(ROUND_LONGER_THAN_THE_WINDOW)
     out, stats, in_flight = decode(client, PROMPT, NEW, str(tiny_family(name)[1]), long_rounds())
     assert out == reference_greedy(model, PROMPT, NEW)
     # the draft runs at the client's default weights, the route at float32: near-ties differ

@@ -214,10 +214,10 @@ class Decoding:
         if k == 0:
             return bool(self.rounds)
         while len(self.rounds) < self.tuner.in_flight(k):
-            seq = self.tokens + self.plan
+            seq, session_round = self.tokens + self.plan, self.session.round_tokens
             room = self.end - 1 - len(seq)  # the reply's last token is never fed
             first = not self.rounds
-            want = min(k if first else k + 1, room, MAX_DRAFTS if first else MAX_VERIFY_TOKENS)
+            want = min(k if first else k + 1, room, session_round - first)
             drafts = self.drafter.propose(seq, want)[:want] if want > 0 else []
             if not drafts:
                 break

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from swarm.errors import ProtocolError
-from swarm.model.blocks import KVCache, Span
+from swarm.model.blocks import KVCache, Span, ring_slots
 from swarm.model.head import Head
 from swarm.model.source import open_model
 from swarm.protocol import MAX_REWIND
@@ -68,8 +68,13 @@ class DraftModel:
         return self._forward(tokens[same:])
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
-        pos = len(self._fed)
-        self._cache.keep_for_rewind(pos, len(ids), MAX_REWIND)
-        h = self.span.forward(self.head.embed_tokens(ids), self._cache, pos, 0, self.span.end)
-        self._fed += ids
+        """Feed `ids` in passes a rewind can undo (no longer than a sliding window's ring)."""
+        config = self.source.config
+        most = ring_slots(config, 0, config.num_layers, self.max_length)
+        for lo in range(0, len(ids), most):
+            pos, piece = len(self._fed), ids[lo : lo + most]
+            self._cache.keep_for_rewind(pos, len(piece), MAX_REWIND)
+            embedded = self.head.embed_tokens(piece)
+            h = self.span.forward(embedded, self._cache, pos, 0, self.span.end)
+            self._fed += piece
         return h

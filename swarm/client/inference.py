@@ -15,7 +15,8 @@ from swarm.client.probe import round_trips
 from swarm.client.session import RemoteSession
 from swarm.client.verify import Verdict, check_last_step
 from swarm.errors import FingerprintMismatch, ProtocolError, SpanError, SwarmError
-from swarm.protocol import Hop
+from swarm.model.blocks import ring_slots
+from swarm.protocol import MAX_VERIFY_TOKENS, Hop
 
 log = logging.getLogger("swarm.client")
 SHUN_S = 600.0  # how long a node that answered as no honest one would stays out of routes
@@ -154,6 +155,13 @@ class InferenceSession:
         self.history += r.ids[:n]
         self.last_hidden = self._rows[1][n - 1 : n]
         self._recovered()
+
+    @property
+    def round_tokens(self) -> int:
+        """The most tokens a round may carry: no more than a sliding window's ring holds, so
+        that a rewind into it can restore the ring (swarm.model.blocks.ring_slots)."""
+        config = self.client.config
+        return min(MAX_VERIFY_TOKENS, ring_slots(config, 0, config.num_layers, self.max_length))
 
     def _head(self):
         return self.client.head(self.remote.route)

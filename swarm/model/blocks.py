@@ -36,6 +36,14 @@ ACTIVATE = {
 }
 
 
+def ring_slots(config: ModelConfig, start: int, end: int, max_length: int) -> int:
+    """The fewest slots of a sliding window's ring among layers [start, end) of a session of
+    `max_length` tokens (max_length where none is a ring): the most positions one pass may
+    write where it may be rewound (KVCache.keep_for_rewind)."""
+    windows = (config.window(i) for i in range(start, end))
+    return min((w for w in windows if w and w < max_length), default=max_length)
+
+
 @dataclass
 class KVCache:
     """Keys and values for every layer of a span, preallocated: a layer with a sliding window
@@ -52,7 +60,13 @@ class KVCache:
 
     def keep_for_rewind(self, pos: int, tokens: int, depth: int) -> None:
         """Before positions [pos, pos + tokens) are written: keep what they overwrite in ring
-        layers, so that `rewind` can go back up to `depth` positions from their end."""
+        layers, so that `rewind` can go back up to `depth` positions from their end. More
+        positions than a ring's slots in one pass would leave some in no slot: refused."""
+        if rings := [k.shape[2] for k in self.keys if pos + tokens > k.shape[2] < tokens]:
+            raise ProtocolError(
+                f"a pass of {tokens} tokens that may be rewound is longer than a sliding"
+                f" window's {min(rings)}"
+            )
         for q in range(pos, pos + tokens):
             kept = [
                 (layer, k[0, :, q % k.shape[2]].clone(), v[0, :, q % k.shape[2]].clone())

@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING
 import torch
 import trio
 
-from swarm.errors import HandoverRefused, PeerFailed, SessionNotFound, SwarmError
+from swarm.errors import (
+    HandoverRefused,
+    PeerFailed,
+    SessionNotFound,
+    ShapeMismatch,
+    SwarmError,
+)
+from swarm.model.blocks import ring_slots
 from swarm.node.admission import Share, peer_host, share_of
 from swarm.node.context import SessionContext, send_quietly
 from swarm.node.prompt import PromptPieces
@@ -98,6 +105,12 @@ class Session(StepWork):
         self.intake: CacheIntake | None = None
 
     @property
+    def round_limit(self) -> int:
+        """The most tokens a verification step may carry here: no more than a sliding
+        window's ring among its layers has slots (each would then hold one)."""
+        return ring_slots(self.ctx.span.config, self.start, self.end, self.max_length)
+
+    @property
     def is_last(self) -> bool:
         return self.hop == len(self.route) - 1
 
@@ -110,6 +123,11 @@ class Session(StepWork):
         )
         n, now = hidden.shape[1], time.monotonic()
         spec = msg.spec is not None
+        if spec and n > self.round_limit:
+            raise ShapeMismatch(
+                f"a verification step of {n} tokens is longer than a sliding window here"
+                f" ({self.round_limit}): a rewind into it could not restore the window's cache"
+            )
         self.state.handle(StepIn(msg.phase, msg.pos, n, msg.end, now, spec=spec))
         if self.state.holds_steps:  # handing over: the replica computes it
             self.held.append(msg)

@@ -14,7 +14,7 @@ HIDDEN = 8
 class Doubling:
     """Blocks that double the activations; a session's cache only counts its positions."""
 
-    config = SimpleNamespace(hidden=HIDDEN)
+    config = SimpleNamespace(hidden=HIDDEN, window=lambda layer: None)  # no sliding window
     start, end = 0, 4
 
     def allocate_cache(self, start: int, end: int, max_length: int) -> KVCache:
