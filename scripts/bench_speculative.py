@@ -51,7 +51,6 @@ from bench.timing import TokenTimes
 
 from swarm.client.client import Client
 from swarm.client.decoding import Decoding, Drafter, SpeculationStats, Tuner
-from swarm.client.inference import InferenceSession
 from swarm.client.options import Sampling
 from swarm.client.reply import Sampler
 from swarm.model.source import default_model_path
@@ -71,13 +70,15 @@ CHAT = [
     "Tell me a short story about a cat who wants to learn to fly.",
 ]
 WORKLOADS = {"rewrite": REWRITE, "chat": CHAT}
-GOALS = {  # (model, rtt, workload, draft) -> the least ratio to plain; None: any model, any rtt
+GOALS = {  # (model, rtt, workload, draft) -> the least ratio to plain; None: any
     ("default", 40, "chat", "oracle-0.7"): 3.0,
     ("default", 40, "rewrite", "lookup"): 2.0,
     ("default", 0, "chat", "oracle-0.7"): 1.5,
     ("8b", 40, "chat", "oracle-0.7"): 3.0,
     ("8b", 0, "chat", "oracle-0.7"): 1.5,
-    (None, None, "chat", "lookup"): 0.95,  # poor acceptance: the switch-off keeps plain's speed
+    # poor acceptance: the switch-off keeps plain decoding's speed
+    (None, None, "chat", "lookup"): 0.95,
+    (None, None, None, "layers-"): 0.95,  # any layer-skip draft ("-": a prefix)
 }
 
 
@@ -115,28 +116,6 @@ class Counting:
         return out
 
 
-class Session(InferenceSession):
-    """An InferenceSession whose plain step after a partly rejected round rewinds the route.
-
-    Works around a bug of swarm/client (spec branch, 7b4b32e): RemoteSession.send_round moves
-    `position` to the round's end and keep() never moves it back, so the plain step the tuner
-    takes after a rejection goes out at the rejected drafts' end (the node appends it after
-    them); and a node rewinds only for verification steps. Here that step goes as a round of
-    one token at the history's end; `rewinds` counts them. Remove once swarm does this itself.
-    """
-
-    rewinds = 0
-
-    def feed(self, ids: list[int]):
-        if self.remote is None or self.remote.position == len(self.history) or len(ids) != 1:
-            return super().feed(ids)
-        self.rewinds += 1
-        r = self.send_round(ids, len(self.history))
-        logits = self.round_logits(r)
-        self.keep(r, 1)
-        return logits[-1]
-
-
 @dataclass
 class Run:
     times: TokenTimes
@@ -145,13 +124,12 @@ class Run:
     drafts: list[int] = field(default_factory=list)
     tuner: Tuner | None = None
     same: bool = True  # its tokens are the plain run's
-    rewinds: int = 0  # plain steps sent as one-token rounds (Session's workaround)
 
 
 def decode(client: Client, ids: list[int], new: int, drafter: Drafter | None) -> Run:
     """`new` greedy tokens after `ids`, timed, drafted by `drafter` (None: plain decoding)."""
     counting = Counting(drafter) if drafter is not None else None
-    with Session(client, len(ids) + new) as session:
+    with client.session(len(ids) + new, "off") as session:
         decoding = Decoding(session, list(ids), new, Sampler(Sampling()), counting)
         if counting is not None:
             counting.decoding = decoding
@@ -160,7 +138,7 @@ def decode(client: Client, ids: list[int], new: int, drafter: Drafter | None) ->
             t.tokens.append(token)
             t.times.append(time.perf_counter())
         t.decode_start = t.times[0]
-    run = Run(t, decoding.stats, tuner=decoding.tuner, rewinds=session.rewinds)
+    run = Run(t, decoding.stats, tuner=decoding.tuner)
     if counting is not None:
         run.in_flight, run.drafts = counting.in_flight, counting.drafts
     return run
@@ -261,11 +239,12 @@ def rate(runs: list[Run]) -> float:
 
 
 def goal_for(key: tuple) -> float | None:
-    model, rtt, workload, draft = key
-    for (m, r, w, d), least in GOALS.items():
-        if (m in (None, model)) and (r is None or r == rtt) and (w, d) == (workload, draft):
-            return least
-    return None
+    def fits(want, have) -> bool:
+        if isinstance(want, str) and want.endswith("-"):
+            return have.startswith(want)
+        return want is None or want == have
+
+    return next((least for k, least in GOALS.items() if all(map(fits, k, key))), None)
 
 
 def row(key: tuple, runs: list[Run], plain: float) -> list[object]:
@@ -306,9 +285,6 @@ def report(runs: dict, a) -> None:
         rows.append(row(key, group, plain))
     print(f"\n{date.today()}, {cpu_name()}, {a.rate_mbps:g} Mbit/s a hop, {a.new_tokens} tokens")
     print_table(header, rows)
-    rewinds = sum(r.rewinds for group in runs.values() for r in group)
-    steps = sum(r.stats.steps for group in runs.values() for r in group)
-    print(f"plain steps after a rejected round sent as one-token rounds: {rewinds} of {steps}")
 
 
 def default_model(tmp: Path, a) -> Model:
