@@ -23,7 +23,8 @@ greedily --new-tokens tokens (its end of text ignored, so every row decodes as m
 Columns: tok/s of decoding (after the first token); x plain; accept (drafts accepted/proposed);
 tok/rnd (tokens a verification round yields); in-flt (rounds outstanding as each is sent, mean);
 k (drafts a round, mean); rounds and steps (plain steps where no round paid); lat/tok ms (the
-tuner's last estimate of a round's fixed and per-token time); same (tokens equal plain's).
+tuner's last estimate of a round's fixed and per-token time); same (tokens equal plain's; NO@i:
+the first reply token that differs, in each repeat that differs).
 Rows alternate within each repeat; repeat i takes the workloads' prompt i.
 
     .venv/bin/python scripts/bench_speculative.py [--rtts 0,20,40,80] [--new-tokens 64]
@@ -123,7 +124,7 @@ class Run:
     in_flight: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
     tuner: Tuner | None = None
-    same: bool = True  # its tokens are the plain run's
+    differs: int | None = None  # the first reply token unlike the plain run's; None: none
 
 
 def decode(client: Client, ids: list[int], new: int, drafter: Drafter | None) -> Run:
@@ -220,12 +221,16 @@ def measure(swarm: LocalSwarm, model: Model, rtt: float, a, runs: dict) -> None:
                 runs[(model.name, rtt, workload, "off")].append(plain)
                 for label, drafter in drafters(client, model, workload, plain, prompt, a):
                     run = decode(client, prompt, a.new_tokens, drafter)
-                    run.same = run.times.tokens == plain.times.tokens
+                    run.differs = first_difference(run.times.tokens, plain.times.tokens)
                     runs[(model.name, rtt, workload, label)].append(run)
                 print(f"  {model.name} {rtt:g} ms {workload} repeat {rep + 1} done", flush=True)
     finally:
         client.close()
         swarm.stop_nodes()
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def prompt_ids(client: Client, text: str) -> list[int]:
@@ -271,9 +276,15 @@ def row(key: tuple, runs: list[Run], plain: float) -> list[object]:
         rounds if spec else "-",
         steps if spec else sum(r.times.steps for r in runs),
         f"{tuner.latency * 1e3:.0f}/{tuner.per_token * 1e3:.1f}" if spec else "-",
-        ("yes" if all(r.same for r in runs) else "NO") if spec else "",
+        same(runs) if spec else "",
         goal,
     ]
+
+
+def same(runs: list[Run]) -> str:
+    """ "yes", or "NO@i,..": the first reply token unlike plain decoding's, of each that differs."""
+    at = [str(r.differs) for r in runs if r.differs is not None]
+    return "NO@" + ",".join(at) if at else "yes"
 
 
 def report(runs: dict, a) -> None:
