@@ -69,60 +69,64 @@ class SpeculationStats:
 
 
 class Tuner:
-    """How many drafts a round carries and how many rounds fly at once, from the measured
-    acceptance (an average over recent rounds) and round times: drafts while their expected
-    yield per second beats a plain step's, rounds in flight while the route's latency, not its
-    compute, sets the time of a round, and only as many as are likely to be still valid."""
+    """How many drafts a round carries and how many rounds fly at once: the pair with the most
+    tokens a second expected from the measured acceptance (drafts accepted of those checked:
+    each accepted one, and the first that was not) and round times (a fixed latency and a cost
+    a token, fitted to the rounds sent with none ahead of them); a plain step where nothing
+    beats it (speculation off, tried again every PROBE_EVERY tokens)."""
 
-    PROBE_EVERY = 32  # tokens between tries of speculation where it stopped paying
+    PROBE_EVERY = 32
+    DECAY = 0.8  # weight of the past in the averages, a round at a time
 
     def __init__(self, acceptance: float = 0.6):
-        self.acceptance = acceptance
+        self.hits, self.checks = acceptance, 1.0
+        self._fit = [0.0] * 5  # decayed sums of 1, n, T, n*n, n*T over (tokens n, seconds T)
         self.latency = 0.0  # seconds of a round that do not grow with its tokens
         self.per_token = 0.0  # seconds each token adds to a round
         self.off_since = -1  # token count when speculation switched itself off, -1 if on
 
-    def observe(self, proposed: int, accepted: int, tokens: int, seconds: float) -> None:
-        if proposed:
-            self.acceptance += 0.25 * (accepted / proposed - self.acceptance)
-        if not self.latency:
-            self.latency = seconds
-        elif tokens == 1:
-            self.latency += 0.25 * (seconds - self.latency)
-        else:
-            extra = max(0.0, seconds - self.latency) / (tokens - 1)
-            self.per_token += 0.25 * (extra - self.per_token)
+    @property
+    def acceptance(self) -> float:
+        return self.hits / self.checks
 
-    def drafts(self, produced: int) -> int:
-        """Drafts for the next round (0: a plain step)."""
-        best, best_rate = 0, 1.0 / max(self.latency, 1e-6)
-        for k in range(1, MAX_DRAFTS + 1):
-            rate = self._expected(k) / max(self.latency + k * self.per_token, 1e-6)
-            if rate > best_rate * 1.05:
-                best, best_rate = k, rate
-        if best == 0 and self.off_since < 0:
-            self.off_since = produced
-        if best:
-            self.off_since = -1
-        elif produced - self.off_since >= self.PROBE_EVERY:  # try again: texts change
-            self.off_since, self.acceptance = produced, max(self.acceptance, 0.5)
-            return 2
-        return best
+    def observe(self, checked: int, accepted: int) -> None:
+        """A round's drafts: `checked` compared with the picks, `accepted` of them equal."""
+        if checked:
+            self.hits = self.DECAY * self.hits + accepted
+            self.checks = self.DECAY * self.checks + checked
 
-    def in_flight(self, drafts: int) -> int:
-        """Rounds to keep in flight: more while a round's latency exceeds its compute and
-        the rounds behind the first are likely to be valid (all before them accepted)."""
-        whole = self.acceptance ** (drafts + 1)  # a round accepted to its last token
-        compute = max(self.per_token * (drafts + 1), 1e-4)
-        n = 1
-        while n < MAX_IN_FLIGHT and whole**n >= 0.3 and self.latency > compute * n:
-            n += 1
-        return n
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A round of `tokens` (a plain step: 1) answered `seconds` after it was sent."""
+        f = [self.DECAY * x for x in self._fit]
+        for i, x in enumerate((1, tokens, seconds, tokens * tokens, tokens * seconds)):
+            f[i] += x
+        self._fit = f
+        one, n, t, nn, nt = f
+        spread = nn / one - (n / one) ** 2
+        if spread > 0.25:  # rounds of several sizes: a line through them
+            self.per_token = max(0.0, (nt / one - n / one * t / one) / spread)
+        self.latency = max(1e-4, t / one - self.per_token * (n / one - 1))
 
-    def _expected(self, k: int) -> float:
-        """Tokens a round of k drafts yields: the accepted run plus the token picked after."""
+    def plan(self, produced: int) -> tuple[int, int]:
+        """(drafts a round, rounds in flight) for the rounds sent next; (0, 1): a plain step."""
         a = min(self.acceptance, 0.999)
-        return (1 - a ** (k + 1)) / (1 - a)
+        best, best_rate = (0, 1), 1.0 / max(self.latency, 1e-6)
+        for k in range(1, MAX_DRAFTS + 1):
+            yields = (1 - a ** (k + 1)) / (1 - a)  # the accepted run and the pick after it
+            for m in range(1, MAX_IN_FLIGHT + 1):
+                # round j is valid if every token before it was accepted
+                tokens = yields * sum(a ** ((k + 1) * j) for j in range(m))
+                rate = tokens / max(self.latency + m * k * self.per_token, 1e-6)
+                if rate > best_rate * 1.05:
+                    best, best_rate = (k, m), rate
+        if best[0]:
+            self.off_since = -1
+        elif self.off_since < 0:
+            self.off_since = produced
+        elif produced - self.off_since >= self.PROBE_EVERY:  # try again: texts change
+            self.off_since, self.hits, self.checks = produced, max(self.acceptance, 0.5), 1.0
+            return 2, 1
+        return best
 
 
 class Decoding:
@@ -143,7 +147,8 @@ class Decoding:
         self.end = len(ids) + max_new_tokens  # positions of the reply's tokens end here
         self.tuner = tuner or Tuner()
         self.stats = SpeculationStats()
-        self.rounds: deque[tuple[Round, float]] = deque()  # in flight, with when each left
+        # in flight, with when each left, if no round was ahead of it (then its time is its own)
+        self.rounds: deque[tuple[Round, float | None]] = deque()
         self.plan: list[int] = []  # the drafts in flight, after the decided tokens
 
     def __iter__(self) -> Iterator[int]:
@@ -164,7 +169,7 @@ class Decoding:
             self.stats.steps += 1
             started = time.perf_counter()
             logits = self.session.feed(self.tokens[-1:])
-            self.tuner.observe(0, 0, 1, time.perf_counter() - started)
+            self.tuner.timed(1, time.perf_counter() - started)
             return [self._pick(logits, len(self.tokens))]
         r, sent = self.rounds.popleft()
         try:
@@ -174,11 +179,9 @@ class Decoding:
             self.rounds.clear()
             self.plan.clear()
             return []
-        seconds = time.perf_counter() - sent
-        proposed, accepted = self.stats.proposed, self.stats.accepted
+        if sent is not None:
+            self.tuner.timed(len(r.ids), time.perf_counter() - sent)
         out = self._check(r, rows)
-        proposed, accepted = self.stats.proposed - proposed, self.stats.accepted - accepted
-        self.tuner.observe(proposed, accepted, len(r.ids), seconds)
         if self.rounds and not self.plan:  # rejected: those behind it are stale
             self.rounds.clear()
         self._send_rounds()
@@ -200,6 +203,8 @@ class Decoding:
         self.stats.rounds += 1
         self.stats.proposed += len(planned)
         self.stats.accepted += matched
+        missed = matched < len(out) and matched < len(planned)  # not cut short by the end
+        self.tuner.observe(matched + missed, matched)
         if matched == len(r.ids) and len(self.tokens) < self.end:
             del self.plan[: len(r.ids)]  # all accepted: the next round in flight is valid
         else:
@@ -210,10 +215,10 @@ class Decoding:
         """Top up the rounds in flight; False if none is (no drafts proposed, or none pays)."""
         if self.drafter is None:
             return False
-        k = self.tuner.drafts(len(self.tokens))
+        k, in_flight = self.tuner.plan(len(self.tokens))
         if k == 0:
             return bool(self.rounds)
-        while len(self.rounds) < self.tuner.in_flight(k):
+        while len(self.rounds) < in_flight:
             seq, session_round = self.tokens + self.plan, self.session.round_tokens
             room = self.end - 1 - len(seq)  # the reply's last token is never fed
             first = not self.rounds
@@ -230,6 +235,6 @@ class Decoding:
                 self.rounds.clear()
                 self.plan.clear()
                 return False
-            self.rounds.append((r, time.perf_counter()))
+            self.rounds.append((r, None if self.rounds else time.perf_counter()))
             self.plan += drafts
         return bool(self.rounds)

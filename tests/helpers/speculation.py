@@ -13,8 +13,5 @@ class Fixed(Tuner):
         super().__init__()
         self.k, self.n = drafts, in_flight
 
-    def drafts(self, produced: int) -> int:
-        return self.k
-
-    def in_flight(self, drafts: int) -> int:
-        return self.n
+    def plan(self, produced: int) -> tuple[int, int]:
+        return self.k, self.n
