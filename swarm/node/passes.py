@@ -25,6 +25,20 @@ def forward_pass(
     return span.forward(hidden, cache, pos, start, end)
 
 
+def verify_pass(
+    span: Span, cache: KVCache, start: int, end: int, pos: int, hidden: torch.Tensor
+) -> torch.Tensor:
+    """A verification round's tokens [1, n, hidden] at positions [pos, pos + n) through blocks
+    start:end, in a compute thread: as n one-token decode steps of one pass (the matmuls on
+    the stacked rows, each row's attention as a decode step's), so that every position's
+    output is the one a plain decode step gives, bit for bit, and a speculative reply the
+    plain one even where two tokens nearly tie."""
+    _check_position(cache, pos)
+    n = hidden.shape[1]
+    out = span.decode(hidden[0], [cache] * n, list(range(pos, pos + n)), start, end)
+    return out.unsqueeze(0)
+
+
 @dataclass(frozen=True)
 class DecodeItem:
     """One session's decode step, as a decode pass takes it."""

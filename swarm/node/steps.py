@@ -15,7 +15,7 @@ import torch
 import trio
 
 from swarm.errors import ProtocolError, SessionNotFound, SwarmError
-from swarm.node.passes import DecodeItem, decode_pass, forward_pass
+from swarm.node.passes import DecodeItem, decode_pass, forward_pass, verify_pass
 from swarm.node.prompt import PromptPieces
 from swarm.node.session_state import Copy, SessionState
 from swarm.node.signal import Signal
@@ -142,8 +142,9 @@ class StepWork:
                 item = DecodeItem(cache, step.pos, hidden)
                 done = await compute.decode((self.start, self.end), item, run)
             else:
+                run_pass = verify_pass if step.spec is not None else forward_pass
                 fn = functools.partial(
-                    forward_pass, span, cache, self.start, self.end, step.pos, hidden
+                    run_pass, span, cache, self.start, self.end, step.pos, hidden
                 )
                 done = await compute.run(DECODE, fn, hidden.shape[1])
         except Exception as exc:
