@@ -150,6 +150,7 @@ class Decoding:
         # in flight, with when each left, if no round was ahead of it (then its time is its own)
         self.rounds: deque[tuple[Round, float | None]] = deque()
         self.plan: list[int] = []  # the drafts in flight, after the decided tokens
+        self.stale = False  # rounds a rejection made stale went out before the next round
 
     def __iter__(self) -> Iterator[int]:
         """The reply's tokens, up to max_new_tokens; the caller stops at its end of text."""
@@ -184,6 +185,9 @@ class Decoding:
         out = self._check(r, rows)
         if self.rounds and not self.plan:  # rejected: those behind it are stale
             self.rounds.clear()
+            self.stale = (
+                True  # and may still hold the nodes up: the next round's time is not its own
+            )
         self._send_rounds()
         return out
 
@@ -235,6 +239,8 @@ class Decoding:
                 self.rounds.clear()
                 self.plan.clear()
                 return False
-            self.rounds.append((r, None if self.rounds else time.perf_counter()))
+            alone = not self.rounds and not self.stale
+            self.rounds.append((r, time.perf_counter() if alone else None))
+            self.stale = False
             self.plan += drafts
         return bool(self.rounds)
