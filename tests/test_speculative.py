@@ -24,8 +24,8 @@ from swarm.model.source import open_model
 from swarm.model.tiny import save_tiny_llama
 from swarm.node.session_state import SessionState, StepIn
 from swarm.protocol import DECODE, MAX_REWIND, MAX_VERIFY_TOKENS, PREFILL, Opened
+from tests.helpers.sessions import SID, TOKEN, Conn, context, open_msg, start, step, until
 from tests.helpers.speculation import Fixed
-from tests.test_session import SID, TOKEN, Conn, context, open_msg, start, step, until
 
 # ---- prompt lookup ------------------------------------------------------------------------
 
