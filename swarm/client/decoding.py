@@ -185,9 +185,8 @@ class Decoding:
         out = self._check(r, rows)
         if self.rounds and not self.plan:  # rejected: those behind it are stale
             self.rounds.clear()
-            self.stale = (
-                True  # and may still hold the nodes up: the next round's time is not its own
-            )
+            # and may still hold the nodes up: the next round's time is not its own
+            self.stale = True
         self._send_rounds()
         return out
 

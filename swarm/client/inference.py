@@ -53,6 +53,7 @@ class InferenceSession:
         self._held = 0.0  # the router's token for our session on the current route
         self._route: list[Hop] = []  # as held, whatever hops were handed over since
         self._spec = 0  # the last verification round's id
+        self._sent_to = 0  # where the positions the route may hold end: history, rounds sent
         self._rows: tuple[Round, torch.Tensor] | None = None  # its final hidden states
         self._attempt = 0  # failed tries of the step or round under way
         self._failed_at: float | None = None
@@ -135,6 +136,7 @@ class InferenceSession:
             self.client.loop.run(self.remote.step, self._head().embed_tokens(self.history[:pos]))
         self._spec += 1
         r = Round(self._spec, pos, tuple(ids))
+        self._sent_to = pos + len(ids)
         hidden = self._head().embed_tokens(list(ids))
         self.client.loop.run(self.remote.send_round, hidden, pos, r.spec)
         return r
@@ -168,7 +170,7 @@ class InferenceSession:
 
     def _step(self, ids: list[int]) -> torch.Tensor:
         """One try at feeding `ids`; on a new route, the tokens so far go first."""
-        if self.remote is not None and self.remote.position != len(self.history):
+        if self.remote is not None and self._sent_to > len(self.history):
             # verification rounds went past the history: only a round may rewind the route
             r = self.send_round(ids, len(self.history))
             logits = self.round_logits(r)
@@ -185,6 +187,7 @@ class InferenceSession:
         if len(replay) + len(ids) == 1:  # a decode step: its time is the route's cost a token
             self.client.observe_step(self.remote.route, time.perf_counter() - started)
         self.history += ids
+        self._sent_to = len(self.history)
         return self.client.logits.logits(head, out)
 
     def verify(self, rng: random.Random | None = None) -> Verdict:
