@@ -63,10 +63,6 @@ class SpeculationStats:
     rounds: int = 0
     steps: int = 0  # plain one-token steps, where no draft was proposed or it did not pay
 
-    @property
-    def tokens_per_round(self) -> float:
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
-
 
 class Tuner:
     """How many drafts a round carries and how many rounds fly at once: the pair with the most
