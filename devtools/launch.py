@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 from swarm.process import PARENT_ENV
 
+NODE_LOGS_ENV = "SWARM_NODE_LOGS"
 _MADDR = re.compile(r"--initial-peers (/\S+)")
 _SERVING = re.compile(
     r"serving blocks (\d+):(\d+) on (\S+) \(peer (\S+)\)(?:, TLS key (\w+))?(?:, relayed by (\S+))?"
@@ -116,6 +118,13 @@ def start_node(
     if initial_peers:
         cmd += ["--initial-peers", *initial_peers]
     cmd += list(extra)
+    log = None
+    if stderr is subprocess.DEVNULL and os.environ.get(NODE_LOGS_ENV):
+        # a failing test's nodes can be read afterwards: SWARM_NODE_LOGS=DIR pytest ...
+        os.makedirs(os.environ[NODE_LOGS_ENV], exist_ok=True)
+        stderr = log = tempfile.NamedTemporaryFile(
+            "w", dir=os.environ[NODE_LOGS_ENV], prefix="node-", suffix=".log", delete=False
+        )
     proc = subprocess.Popen(
         cmd,
         # its own process group, so stop() can reap its helpers; but not its own session: with
@@ -128,6 +137,8 @@ def start_node(
         # the node watches this process and stops when it exits (swarm.process.watch_parent)
         env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid()), **(env or {})},
     )
+    if log is not None:
+        log.close()  # the child holds its own copy
     node = NodeProcess(proc, layers)
     threading.Thread(target=node._pump, daemon=True).start()
     return node

@@ -97,6 +97,20 @@ async def test_the_last_hop_without_an_attached_client_fails_the_session(nursery
     assert ctx.sessions.lookup(SID) is None and not ctx.uplink.payloads
 
 
+async def test_a_verification_round_after_the_client_left_fails_the_session(nursery):
+    # the client hung up with rounds in flight: nobody is left to check them
+    ctx = context(nursery)
+    session, owner = await opened(ctx, nursery)
+    session.attach(Conn(), TOKEN)
+    session.take_step(step(0, 4, 4)[0])
+    await until(lambda: ctx.uplink.payloads)
+    session.sink_gone()
+    session.take_step(replace(step(4, 3, 7, DECODE)[0], spec=1))
+    await until(lambda: len(owner.sent) > 1)
+    assert (owner.sent[1].code, owner.sent[1].hop) == ("session_not_found", 0)
+    assert ctx.sessions.lookup(SID) is None and len(ctx.uplink.payloads) == 1
+
+
 async def test_a_next_hop_that_cannot_be_reached_is_reported_upstream(nursery):
     refusal = PeerFailed("cannot reach the next hop at 127.0.0.1:9001: refused")
     ctx = context(nursery, NextHops(refuse=refusal))

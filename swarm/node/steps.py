@@ -246,12 +246,12 @@ class StepWork:
             to, dest, phase, result = ds, self.downstream, step.phase, False
         elif step.pos + n != step.end:
             return True  # a middle chunk of a prefill: the client needs only the last token
-        elif step.spec is not None:  # a verification round: the client checks every token
-            to, dest, phase, result = self.sink, CLIENTS, DECODE, True
         elif self.sink is None and not await self._sink_in_time():
             err = SessionNotFound("no client attached to receive results")
             await self.fail(Error.of(err, self.sid, self.hop))
             return False
+        elif step.spec is not None:  # a verification round: the client checks every token
+            to, dest, phase, result = self.sink, CLIENTS, DECODE, True
         else:
             to, dest, phase, result, out = self.sink, CLIENTS, DECODE, True, out[:, -1:]
         payload = Payload(

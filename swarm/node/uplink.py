@@ -291,7 +291,7 @@ class Uplink:
             p = self._payloads.get(send.vid)
             if p is not None and send.last:
                 del self._payloads[send.vid]
-            if p is None or p.stream.closed:
+            if p is None or p.stream is None or p.stream.closed:
                 now = self.now()
                 self.scheduler.sent(send, started=now, finished=now)
                 if p is not None and send.last:
