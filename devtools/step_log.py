@@ -28,7 +28,7 @@ class StepLog:
 
     def decode_step(self, arrived: float, now: float, compute_s: float, usage: Usage) -> None:
         self._file.write(
-            f"{arrived:.4f} {now - arrived:.4f} {compute_s:.4f}"
+            f"{arrived:.6f} {now - arrived:.6f} {compute_s:.6f}"
             f" {usage.cpu_s:.4f} {usage.runqueue_s:.4f}\n"
         )
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import trio
 
-from swarm.client.decoding import Decoding, PromptLookup
-from swarm.client.inference import Round
+from swarm.client.decoding import Decoding, PromptLookup, Tuner
+from swarm.client.inference import Round, RoundRows
 from swarm.client.options import Sampling
 from swarm.client.reply import Sampler
 from swarm.errors import ProtocolError, ShapeMismatch
@@ -262,6 +262,42 @@ def test_greedy_sampling_picks_the_argmax_whatever_the_seed():
         assert [sampler(row, p) for p, row in enumerate(logits)] == logits.argmax(1).tolist()
 
 
+# ---- a round's logits, read row by row --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_head():
+    return Head.load(open_model(None))  # the client's head at its default weights
+
+
+def test_a_rounds_rows_go_through_the_head_only_as_far_as_they_are_read(default_head):
+    rows = RoundRows(default_head, torch.randn(9, default_head.config.hidden), first=3)
+    assert len(rows) == 9 and rows.computed == 0
+    rows[2]
+    assert rows.computed == 3
+    rows[3]
+    assert rows.computed == 9  # past the first chunk: the next one is twice as long
+
+
+def test_a_rounds_rows_are_the_logits_a_plain_step_gets_for_each_row(default_head):
+    hidden = torch.randn(9, default_head.config.hidden)
+    rows = RoundRows(default_head, hidden, first=2)
+    for i in range(9):
+        assert torch.equal(rows[i], default_head.logits(hidden[i : i + 1]))
+    assert torch.equal(rows[-1], rows[8])
+    with pytest.raises(IndexError):
+        rows[9]
+
+
+def test_the_rows_expected_read_follow_the_acceptance():
+    tuner = Tuner(acceptance=0.0)
+    assert tuner.rows_read(9) == 1  # the first row's pick rejects the first draft
+    tuner = Tuner(acceptance=0.5)
+    assert tuner.rows_read(9) == 2  # 1 + 1/2 + 1/4 + ... < 2
+    tuner = Tuner(acceptance=1.0)
+    assert tuner.rows_read(9) == 9
+
+
 # ---- replies decoded in rounds, against a model in this process ---------------------------
 
 
@@ -314,7 +350,7 @@ class ModelRoute:
         self.answers[self.spec] = self.logits(self.holds)[pos:]
         return Round(self.spec, pos, tuple(ids))
 
-    def round_logits(self, r: Round) -> torch.Tensor:
+    def round_logits(self, r: Round, first: int = MAX_VERIFY_TOKENS) -> torch.Tensor:
         assert r.spec in self.answers and r.spec > max(self.answers, default=0) - 4
         for stale in [s for s in self.answers if s < r.spec]:
             del self.answers[stale]

@@ -11,6 +11,7 @@ round starts before their positions, which rewinds every hop and drops them wher
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -103,6 +104,12 @@ class Tuner:
             self.per_token = max(0.0, (nt / one - n / one * t / one) / spread)
         self.latency = max(1e-4, t / one - self.per_token * (n / one - 1))
 
+    def rows_read(self, tokens: int) -> int:
+        """How many of a round's rows the client may expect to read: one a token while the
+        drafts are accepted, and the one after the first that is not."""
+        a = min(self.acceptance, 0.999)
+        return min(tokens, math.ceil((1 - a**tokens) / (1 - a)))
+
     def plan(self, produced: int) -> tuple[int, int]:
         """(drafts a round, rounds in flight) for the rounds sent next; (0, 1): a plain step."""
         a = min(self.acceptance, 0.999)
@@ -170,7 +177,7 @@ class Decoding:
             return [self._pick(logits, len(self.tokens))]
         r, sent = self.rounds.popleft()
         try:
-            rows = self.session.round_logits(r)
+            rows = self.session.round_logits(r, self.tuner.rows_read(len(r.ids)))
         except SwarmError as exc:
             self.session.recover(exc)  # raises where no other route helps
             self.rounds.clear()

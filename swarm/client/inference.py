@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,38 @@ class Round:
     spec: int
     pos: int
     ids: tuple[int, ...]
+
+
+class RoundRows(Sequence):
+    """A round's logits, a row for the token after each of its tokens, computed a chunk at a
+    time as they are read: the client reads up to the first rejected draft, and the LM head is
+    the largest matrix it holds (a row of the default model's costs about as much as its
+    whole share of a decode step). Rows are computed alike in any chunks (the head takes rows
+    one by one), so a pick is the same as from a plain step's logits."""
+
+    def __init__(self, head: Any, hidden: torch.Tensor, first: int):
+        self._head, self._hidden = head, hidden
+        self._rows: list[torch.Tensor] = []
+        self._chunk = max(1, first)
+
+    def __len__(self) -> int:
+        return self._hidden.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} of a round of {n}")
+        i %= n
+        while i >= len(self._rows):
+            done = len(self._rows)
+            self._rows.extend(self._head.logits_rows(self._hidden[done : done + self._chunk]))
+            self._chunk *= 2  # read past the first chunk: the drafts are going well
+        return self._rows[i]
+
+    @property
+    def computed(self) -> int:
+        """How many rows went through the head so far."""
+        return len(self._rows)
 
 
 class InferenceSession:
@@ -141,14 +174,15 @@ class InferenceSession:
         self.client.loop.run(self.remote.send_round, hidden, pos, r.spec)
         return r
 
-    def round_logits(self, r: Round) -> torch.Tensor:
-        """Logits [len(r.ids), vocab]: row i for the token after r.ids[i]."""
+    def round_logits(self, r: Round, first: int = MAX_VERIFY_TOKENS) -> RoundRows:
+        """Logits [len(r.ids), vocab]: row i for the token after r.ids[i]; the first `first`
+        rows computed at once, the rest when they are read."""
         started = time.perf_counter()
         hidden = self.client.loop.run(self.remote.round_result, r.spec, r.pos, len(r.ids))
         if len(r.ids) == 1:  # as a decode step: the route's cost a token
             self.client.observe_step(self.remote.route, time.perf_counter() - started)
         self._rows = (r, hidden)
-        return self._head().logits_rows(hidden)
+        return RoundRows(self._head(), hidden, first)
 
     def keep(self, r: Round, n: int) -> None:
         """The route's caches hold r.ids[:n] after the history: the tokens the client accepted
