@@ -9,7 +9,8 @@ client's are the same monotonic clock (one machine), so a token's timeline reads
            arrival here: the sender's link scheduler and frame, the socket, this node's read
            and parse
   wait     arrival to compute: the session's queue and the compute lane's hand-over
-  compute  the span's pass (the lane's wall time)
+  compute  the span's pass (the lane's wall time), and of it the seconds on a CPU (the kernel's
+           schedstat: on a busy machine, compare CPU seconds)
   back     the last hop queueing the result to the client having it
   client   the result in hand to the next step sent: the LM head, the pick, the embedding
 Non-compute per hop = in + wait (the issue's goal: p50 <= 0.5 ms). Unsplit: Span.forward over
@@ -45,7 +46,8 @@ def prompt_ids(n: int) -> list[int]:
     return [(i * 7919) % 40000 + 100 for i in range(n)]
 
 
-def unsplit_tpot(ids: list[int], new: int, threads: int) -> float:
+def unsplit_tpot(ids: list[int], new: int, threads: int) -> tuple[float, float]:
+    """Seconds a token, wall and on this thread's CPU."""
     torch.set_num_threads(threads)
     source = open_model(None)
     span = Span.load(source, 0, source.config.num_layers)
@@ -53,22 +55,23 @@ def unsplit_tpot(ids: list[int], new: int, threads: int) -> float:
     cache = span.allocate_cache(span.start, span.end, len(ids) + new + 1)
     h = span.forward(head.embed_tokens(ids), cache, 0, span.start, span.end)
     token = int(head.logits(h[:, -1]).argmax())
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.thread_time()
     for _ in range(new):
         h = span.forward(head.embed_tokens([token]), cache, cache.length, span.start, span.end)
         token = int(head.logits(h[:, -1]).argmax())
-    return (time.perf_counter() - started) / new
+    return (time.perf_counter() - started) / new, (time.thread_time() - cpu) / new
 
 
-def read_steps(path: str) -> list[tuple[float, float, float]]:
-    """(arrived, queued for the link, compute seconds) of each decode step in a step log."""
+def read_steps(path: str) -> list[tuple[float, float, float, float]]:
+    """(arrived, queued for the link, compute seconds, of them on a CPU) of each decode step
+    in a step log."""
     out = []
     with open(path) as f:
         for line in f:
             fields = line.split()
             if fields[0] not in ("a", "p"):
-                arrived, until_queued, compute = map(float, fields[:3])
-                out.append((arrived, arrived + until_queued, compute))
+                arrived, until_queued, compute, cpu = map(float, fields[:4])
+                out.append((arrived, arrived + until_queued, compute, cpu))
     return out
 
 
@@ -107,10 +110,11 @@ def swarm_timeline(a, folder: str) -> tuple[float, list[dict[str, float]]]:
     for i, (sent, back) in enumerate(stamps):
         row, before = {}, sent
         for h, steps in enumerate(hops):
-            arrived, queued, compute = steps[i]
+            arrived, queued, compute, cpu = steps[i]
             row[f"in {h}"] = arrived - before
             row[f"wait {h}"] = queued - arrived - compute
             row[f"compute {h}"] = compute
+            row[f"  of it CPU {h}"] = cpu
             before = queued
         row["back"] = back - before
         if i + 1 < len(stamps):
@@ -125,13 +129,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--new-tokens", type=int, default=100)
     a = p.parse_args()
-    unsplit = unsplit_tpot(prompt_ids(20), a.new_tokens, a.threads)
+    unsplit, unsplit_cpu = unsplit_tpot(prompt_ids(20), a.new_tokens, a.threads)
     with tempfile.TemporaryDirectory() as folder:
         tpot, rows = swarm_timeline(a, folder)
     print(f"{cpu_name()}; {a.nodes} nodes x {a.threads} thread(s), {a.new_tokens} tokens")
     print(
         f"unsplit {unsplit * 1e3:.2f} ms a token, swarm {tpot * 1e3:.2f} ms:"
-        f" swarm / unsplit speed {unsplit / tpot:.2f}x"
+        f" swarm / unsplit speed {unsplit / tpot:.2f}x; unsplit CPU {unsplit_cpu * 1e3:.2f} ms"
+        " a token (head included)"
     )
     table = []
     for key in rows[0]:

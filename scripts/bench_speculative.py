@@ -3,9 +3,11 @@ tok/s, acceptance, tokens per round and rounds in flight, in one table.
 
 For each round trip per hop (--rtts, ms; every node behind a relay of --rate-mbps, both ways,
 devtools/link_proxy.py), three nodes split the model (--threads 1 each) and the client decodes
-greedily --new-tokens tokens (its end of text ignored, so every row decodes as many):
-  workloads  rewrite: rewrite and summarise prompts (the reply repeats the prompt: lookup pays)
-             chat: free chat (lookup finds little: speculation should switch itself off)
+greedily up to --new-tokens tokens:
+  workloads  rewrite: rewrite and summarise prompts (the reply repeats the prompt: lookup pays),
+               the reply up to its end of text (the default model's are 33 and 45 tokens)
+             chat: free chat (lookup finds little: speculation should switch itself off), its
+               end of text ignored, so that every row decodes as many
   drafts     off: plain decoding, a token a step (the ratios' baseline, same prompt, same swarm)
              lookup: prompt lookup (swarm.client.decoding.PromptLookup)
              layers-N: a draft model made of the model's first N (--draft-layers) blocks with its
@@ -109,6 +111,10 @@ class Counting:
         self.in_flight: list[int] = []
         self.drafts: list[int] = []
 
+    def kind(self, tokens: Sequence[int]) -> int:
+        kind_of = getattr(self.drafter, "kind", None)
+        return kind_of(tokens) if kind_of is not None else 0
+
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         out = self.drafter.propose(tokens, k)
         if out:
@@ -127,8 +133,11 @@ class Run:
     differs: int | None = None  # the first reply token unlike the plain run's; None: none
 
 
-def decode(client: Client, ids: list[int], new: int, drafter: Drafter | None) -> Run:
-    """`new` greedy tokens after `ids`, timed, drafted by `drafter` (None: plain decoding)."""
+def decode(
+    client: Client, ids: list[int], new: int, drafter: Drafter | None, ends: Sequence[int] = ()
+) -> Run:
+    """`new` greedy tokens after `ids`, timed, drafted by `drafter` (None: plain decoding);
+    fewer if one of `ends` comes first (it is the last)."""
     counting = Counting(drafter) if drafter is not None else None
     with client.session(len(ids) + new, "off") as session:
         decoding = Decoding(session, list(ids), new, Sampler(Sampling()), counting)
@@ -138,6 +147,8 @@ def decode(client: Client, ids: list[int], new: int, drafter: Drafter | None) ->
         for token in decoding:
             t.tokens.append(token)
             t.times.append(time.perf_counter())
+            if token in ends:
+                break
         t.decode_start = t.times[0]
     run = Run(t, decoding.stats, tuner=decoding.tuner)
     if counting is not None:
@@ -217,10 +228,12 @@ def measure(swarm: LocalSwarm, model: Model, rtt: float, a, runs: dict) -> None:
         for rep in range(a.repeats):
             for workload, prompts in workloads.items():
                 prompt = prompt_ids(client, prompts[rep % len(prompts)])
-                plain = decode(client, prompt, a.new_tokens, None)
+                # a rewrite is as long as its reply; chat goes on past its end of text
+                ends = client.config.eos_token_ids if workload == "rewrite" else ()
+                plain = decode(client, prompt, a.new_tokens, None, ends)
                 runs[(model.name, rtt, workload, "off")].append(plain)
                 for label, drafter in drafters(client, model, workload, plain, prompt, a):
-                    run = decode(client, prompt, a.new_tokens, drafter)
+                    run = decode(client, prompt, a.new_tokens, drafter, ends)
                     run.differs = first_difference(run.times.tokens, plain.times.tokens)
                     runs[(model.name, rtt, workload, label)].append(run)
                 print(f"  {model.name} {rtt:g} ms {workload} repeat {rep + 1} done", flush=True)

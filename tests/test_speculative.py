@@ -47,6 +47,31 @@ def test_lookup_proposes_nothing_without_a_match():
     assert PromptLookup().propose([7], 5) == []
 
 
+def test_a_lookups_drafts_are_of_the_kind_of_its_match_length():
+    assert PromptLookup().kind([1, 2, 3, 7, 1, 2, 3]) == 3
+    assert PromptLookup().kind([6, 2, 3, 8, 5, 4, 4, 1, 9, 3]) == 1
+    assert PromptLookup().kind([1, 2, 3, 4]) == 0
+
+
+def test_the_tuner_learns_each_kind_of_drafts_acceptance_apart():
+    tuner = Tuner(acceptance=0.5)
+    for _ in range(20):
+        tuner.observe(8, 8, kind=3)  # a reply copying its prompt
+        tuner.observe(1, 0, kind=1)  # matches of one common token
+    assert tuner.acceptance(3) > 0.95 and tuner.acceptance(1) < 0.05
+    assert tuner.acceptance(2) == 0.5  # not seen yet: the prior
+
+
+def test_the_tuner_drafts_long_rounds_of_a_good_kind_and_none_of_a_bad_one():
+    tuner = Tuner(acceptance=0.5)
+    tuner.timed(1, 0.1)  # a round trip dominates
+    for _ in range(20):
+        tuner.observe(8, 8, kind=3)
+        tuner.observe(1, 0, kind=1)
+    assert tuner.plan(100, kind=3)[0] >= 8
+    assert tuner.plan(100, kind=1) == (0, 1)
+
+
 # ---- a ring cache's rewind ----------------------------------------------------------------
 
 PROMPT = [(7 * i + 3) % 500 + 5 for i in range(30)]  # past every tiny model's window

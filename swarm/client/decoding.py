@@ -39,20 +39,30 @@ class Drafter(Protocol):
 class PromptLookup:
     """Drafts from the session's own tokens: where the sequence's last n tokens (n from
     `longest` down to 1) occurred before, the tokens that followed them there. No model: it
-    pays where a reply repeats its prompt (rewriting, summarising, code, retrieved text)."""
+    pays where a reply repeats its prompt (rewriting, summarising, code, retrieved text).
+    Its drafts are of a kind, the length of the match they come from: a reply copying its
+    prompt matches `longest` tokens and goes on as the prompt did; a match of one common token
+    seldom does, and the tuner learns each kind's acceptance apart."""
 
     def __init__(self, longest: int = 3):
         self.longest = longest
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def _match(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """(n, where what followed the latest match of the last n tokens starts); n = 0: none."""
         seq = np.asarray(tokens, dtype=np.int64)
         for n in range(min(self.longest, len(seq) - 1), 0, -1):
             windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
             hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
             if len(hits):  # the latest occurrence: recent text predicts best
-                start = int(hits[-1]) + n
-                return seq[start : start + k].tolist()
-        return []
+                return n, int(hits[-1]) + n
+        return 0, 0
+
+    def kind(self, tokens: Sequence[int]) -> int:
+        return self._match(tokens)[0]
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        n, start = self._match(tokens)
+        return [int(t) for t in tokens[start : start + k]] if n else []
 
 
 @dataclass
@@ -76,21 +86,27 @@ class Tuner:
     DECAY = 0.8  # weight of the past in the averages, a round at a time
 
     def __init__(self, acceptance: float = 0.6):
-        self.hits, self.checks = acceptance, 1.0
+        self.prior = acceptance  # of a kind of draft not seen yet
+        self._accepted: dict[int, tuple[float, float]] = {}  # kind: decayed (hits, checks)
         self._fit = [0.0] * 5  # decayed sums of 1, n, T, n*n, n*T over (tokens n, seconds T)
         self.latency = 0.0  # seconds of a round that do not grow with its tokens
         self.per_token = 0.0  # seconds each token adds to a round
         self.off_since = -1  # token count when speculation switched itself off, -1 if on
 
-    @property
-    def acceptance(self) -> float:
-        return self.hits / self.checks
+    def acceptance(self, kind: int = 0) -> float:
+        """Of the drafts of `kind` checked, the share accepted (decayed)."""
+        hits, checks = self._accepted.get(kind, (self.prior, 1.0))
+        return hits / checks
 
-    def observe(self, checked: int, accepted: int) -> None:
-        """A round's drafts: `checked` compared with the picks, `accepted` of them equal."""
+    def observe(self, checked: int, accepted: int, kind: int = 0) -> None:
+        """A round's drafts of `kind`: `checked` compared with the picks, `accepted` of them
+        equal."""
         if checked:
-            self.hits = self.DECAY * self.hits + accepted
-            self.checks = self.DECAY * self.checks + checked
+            hits, checks = self._accepted.get(kind, (self.prior, 1.0))
+            self._accepted[kind] = (
+                self.DECAY * hits + accepted,
+                self.DECAY * checks + checked,
+            )
 
     def timed(self, tokens: int, seconds: float) -> None:
         """A round of `tokens` (a plain step: 1) answered `seconds` after it was sent."""
@@ -104,15 +120,16 @@ class Tuner:
             self.per_token = max(0.0, (nt / one - n / one * t / one) / spread)
         self.latency = max(1e-4, t / one - self.per_token * (n / one - 1))
 
-    def rows_read(self, tokens: int) -> int:
+    def rows_read(self, tokens: int, kind: int = 0) -> int:
         """How many of a round's rows the client may expect to read: one a token while the
         drafts are accepted, and the one after the first that is not."""
-        a = min(self.acceptance, 0.999)
+        a = min(self.acceptance(kind), 0.999)
         return min(tokens, math.ceil((1 - a**tokens) / (1 - a)))
 
-    def plan(self, produced: int) -> tuple[int, int]:
-        """(drafts a round, rounds in flight) for the rounds sent next; (0, 1): a plain step."""
-        a = min(self.acceptance, 0.999)
+    def plan(self, produced: int, kind: int = 0) -> tuple[int, int]:
+        """(drafts a round, rounds in flight) for the next round, of drafts of `kind`; (0, 1):
+        a plain step."""
+        a = min(self.acceptance(kind), 0.999)
         best, best_rate = (0, 1), 1.0 / max(self.latency, 1e-6)
         for k in range(1, MAX_DRAFTS + 1):
             yields = (1 - a ** (k + 1)) / (1 - a)  # the accepted run and the pick after it
@@ -127,7 +144,8 @@ class Tuner:
         elif self.off_since < 0:
             self.off_since = produced
         elif produced - self.off_since >= self.PROBE_EVERY:  # try again: texts change
-            self.off_since, self.hits, self.checks = produced, max(self.acceptance, 0.5), 1.0
+            self.off_since = produced
+            self._accepted[kind] = (max(self.acceptance(kind), 0.5), 1.0)
             return 2, 1
         return best
 
@@ -150,8 +168,9 @@ class Decoding:
         self.end = len(ids) + max_new_tokens  # positions of the reply's tokens end here
         self.tuner = tuner or Tuner()
         self.stats = SpeculationStats()
-        # in flight, with when each left, if no round was ahead of it (then its time is its own)
-        self.rounds: deque[tuple[Round, float | None]] = deque()
+        # in flight, with when each left if no round was ahead of it (then its time is its own),
+        # and the kind of its drafts
+        self.rounds: deque[tuple[Round, float | None, int]] = deque()
         self.plan: list[int] = []  # the drafts in flight, after the decided tokens
         self.stale = False  # rounds a rejection made stale went out before the next round
 
@@ -175,9 +194,9 @@ class Decoding:
             logits = self.session.feed(self.tokens[-1:])
             self.tuner.timed(1, time.perf_counter() - started)
             return [self._pick(logits, len(self.tokens))]
-        r, sent = self.rounds.popleft()
+        r, sent, kind = self.rounds.popleft()
         try:
-            rows = self.session.round_logits(r, self.tuner.rows_read(len(r.ids)))
+            rows = self.session.round_logits(r, self.tuner.rows_read(len(r.ids), kind))
         except SwarmError as exc:
             self.session.recover(exc)  # raises where no other route helps
             self.rounds.clear()
@@ -185,7 +204,7 @@ class Decoding:
             return []
         if sent is not None:
             self.tuner.timed(len(r.ids), time.perf_counter() - sent)
-        out = self._check(r, rows)
+        out = self._check(r, rows, kind)
         if self.rounds and not self.plan:  # rejected: those behind it are stale
             self.rounds.clear()
             # and may still hold the nodes up: the next round's time is not its own
@@ -193,7 +212,7 @@ class Decoding:
         self._send_rounds()
         return out
 
-    def _check(self, r: Round, rows) -> list[int]:
+    def _check(self, r: Round, rows, kind: int) -> list[int]:
         """Pick the token after each of round r's tokens until one differs from the plan
         (the drafts; the last row's pick checks the next round's first token); the route
         keeps r's tokens up to there."""
@@ -210,7 +229,7 @@ class Decoding:
         self.stats.proposed += len(planned)
         self.stats.accepted += matched
         missed = matched < len(out) and matched < len(planned)  # not cut short by the end
-        self.tuner.observe(matched + missed, matched)
+        self.tuner.observe(matched + missed, matched, kind)
         if matched == len(r.ids) and len(self.tokens) < self.end:
             del self.plan[: len(r.ids)]  # all accepted: the next round in flight is valid
         else:
@@ -221,11 +240,13 @@ class Decoding:
         """Top up the rounds in flight; False if none is (no drafts proposed, or none pays)."""
         if self.drafter is None:
             return False
-        k, in_flight = self.tuner.plan(len(self.tokens))
-        if k == 0:
-            return bool(self.rounds)
-        while len(self.rounds) < in_flight:
+        kind_of = getattr(self.drafter, "kind", None)
+        while True:
             seq, session_round = self.tokens + self.plan, self.session.round_tokens
+            kind = kind_of(seq) if kind_of is not None else 0
+            k, in_flight = self.tuner.plan(len(self.tokens), kind)
+            if k == 0 or len(self.rounds) >= in_flight:
+                break
             room = self.end - 1 - len(seq)  # the reply's last token is never fed
             first = not self.rounds
             want = min(k if first else k + 1, room, session_round - first)
@@ -242,7 +263,7 @@ class Decoding:
                 self.plan.clear()
                 return False
             alone = not self.rounds and not self.stale
-            self.rounds.append((r, time.perf_counter() if alone else None))
+            self.rounds.append((r, time.perf_counter() if alone else None, kind))
             self.stale = False
             self.plan += drafts
         return bool(self.rounds)

@@ -13,5 +13,5 @@ class Fixed(Tuner):
         super().__init__()
         self.k, self.n = drafts, in_flight
 
-    def plan(self, produced: int) -> tuple[int, int]:
+    def plan(self, produced: int, kind: int = 0) -> tuple[int, int]:
         return self.k, self.n
