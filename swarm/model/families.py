@@ -367,7 +367,11 @@ def config_from_gguf(
         head_dim=head_dim,
         rope=_gguf_rope(field, arch, name, tensors, freq_factors),
         rms_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
-        vocab=int(tensors["token_embd.weight"].shape[-1]),
+        vocab=int(
+            tensors["token_embd.weight"].shape[-1]
+            if "token_embd.weight" in tensors  # absent from a node's shards of a split model
+            else field(f"{arch}.vocab_size")
+        ),
         bos_token_id=field("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=() if eos is None else (int(eos),),
         max_position=int(field(f"{arch}.context_length", 4096)),
