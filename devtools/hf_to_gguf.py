@@ -207,7 +207,7 @@ def family_fields(name: str, config: dict) -> dict[str, int | float]:
 
 
 def yarn_fields(rope: dict) -> dict[str, str | float | int]:
-    """The YaRN keys llama.cpp's converter writes (conversion/base.py): those the config sets."""
+    """The YaRN keys llama.cpp's converter writes (its base TextModel): those the config sets."""
     fields = {
         _K.Rope.SCALING_TYPE: gguf.RopeScalingType.YARN.value,
         _K.Rope.SCALING_FACTOR: float(rope["factor"]),
