@@ -166,11 +166,8 @@ class GGUFSource:
         _check_block_tensors(self.path.name, by_block, self._names, self.file.complete)
         # a family's blocks all have the same biases: those of the blocks here stand for all
         self._biases = {rest for have in by_block.values() for rest in have if rest[-5:] == ".bias"}
-        if not self.file.complete and not self._known(ROPE_TABLES):
-            raise MissingShards(
-                self.file.lacking("RoPE", f"{' or '.join(ROPE_TABLES)}, or proof there is none"),
-                tuple(map(str, self.file.absent)),
-            )
+        if not self._known(ROPE_TABLES):
+            raise self._cannot_tell("a RoPE table (rope_freqs.weight)")
 
     def _known(self, names: tuple[str, ...]) -> bool:
         """Whether the shards here tell if the model has any of `names`: one is here, or the
@@ -180,6 +177,15 @@ class GGUFSource:
         every = {"token_embd.weight", "output_norm.weight"}
         return self.file.holds_only(
             every.union(*map(self._expected, range(self.config.num_layers)))
+        )
+
+    def _cannot_tell(self, what: str) -> MissingShards:
+        absent = ", ".join(p.name for p in self.file.absent)
+        return MissingShards(
+            f"{self.path.name}: whether the model has {what} only its missing shards can tell"
+            f" (they hold tensors besides its blocks'): {absent} (put them in"
+            f" {self.path.parent})",
+            tuple(map(str, self.file.absent)),
         )
 
     def _expected(self, block: int) -> set[str]:
@@ -249,10 +255,7 @@ class GGUFSource:
 
         self.file.need({"token_embd.weight", "output_norm.weight"}, "the client's head")
         if not self._known(("output.weight",)):
-            raise MissingShards(
-                self.file.lacking("the client's head", "output.weight, or proof it is tied"),
-                tuple(map(str, self.file.absent)),
-            )
+            raise self._cannot_tell("an LM head of its own (output.weight)")
         embed = mapped("token_embd.weight")
         lm_head = mapped("output.weight") if "output.weight" in self._tensors else embed
         return {"embed": embed, "norm": self.raw("output_norm.weight"), "lm_head": lm_head}
