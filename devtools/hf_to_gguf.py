@@ -47,6 +47,7 @@ QTYPES = {
     "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
 _K = gguf.Keys
+YARN_FAMILIES = ("llama", "qwen2", "qwen3")  # whose YaRN llama.cpp's converter writes as keys
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -106,8 +107,10 @@ def check_convertible(name: str, config: dict) -> None:
     """UnsupportedCheckpoint if llama.cpp's file would describe another model than `config`."""
     rope_type = _rope(config).get("rope_type", "default")
     allowed = {"default", "llama3"} if name == "llama" else {"default"}
-    if rope_type not in allowed:
+    if rope_type not in allowed | ({"yarn"} if name in YARN_FAMILIES else set()):
         raise UnsupportedCheckpoint(f"{name}: RoPE scaling {rope_type!r} is not written")
+    if rope_type == "yarn":
+        check_yarn_convertible(name, _rope(config))
     layers, types = config["num_hidden_layers"], config.get("layer_types")
     if name in ("qwen2", "qwen3") and types and "sliding_attention" in types:
         raise UnsupportedCheckpoint(f"{name}: llama.cpp has no sliding window for it")
@@ -128,6 +131,16 @@ def check_convertible(name: str, config: dict) -> None:
             raise UnsupportedCheckpoint("gemma3: llama.cpp has no attention softcap for it")
     if FAMILIES[name].experts is not None:
         check_experts_convertible(name, config)
+
+
+def check_yarn_convertible(name: str, rope: dict) -> None:
+    """What llama.cpp's converter writes no key for: a factor left to be derived, the ramp's
+    ends unrounded, DeepSeek's mscale pair."""
+    unwritten = [k for k in ("mscale", "mscale_all_dim") if rope.get(k)]
+    unwritten += ["truncate"] if rope.get("truncate", True) is False else []
+    unwritten += ["factor"] if rope.get("factor") is None else []
+    if unwritten:
+        raise UnsupportedCheckpoint(f"{name}: YaRN's {', '.join(unwritten)} is not written")
 
 
 def check_experts_convertible(name: str, config: dict) -> None:
@@ -186,9 +199,27 @@ def family_fields(name: str, config: dict) -> dict[str, int | float]:
         fields[_K.LLM.FINAL_LOGIT_SOFTCAPPING] = float(config["final_logit_softcapping"])
     if "rope_swa" in wanted:
         fields[_K.Rope.FREQ_BASE_SWA] = float(_rope(config, "sliding_attention")["rope_theta"])
+    if _rope(config).get("rope_type") == "yarn":
+        fields |= yarn_fields(_rope(config))
     if "rope_orig_ctx" in wanted:
         fields[_K.Rope.SCALING_ORIG_CTX_LEN] = config["original_max_position_embeddings"]
     return {keys(key): value for key, value in (fields | expert_fields(name, config)).items()}
+
+
+def yarn_fields(rope: dict) -> dict[str, str | float | int]:
+    """The YaRN keys llama.cpp's converter writes (its base TextModel): those the config sets."""
+    fields = {
+        _K.Rope.SCALING_TYPE: gguf.RopeScalingType.YARN.value,
+        _K.Rope.SCALING_FACTOR: float(rope["factor"]),
+        _K.Rope.SCALING_ORIG_CTX_LEN: int(rope["original_max_position_embeddings"]),
+    }
+    optional = {
+        "extrapolation_factor": _K.Rope.SCALING_YARN_EXT_FACTOR,
+        "attention_factor": _K.Rope.SCALING_YARN_ATTN_FACTOR,
+        "beta_fast": _K.Rope.SCALING_YARN_BETA_FAST,
+        "beta_slow": _K.Rope.SCALING_YARN_BETA_SLOW,
+    }
+    return fields | {key: float(rope[k]) for k, key in optional.items() if rope.get(k) is not None}
 
 
 def expert_fields(name: str, config: dict) -> dict[str, int]:

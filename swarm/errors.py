@@ -107,6 +107,17 @@ class PlaintextRefused(ProtocolError):
         )
 
 
+class MissingShards(SwarmError, FileNotFoundError):
+    """A model split into GGUF shards (llama.cpp's gguf-split) lacks, beside the one given,
+    shards holding tensors this process needs: `files` names them (their paths)."""
+
+    code = "missing_shards"
+
+    def __init__(self, message: str, files: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.files = files
+
+
 class HandoverRefused(SwarmError):
     """A session's cache handed over by a leaving node was refused: malformed, incomplete, for
     other weights or blocks, or not proven to come from an announced node of this model. The

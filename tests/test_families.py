@@ -20,12 +20,14 @@ from tests.conftest import (
     nodes_greedy,
     split_greedy,
 )
-from tests.helpers.tiny import LLAMA3
+from tests.helpers.tiny import LLAMA3, YARN
 
 VARIANTS = {
     **{f: (f, {}) for f in FAMILIES},
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
+    "llama-yarn": ("llama", {"rope_parameters": YARN}),
+    "qwen3-yarn": ("qwen3", {"rope_parameters": YARN}),
 }
 PROMPT, NEW_TOKENS = FAMILY_PROMPT, FAMILY_NEW_TOKENS
 
@@ -94,7 +96,8 @@ def test_a_block_with_a_tensor_its_family_does_not_compute_is_refused(made, tmp_
     "change, said",
     [
         ({"model_type": "olmo2"}, "model_type 'olmo2' is not one this node computes"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "RoPE scaling 'dynamic'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position"),
         ({"hidden_act": "relu2"}, "activation 'relu2'"),
     ],
 )

@@ -57,9 +57,9 @@ def test_frequency_factors_from_a_gguf_divide_the_frequencies():
 def test_a_rope_scaling_not_computed_here_is_refused(tmp_path):
     save_tiny_llama(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="RoPE scaling 'yarn' is not supported"):
+    with pytest.raises(ValueError, match="RoPE scaling 'dynamic' is not supported"):
         open_model(str(tmp_path))
 
 

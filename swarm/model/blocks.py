@@ -364,6 +364,7 @@ class Span:
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights {weights!r} is not one of {WEIGHT_FORMATS}")
         source.config.check_span(start, end)
+        source.block_files(start, end)  # names any shard missing
         blocks = []
         for i in range(start, end):
             raw = source.block_raw(i)

@@ -18,6 +18,20 @@ class Llama3Rope:
 
 
 @dataclass(frozen=True)
+class YarnRope:
+    """YaRN: each frequency blended between itself and itself / `factor` by a ramp over the
+    dims that turn between `beta_fast` and `beta_slow` times in `original_max` positions (fast
+    ones kept, slow ones interpolated); cos and sin then multiplied by `attention` (mscale)."""
+
+    factor: float
+    original_max: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention: float = 1.0
+    truncate: bool = True  # the ramp's ends rounded outwards to whole dims (llama.cpp always)
+
+
+@dataclass(frozen=True)
 class Rope:
     """One RoPE: base, and the scaling applied to its frequencies (at most one kind)."""
 
@@ -25,6 +39,7 @@ class Rope:
     linear: float = 1.0  # positions divided by this (HF "linear" scaling)
     llama3: Llama3Rope | None = None
     freq_factors: tuple[float, ...] = ()  # divisors of each frequency (GGUF rope_freqs)
+    yarn: YarnRope | None = None
 
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from swarm.model.config import Llama3Rope, ModelConfig, Rope
+from swarm.model.config import ModelConfig, Rope
+from swarm.model.rope_scaling import gguf_rope, rope_from_hf
 
 
 @dataclass(frozen=True)
@@ -193,36 +194,17 @@ def family_of(kind: str, gguf: bool, where: str, moe: bool = False) -> Family:
 # ---- Hugging Face config.json ----------------------------------------------------------------
 
 
-def rope_from_hf(where: str, params: dict, theta: float) -> Rope:
-    """A config's RoPE scaling, if built here; ValueError naming any other (YaRN, longrope,
-    dynamic: a model computed without it would be silently wrong)."""
-    kind = params.get("rope_type", params.get("type")) or "default"
-    theta = float(params.get("rope_theta", theta))
-    if kind == "default":
-        return Rope(theta)
-    if kind == "linear":
-        return Rope(theta, linear=float(params["factor"]))
-    if kind == "llama3":
-        llama3 = Llama3Rope(
-            float(params["factor"]),
-            float(params["low_freq_factor"]),
-            float(params["high_freq_factor"]),
-            int(params["original_max_position_embeddings"]),
-        )
-        return Rope(theta, llama3=llama3)
-    raise ValueError(f"{where}: RoPE scaling {kind!r} is not supported yet")
-
-
 def _hf_ropes(f: Family, cfg: dict, where: str) -> tuple[Rope, Rope | None]:
     """The full layers' RoPE and the windowed layers' own, from transformers 5's
     `rope_parameters` (one dict, or one per layer type) or 4.x's rope_theta + rope_scaling."""
     params = cfg.get("rope_parameters") or {}
     theta = float(cfg.get("rope_theta", 10000.0))
+    longest = int(cfg.get("max_position_embeddings") or 0)
     if "full_attention" in params or "sliding_attention" in params:
-        full = rope_from_hf(where, params.get("full_attention") or {}, theta)
+        full = rope_from_hf(where, params.get("full_attention") or {}, theta, longest)
         local = params.get("sliding_attention")
-        return full, None if local is None else rope_from_hf(where, local, theta)
-    rope = rope_from_hf(where, params or cfg.get("rope_scaling") or {}, theta)
+        return full, None if local is None else rope_from_hf(where, local, theta, longest)
+    rope = rope_from_hf(where, params or cfg.get("rope_scaling") or {}, theta, longest)
     local_theta = cfg.get("rope_local_base_freq", f.local_theta)
     return rope, None if local_theta is None else Rope(float(local_theta))
 
@@ -365,9 +347,13 @@ def config_from_gguf(
         heads=heads,
         kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rope=_gguf_rope(field, arch, name, tensors, freq_factors),
+        rope=gguf_rope(field, arch, name, tensors, freq_factors),
         rms_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
-        vocab=int(tensors["token_embd.weight"].shape[-1]),
+        vocab=int(
+            tensors["token_embd.weight"].shape[-1]
+            if "token_embd.weight" in tensors  # absent from a node's shards of a split model
+            else field(f"{arch}.vocab_size")
+        ),
         bos_token_id=field("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=() if eos is None else (int(eos),),
         max_position=int(field(f"{arch}.context_length", 4096)),
@@ -405,15 +391,3 @@ def _gguf_experts(f: Family, field, arch: str, tensors, layers: int) -> dict:
         topk_norm=bool(field(f"{arch}.expert_weights_norm", norm)),
         dense_layers=tuple(i for i in range(layers) if i not in routed),
     )
-
-
-def _gguf_rope(field, arch: str, name: str, tensors, freq_factors) -> Rope:
-    theta = float(field(f"{arch}.rope.freq_base", 10000.0))
-    kind = field(f"{arch}.rope.scaling.type", "none") or "none"
-    if "rope_freqs.weight" in tensors:  # llama.cpp keeps Llama 3.1's scaling as these
-        return Rope(theta, freq_factors=freq_factors())
-    if kind == "linear":
-        return Rope(theta, linear=float(field(f"{arch}.rope.scaling.factor")))
-    if kind != "none":
-        raise ValueError(f"{name}: RoPE scaling {kind!r} is not supported yet")
-    return Rope(theta)

@@ -38,6 +38,7 @@ class GGUFFile:
 
         self.path = Path(path)
         self.fields: dict[str, object] = {}
+        self.lengths: dict[str, int] = {}  # arrays' lengths, their values skipped
         self.tensors: dict[str, TensorInfo] = {}
         with open(self.path, "rb") as f:
             if f.read(4) != b"GGUF":
@@ -47,9 +48,11 @@ class GGUFFile:
                 raise ValueError(f"{self.path.name}: GGUF version {version} is too old")
             for _ in range(n_fields):
                 key = _string(f)
-                value = _value(f, struct.unpack("<I", f.read(4))[0])
-                if value is not None:
-                    self.fields[key] = value
+                (vtype,) = struct.unpack("<I", f.read(4))
+                if vtype == _ARRAY:
+                    self.lengths[key] = _skip_array(f)
+                else:
+                    self.fields[key] = _value(f, vtype)
             infos = []
             for _ in range(n_tensors):
                 name = _string(f)
@@ -125,11 +128,17 @@ def _value(f, vtype: int):
     if vtype == _STRING:
         return _string(f)
     if vtype == _ARRAY:
-        etype, count = struct.unpack("<IQ", f.read(12))
-        if etype in _SCALARS:
-            f.seek(count * struct.calcsize(_SCALARS[etype]), os.SEEK_CUR)
-        else:
-            for _ in range(count):
-                _value(f, etype)
+        _skip_array(f)
         return None
     raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+def _skip_array(f) -> int:
+    """Past an array's values; its length."""
+    etype, count = struct.unpack("<IQ", f.read(12))
+    if etype in _SCALARS:
+        f.seek(count * struct.calcsize(_SCALARS[etype]), os.SEEK_CUR)
+    else:
+        for _ in range(count):
+            _value(f, etype)
+    return count

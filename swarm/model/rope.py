@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from swarm.model.config import Llama3Rope, Rope
+from swarm.model.config import Llama3Rope, Rope, YarnRope
 
 
 def llama3_frequencies(inv_freq: torch.Tensor, rope: Llama3Rope) -> torch.Tensor:
@@ -24,6 +24,25 @@ def llama3_frequencies(inv_freq: torch.Tensor, rope: Llama3Rope) -> torch.Tensor
     return torch.where(between, blended, scaled)
 
 
+def yarn_frequencies(theta: float, dim: int, yarn: YarnRope) -> torch.Tensor:
+    """RoPE's [dim/2] frequencies as YaRN blends them (transformers' float32 steps, which
+    llama.cpp's ramp and rounding agree with)."""
+
+    def dim_of(turns: float) -> float:  # the dim that turns `turns` times in original_max
+        return dim * math.log(yarn.original_max / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(yarn.beta_fast), dim_of(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1 for the fast dims, extrapolated; 0 for the slow ones, interpolated
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / (yarn.factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+
+
 class Rotary:
     """cos and sin of every position up to the longest seen, for the first `dim` dims of a head
     (all of them but for partial rotary models), computed once and indexed per step."""
@@ -36,6 +55,11 @@ class Rotary:
             self.inv_freq = llama3_frequencies(self.inv_freq, rope.llama3)
         if rope.linear != 1.0:
             self.inv_freq = self.inv_freq / rope.linear
+        # YaRN's mscale: on cos and sin, so on q and k both (scores by its square)
+        self.scale = 1.0
+        if rope.yarn is not None:
+            self.inv_freq = yarn_frequencies(rope.theta, dim, rope.yarn)
+            self.scale = rope.yarn.attention
         if rope.freq_factors:
             if len(rope.freq_factors) != len(self.inv_freq):
                 raise ValueError(
@@ -52,6 +76,8 @@ class Rotary:
         freqs = positions[:, None] * self.inv_freq[None, :]  # [length, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [length, dim]
         self.cos, self.sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:
+            self.cos, self.sin = self.cos * self.scale, self.sin * self.scale
 
     def cos_sin(self, pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [pos, pos + n): cos, sin [n, dim]."""

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from swarm.errors import MissingShards
 from swarm.model.families import LINEARS, block_names, config_from_gguf, config_from_hf
-from swarm.model.gguf_file import GGUFFile
+from swarm.model.gguf_shards import SHARD_NAME, GGUFShards, model_stem
 from swarm.model.weights import RawTensor
 
 log = logging.getLogger("swarm.model")
@@ -28,16 +29,16 @@ CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
 TOKENIZER_CACHE = CACHE_HOME / "swarm" / "tokenizers"
 
 
-def _check_block_tensors(where: str, present: dict[int, set[str]], names_of):
+def _check_block_tensors(where: str, present: dict[int, set[str]], names_of, whole=True):
     """Every block must hold exactly the tensors its family computes (`names_of(block)`: file
     names, ".weight" and ".bias" kept): one with others (experts, norms of another
     architecture under this label) or without some is refused, not computed wrong or failing
-    with a KeyError mid-load."""
+    with a KeyError mid-load. Not `whole` (shards absent), a block may lack some here."""
     for block, have in sorted(present.items()):
         names = names_of(block)
         required = {f"{n}.weight" for n in names.values()}
         known = required | {f"{names[n]}.bias" for n in LINEARS if n in names}
-        missing, unknown = required - have, have - known
+        missing, unknown = (required - have) if whole else set(), have - known
         if missing or unknown:
             said = [f"has {', '.join(sorted(unknown)[:4])}" if unknown else ""]
             said += [f"lacks {', '.join(sorted(missing)[:4])}" if missing else ""]
@@ -120,6 +121,9 @@ def gemma3_270m_path() -> Path:
     return path if path.exists() else Path(assemble())
 
 
+# tensors that change every block's RoPE, written once for the whole model
+ROPE_TABLES = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
 NAMED_MODELS = {"default": default_model_path, "gemma3-270m": gemma3_270m_path}
 
 
@@ -128,7 +132,7 @@ def open_model(path: str | os.PathLike | None) -> GGUFSource | SafetensorsSource
     NAMED_MODELS (None: the default)."""
     path = "default" if path in (None, "") else path
     p = NAMED_MODELS[path]() if path in NAMED_MODELS else Path(path)
-    if p.is_file() and p.suffix == ".gguf":
+    if (p.is_file() and p.suffix == ".gguf") or SHARD_NAME.match(p.name):
         return GGUFSource(p)
     if p.is_dir() and (p / "config.json").exists():
         return SafetensorsSource(p)
@@ -148,20 +152,61 @@ def _sample_digest(h, path: Path, samples: int = 16, size: int = 65536) -> None:
 
 
 class GGUFSource:
+    """A GGUF model: one file, or llama.cpp's shards of which some may be absent (those
+    holding no tensor this process computes with)."""
+
     def __init__(self, path: Path):
-        self.path = path
-        self.file = GGUFFile(path)
+        self.file = GGUFShards(path)
+        self.path = self.file.path  # the first shard where split: the model's metadata
         self._tensors = self.file.tensors
         self.config, self.family = config_from_gguf(
-            self._field, self._tensors, path.stem, self._freq_factors
+            self._field, self._tensors, model_stem(self.path), self._freq_factors
         )
-        _check_block_tensors(path.name, _by_block(self._tensors, "blk."), self._names)
+        by_block = _by_block(self._tensors, "blk.")
+        _check_block_tensors(self.path.name, by_block, self._names, self.file.complete)
+        # a family's blocks all have the same biases: those of the blocks here stand for all
+        self._biases = {rest for have in by_block.values() for rest in have if rest[-5:] == ".bias"}
+        if not self._known(ROPE_TABLES):
+            raise self._cannot_tell("a RoPE table (rope_freqs.weight)")
+
+    def _known(self, names: tuple[str, ...]) -> bool:
+        """Whether the shards here tell if the model has any of `names`: one is here, or the
+        absent shards hold only tensors every model of this shape has."""
+        if any(n in self._tensors for n in names) or self.file.complete:
+            return True
+        every = {"token_embd.weight", "output_norm.weight"}
+        return self.file.holds_only(
+            every.union(*map(self._expected, range(self.config.num_layers)))
+        )
+
+    def _cannot_tell(self, what: str) -> MissingShards:
+        absent = ", ".join(p.name for p in self.file.absent)
+        return MissingShards(
+            f"{self.path.name}: whether the model has {what} only its missing shards can tell"
+            f" (they hold tensors besides its blocks'): {absent} (put them in"
+            f" {self.path.parent})",
+            tuple(map(str, self.file.absent)),
+        )
+
+    def _expected(self, block: int) -> set[str]:
+        names = set(self._names(block).values())
+        weights = {f"blk.{block}.{n}.weight" for n in names}
+        return weights | {f"blk.{block}.{b}" for b in self._biases if b[:-5] in names}
+
+    def block_files(self, start: int, end: int) -> list[Path]:
+        """The files holding blocks [start, end); MissingShards naming the absent shards
+        where some of their tensors are in none of the files here."""
+        names = set().union(*map(self._expected, range(start, end)))
+        self.file.need(names, f"blocks {start}:{end}")
+        return self.file.files_of(names)
 
     def _freq_factors(self) -> tuple[float, ...]:
         return tuple(float(x) for x in np.asarray(self.file.read("rope_freqs.weight")).ravel())
 
     def _field(self, key: str, default=...):
         value = self.file.fields.get(key)
+        if value is None and key.endswith(".vocab_size"):  # llama.cpp counts the tokenizer's
+            value = self.file.lengths.get("tokenizer.ggml.tokens")
         if value is None:
             if default is ...:
                 raise ValueError(f"{self.path.name} lacks GGUF field {key}")
@@ -169,8 +214,15 @@ class GGUFSource:
         return value
 
     def fingerprint(self) -> str:
-        h = hashlib.sha256(b"gguf")
+        if not self.file.split:
+            h = hashlib.sha256(b"gguf")
+            _sample_digest(h, self.path)
+            return h.hexdigest()[:16]
+        # every node and client of a split model holds its first shard (the metadata and the
+        # first tensors): its bytes stand for the model's, whichever other shards one holds
+        h = hashlib.sha256(b"gguf-split")
         _sample_digest(h, self.path)
+        h.update(f"{self.file.count}:{self.file.total}".encode())
         return h.hexdigest()[:16]
 
     def raw(self, name: str) -> RawTensor:
@@ -201,6 +253,9 @@ class GGUFSource:
                 return self.raw(name)
             return RawTensor(name, kind, self.file.mapped(name))
 
+        self.file.need({"token_embd.weight", "output_norm.weight"}, "the client's head")
+        if not self._known(("output.weight",)):
+            raise self._cannot_tell("an LM head of its own (output.weight)")
         embed = mapped("token_embd.weight")
         lm_head = mapped("output.weight") if "output.weight" in self._tensors else embed
         return {"embed": embed, "norm": self.raw("output_norm.weight"), "lm_head": lm_head}
@@ -243,6 +298,15 @@ class SafetensorsSource:
         if not self._where:
             raise FileNotFoundError(f"{path} has no *.safetensors files")
         _check_block_tensors(str(path), _by_block(self._where, "model.layers."), self._names)
+
+    def block_files(self, start: int, end: int) -> list[Path]:
+        """The files holding blocks [start, end) (all here: the tensor check at load proved
+        it)."""
+        prefix = "model.layers."
+        names = (
+            _block_map(self._names(b), f"{prefix}{b}.", self._where) for b in range(start, end)
+        )
+        return sorted({self._where[n] for m in names for n in m.values()})
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(b"safetensors")

@@ -89,6 +89,7 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
     source = open_model(cfg.model)
     if not cfg.automatic_span:
         source.config.check_span(cfg.start, cfg.end)
+        source.block_files(cfg.start, cfg.end)  # before joining: name any shard missing
     fingerprint = source.fingerprint()
     # The node's key, for its life: its DHT signs its records with it, its relay registrations
     # and hand-overs prove it; its own, so two nodes in one process are two nodes

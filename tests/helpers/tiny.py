@@ -15,6 +15,15 @@ LLAMA3 = {
     "original_max_position_embeddings": 64,
 }
 
+# YaRN on the tiny models: an original context of 32, so a 30-token prompt and 40 new tokens
+# run past it (the 64 positions of a tiny model's default context and beyond)
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
 
 def variant(model, **change):
     """The same weights under a config with `change`."""
