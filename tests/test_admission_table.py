@@ -192,6 +192,16 @@ def test_the_status_line_tells_what_admission_turned_away():
     )
 
 
+def test_the_status_line_tells_the_verification_rounds_computed_and_dropped():
+    before = Status(sessions=2, rounds=10, rounds_dropped=1)
+    now = Status(sessions=2, rounds=70, rounds_dropped=9)
+    assert status_line(now, before, 30.0) == (
+        "2 sessions, 0.0 tokens/s, link not measured yet,"
+        " 60 verification rounds (8 more dropped stale)"
+    )
+    assert "verification" not in status_line(now, now, 30.0)
+
+
 def test_the_throttle_counts_what_it_turned_away_in_the_last_minute():
     t = Throttle()
     t.refuse("A", "a session", "full", now=0.0)

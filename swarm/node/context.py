@@ -37,6 +37,7 @@ class Counters:
     moved_in: int = 0  # sessions whose cache a leaving node handed over here
     moved_out: int = 0  # sessions this node handed over to a replica
     transfers: int = 0  # handovers in flight, either way
+    rounds_done: int = 0  # verification rounds computed (speculative decoding)
     steps_dropped: int = 0  # verification rounds a rewind made stale before they were computed
 
 

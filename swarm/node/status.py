@@ -42,6 +42,8 @@ class Status:
     moved_in: int = 0  # sessions handed over to this node by leaving ones, so far
     moved_out: int = 0  # sessions this node handed over to replicas, so far
     transfers: int = 0  # caches being handed over, either way, now
+    rounds: int = 0  # verification rounds computed, so far (speculative decoding)
+    rounds_dropped: int = 0  # of those sent here, dropped uncomputed: a rejection made them stale
 
 
 def status_of(node: Node) -> Status:
@@ -64,12 +66,14 @@ def status_of(node: Node) -> Status:
         moved_in=node.counters.moved_in,
         moved_out=node.counters.moved_out,
         transfers=node.counters.transfers,
+        rounds=node.counters.rounds_done,
+        rounds_dropped=node.counters.steps_dropped,
     )
 
 
 def status_line(now: Status, before: Status, seconds: float) -> str:
-    """E.g. `3 sessions, 41.2 tokens/s, link 4.8 Mbit/s, RTT 23 ms`, then what admission
-    turned away since `before`, if anything."""
+    """E.g. `3 sessions, 41.2 tokens/s, link 4.8 Mbit/s, RTT 23 ms`, then the speculative
+    decoding rounds checked and what admission turned away since `before`, if anything."""
     rate = (now.tokens - before.tokens) / seconds if seconds > 0 else 0.0
     bandwidth = now.link.get("bandwidth_Bps", 0.0)
     rtt = now.link.get("rtt_s", 0.0)
@@ -80,6 +84,9 @@ def status_line(now: Status, before: Status, seconds: float) -> str:
     )
     s = "" if now.sessions == 1 else "s"
     line = f"{now.sessions} session{s}, {rate:.1f} tokens/s, {link}"
+    rounds, dropped = now.rounds - before.rounds, now.rounds_dropped - before.rounds_dropped
+    if rounds or dropped:
+        line += f", {rounds} verification rounds ({dropped} more dropped stale)"
     refused, evicted = now.refused - before.refused, now.evicted - before.evicted
     if refused or evicted:
         line += (

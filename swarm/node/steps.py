@@ -150,6 +150,8 @@ class StepWork:
         except Exception as exc:
             await self._compute_failed(exc)
             return
+        if step.spec is not None:
+            self.ctx.counters.rounds_done += 1
         if await self._forward(step, done):
             self.ctx.observer.decode_step(arrived, time.monotonic(), done.elapsed, done.usage)
 
