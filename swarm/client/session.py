@@ -270,7 +270,9 @@ class RemoteSession:
 
     async def _heartbeat(self) -> None:
         """While a step is out, ping the first and the last hop; a hop silent for the
-        heartbeat's timeout is hung (a hop in between is watched by the node before it)."""
+        heartbeat's timeout is hung (a hop in between is watched by the node before it). The
+        first pings go once the step has been out an interval: most steps are answered sooner,
+        and a ping and its pong would cost every hop they cross work beside its compute."""
         ends = {0: self.first, len(self.route) - 1: self.last}
         if self.first is self.last:
             ends = {0: self.first}
@@ -278,6 +280,7 @@ class RemoteSession:
         self._beats = {id(conn): beats[hop] for hop, conn in ends.items()}
         nonce = 0
         while True:
+            await trio.sleep(INTERVAL_S)
             for hop, conn in ends.items():
                 now = time.monotonic()
                 beat = beats[hop]
@@ -287,7 +290,6 @@ class RemoteSession:
                 nonce += 1
                 await self._send(conn, hop, Ping(nonce=nonce))
                 beat.pinged(now)
-            await trio.sleep(INTERVAL_S)
 
     async def _send(self, conn: FramedStream, hop: int, msg) -> None:
         try:
