@@ -34,7 +34,7 @@ from swarm.link.options import LinkOptions
 from swarm.link.scheduler import LinkScheduler, Send, Volume
 from swarm.link.tcpinfo import read_tcp_info, set_notsent_lowat
 from swarm.node.signal import Signal
-from swarm.protocol import PREFILL, KvChunk, Message, Ping, Result, Step, to_wire
+from swarm.protocol import DECODE, PREFILL, KvChunk, Message, Ping, Result, Step, to_wire
 from swarm.transport import FramedStream
 from swarm.wire import encode_frame, pack_tensor, tensor_nbytes
 
@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 
 NOTSENT_LOWAT = 16 * 1024
 ACK_NONCE_BASE = 1 << 40  # pings that acknowledge delivery; the node's own RTT pings count from 1
+# A decode frame asks for an acknowledgement at most this often on a link: on a fast route a
+# ping and its pong for every step cost both nodes more than the step's own frame; a decode
+# frame's bytes seldom make a bandwidth sample, and a few acknowledgements a second keep the
+# round trip measured where TCP_INFO cannot
+DECODE_ACK_INTERVAL_S = 0.1
 MAX_UNACKED = 4096
 HOLD_RECHECK_S = 0.02
 MIN_HOLD_S = 0.0005
@@ -89,6 +94,7 @@ class Uplink:
         # counted in it (0 for a decode frame)), oldest first
         self._acks: dict[str, deque[tuple[int, SentFrame, int, int]]] = {}
         self._ack_nonce = ACK_NONCE_BASE
+        self._decode_acked: dict[str, float] = {}  # dest -> when a decode frame last asked
 
     def now(self) -> float:
         return time.monotonic() - self._clock0
@@ -312,10 +318,12 @@ class Uplink:
 
     async def _send(self, send: Send, p: Payload) -> None:
         """Write `send`, cut from `p`, with an acknowledgement request behind it if it is
-        an activation for the next node, and feed the scheduler and estimator what it took."""
+        an activation for the next node (a decode step's: now and then), and feed the
+        scheduler and estimator what it took."""
         started = self.now()
         frame = self._frame(p, send.offset, send.tokens)
-        sent = None if p.result else self.estimator(p.dest).on_frame_sent(len(frame))
+        asks = not p.result and (send.phase != DECODE or self._decode_ack_due(p.dest, started))
+        sent = self.estimator(p.dest).on_frame_sent(len(frame)) if asks else None
         ok = await self._write(p.stream, frame)
         finished = self.now()
         ack = None if sent is None else self._ack_ping()
@@ -327,6 +335,12 @@ class Uplink:
             prompt = send.nbytes if send.phase == PREFILL else 0
             mark = self.scheduler.bytes_sent_to(p.dest)
             await self._ask_ack(p, sent, ok, mark, prompt, ack)
+
+    def _decode_ack_due(self, dest: str, now: float) -> bool:
+        if now - self._decode_acked.get(dest, -math.inf) < DECODE_ACK_INTERVAL_S:
+            return False
+        self._decode_acked[dest] = now
+        return True
 
     def _hold_timeout(self) -> float:
         if not self.scheduler.holding:
