@@ -9,8 +9,9 @@ client's are the same monotonic clock (one machine), so a token's timeline reads
            arrival here: the sender's link scheduler and frame, the socket, this node's read
            and parse
   wait     arrival to compute: the session's queue and the compute lane's hand-over
-  compute  the span's pass (the lane's wall time), and of it the seconds on a CPU (the kernel's
-           schedstat: on a busy machine, compare CPU seconds)
+  compute  the span's pass (the lane's wall time), and of it the seconds on a CPU and waiting
+           for one (the kernel's schedstat; on a busy machine, compare CPU seconds); the rest
+           of it the compute thread was blocked (the GIL)
   back     the last hop queueing the result to the client having it
   client   the result in hand to the next step sent: the LM head, the pick, the embedding
 Non-compute per hop = in + wait (the issue's goal: p50 <= 0.5 ms). Unsplit: Span.forward over
@@ -62,16 +63,16 @@ def unsplit_tpot(ids: list[int], new: int, threads: int) -> tuple[float, float]:
     return (time.perf_counter() - started) / new, (time.thread_time() - cpu) / new
 
 
-def read_steps(path: str) -> list[tuple[float, float, float, float]]:
-    """(arrived, queued for the link, compute seconds, of them on a CPU) of each decode step
-    in a step log."""
+def read_steps(path: str) -> list[tuple[float, float, float, float, float]]:
+    """(arrived, queued for the link, compute seconds, of them on a CPU and waiting for one)
+    of each decode step in a step log."""
     out = []
     with open(path) as f:
         for line in f:
             fields = line.split()
             if fields[0] not in ("a", "p"):
-                arrived, until_queued, compute, cpu = map(float, fields[:4])
-                out.append((arrived, arrived + until_queued, compute, cpu))
+                arrived, until_queued, compute, cpu, runqueue = map(float, fields[:5])
+                out.append((arrived, arrived + until_queued, compute, cpu, runqueue))
     return out
 
 
@@ -110,11 +111,12 @@ def swarm_timeline(a, folder: str) -> tuple[float, list[dict[str, float]]]:
     for i, (sent, back) in enumerate(stamps):
         row, before = {}, sent
         for h, steps in enumerate(hops):
-            arrived, queued, compute, cpu = steps[i]
+            arrived, queued, compute, cpu, runqueue = steps[i]
             row[f"in {h}"] = arrived - before
             row[f"wait {h}"] = queued - arrived - compute
             row[f"compute {h}"] = compute
             row[f"  of it CPU {h}"] = cpu
+            row[f"  waiting for one {h}"] = runqueue
             before = queued
         row["back"] = back - before
         if i + 1 < len(stamps):
