@@ -94,7 +94,8 @@ class Experts:
     def linears(self) -> tuple[Linear, ...]:
         out = [self.router, *(lin for mlp in self.experts for lin in mlp.linears)]
         if self.shared is not None:
-            out += [*self.shared[0].linears, self.shared[1]]
+            mlp, gate = self.shared
+            out += [*mlp.linears, *([] if gate is None else [gate])]
         return tuple(out)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
