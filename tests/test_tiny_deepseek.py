@@ -246,3 +246,30 @@ def test_three_nodes_split_between_dense_and_mixture_layers_give_transformers_to
     _, folder, path, want = made("q-bottleneck")
     got = nodes_greedy(str(folder if fmt == "safetensors" else path), SPLITS[3], PROMPT, NEW_TOKENS)
     assert got == want
+
+
+def test_a_latent_cache_handed_over_mid_generation_goes_on_to_the_same_tokens(made):
+    from swarm.model.blocks import Span
+    from swarm.model.head import Head
+    from swarm.node.handover.cache import CacheIntake, slabs
+    from tests.test_handover_cache import chunks
+
+    model, folder, _, _ = made("q-bottleneck")
+    want = reference_greedy(model, PROMPT, 12)
+    source = open_model(str(folder))
+    head, span = Head.load(source, weights="float32"), Span.load(source, 0, 4, weights="float32")
+    sender = span.allocate_cache(0, 4, 64)
+    x = span.forward(head.embed_tokens(PROMPT), sender, 0, 0, 4)
+    tokens = [int(head.logits(x[0, -1]).argmax())]
+    for _ in range(5):
+        x = span.decode(head.embed_tokens(tokens[-1:])[0], [sender], [sender.length], 0, 4)
+        tokens.append(int(head.logits_rows(x)[0].argmax()))
+    receiver = span.allocate_cache(0, 4, 64)
+    intake = CacheIntake(receiver, sender.length)
+    for chunk in chunks(slabs(sender, 0, sender.length)):
+        intake.take(chunk)
+    intake.install()
+    for _ in range(6):  # on the receiver now
+        x = span.decode(head.embed_tokens(tokens[-1:])[0], [receiver], [receiver.length], 0, 4)
+        tokens.append(int(head.logits_rows(x)[0].argmax()))
+    assert tokens == want
