@@ -55,6 +55,25 @@ _SHARED_EXPERT = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",  # [1, hidden]: one gate logit per token
 }
+# DeepSeek-V3 (llama.cpp's deepseek2): latent attention, a router with a bias for the choice
+# (the converter renames e_score_correction_bias to e_score_correction.bias first), shared
+# experts without a gate; its kv_b_proj is split in two (see hf_to_gguf.split_kv_b)
+_DEEPSEEK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.gate.e_score_correction": "exp_probs_b",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
 # llama.cpp keeps these F32 whatever the file's type (as llama-quantize does)
 ALWAYS_F32 = frozenset({"ffn_gate_inp", "ffn_gate_inp_shexp"})
 
@@ -96,6 +115,7 @@ class Family:
     # whether llama.cpp rescales the top-k router weights to sum to 1; it stores no key for it
     # but fixes it per architecture, so a checkpoint that differs is refused
     renormalises: bool | None = None
+    latent: bool = False  # DeepSeek's latent attention: kv_b_proj split, its own keys
 
 
 FAMILIES = {
@@ -156,6 +176,9 @@ FAMILIES = {
         experts=_QWEN_EXPERTS,
         renormalises=False,
     ),
+    "deepseek_v3": Family(
+        "deepseek2", _DEEPSEEK | _MLP, fields=frozenset(), experts=_QWEN_EXPERTS, latent=True
+    ),
 }
 
 # a checkpoint's config.json `architectures[0]` -> family
@@ -170,6 +193,7 @@ HF_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 # llama.cpp fixes these and stores none of them; a checkpoint that differs is refused
@@ -180,6 +204,7 @@ GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 
 def gguf_name(family: Family, hf_name: str) -> str:
     """The GGUF name of a Hugging Face tensor; KeyError for one llama.cpp does not convert."""
+    hf_name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
     stem, _, suffix = hf_name.rpartition(".")
     if stem in TOP_NAMES:
         return f"{TOP_NAMES[stem]}.{suffix}"

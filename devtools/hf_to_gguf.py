@@ -27,6 +27,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from devtools.gguf_latent import latent_fields, latent_unwritten, split_kv_b
 from devtools.gguf_tables import (
     ALWAYS_F32,
     FAMILIES,
@@ -105,6 +106,10 @@ def _rope(config: dict, layer_type: str = "full_attention") -> dict:
 
 def check_convertible(name: str, config: dict) -> None:
     """UnsupportedCheckpoint if llama.cpp's file would describe another model than `config`."""
+    if FAMILIES[name].latent:
+        if unwritten := latent_unwritten(config):
+            raise UnsupportedCheckpoint(f"{name}: {', '.join(unwritten)}: llama.cpp writes none")
+        return
     rope_type = _rope(config).get("rope_type", "default")
     allowed = {"default", "llama3"} if name == "llama" else {"default"}
     if rope_type not in allowed | ({"yarn"} if name in YARN_FAMILIES else set()):
@@ -203,7 +208,8 @@ def family_fields(name: str, config: dict) -> dict[str, int | float]:
         fields |= yarn_fields(_rope(config))
     if "rope_orig_ctx" in wanted:
         fields[_K.Rope.SCALING_ORIG_CTX_LEN] = config["original_max_position_embeddings"]
-    return {keys(key): value for key, value in (fields | expert_fields(name, config)).items()}
+    fields |= latent_fields(config) if family.latent else expert_fields(name, config)
+    return {keys(key): value for key, value in fields.items()}
 
 
 def yarn_fields(rope: dict) -> dict[str, str | float | int]:
@@ -282,6 +288,8 @@ def _add_field(writer: gguf.GGUFWriter, key: str, value) -> None:
     their items' type (int32 token types, float32 scores, strings)."""
     if isinstance(value, str):
         writer.add_string(key, value)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
     elif isinstance(value, float):
         writer.add_float32(key, value)
     elif isinstance(value, int):
@@ -313,6 +321,14 @@ def gguf_tensors(family: Family, config: dict, state: dict[str, np.ndarray]):
         if (slot := expert_slot(family, hf_name)) is not None:
             yield from stack_experts(family, config, experts, slot, array)
             continue
+        if family.latent and _block_of(hf_name) >= config["num_hidden_layers"]:
+            continue  # multi-token prediction: llama.cpp's converter skips it
+        if family.latent and hf_name.endswith("self_attn.kv_b_proj.weight"):
+            block = hf_name.split(".")[2]
+            k_b, v_b = split_kv_b(array, config)
+            yield f"blk.{block}.attn_k_b.weight", k_b
+            yield f"blk.{block}.attn_v_b.weight", v_b
+            continue
         name = gguf_name(family, hf_name)
         if family.permute_qk and ".attn_q." in name:
             array = interleave_rope_rows(array, heads)
@@ -328,11 +344,17 @@ def gguf_tensors(family: Family, config: dict, state: dict[str, np.ndarray]):
         raise UnsupportedCheckpoint(f"experts without the rest of their block: {sorted(left)[:4]}")
 
 
+def _block_of(hf_name: str) -> int:
+    """The block of a `model.layers.N.` tensor, -1 for the others."""
+    parts = hf_name.split(".")
+    return int(parts[2]) if hf_name.startswith("model.layers.") else -1
+
+
 def stack_experts(family: Family, config: dict, read: dict, slot: tuple, array: np.ndarray):
     """Keep one expert tensor; once its block has all of them, yield the block's 3-D tensors
     ([expert, rows, columns]) as llama.cpp does, and forget them."""
     block, expert, w = slot
-    count = _find(config, "num_local_experts", "num_experts")
+    count = _find(config, "num_local_experts", "num_experts", "n_routed_experts")
     if expert >= count:
         raise UnsupportedCheckpoint(f"block {block}: expert {expert} of {count}")
     have = read.setdefault(block, {})

@@ -53,7 +53,7 @@ def test_a_cache_copied_while_it_grows_then_its_tail_lands_exactly(dtype):
     early = slabs(sender, 0, 20)
     compute(sender, 20, 27)  # the session went on: the ring of 8 wrapped past what was copied
     tail = slabs(sender, 20, 27)
-    intake = CacheIntake(receiver, 20, HEADS * DIM)
+    intake = CacheIntake(receiver, 20)
     for chunk in chunks(early):
         intake.take(chunk)
     intake.extend(27, LENGTH)
@@ -77,21 +77,21 @@ def test_a_ring_sends_only_the_positions_it_still_holds():
 
 
 def test_chunks_out_of_order_are_refused():
-    intake = CacheIntake(empty(), 20, HEADS * DIM)
+    intake = CacheIntake(empty(), 20)
     early = chunks(slabs(_grown(20), 0, 20))
     with pytest.raises(HandoverRefused, match="expected 0"):
         intake.take(early[1])
 
 
 def test_a_tail_before_the_cache_is_complete_is_refused():
-    intake = CacheIntake(empty(), 20, HEADS * DIM)
+    intake = CacheIntake(empty(), 20)
     intake.take(chunks(slabs(_grown(20), 0, 20))[0])
     with pytest.raises(HandoverRefused, match="before the cache is complete"):
         intake.extend(27, LENGTH)
 
 
 def test_installing_an_incomplete_cache_is_refused():
-    intake = CacheIntake(empty(), 20, HEADS * DIM)
+    intake = CacheIntake(empty(), 20)
     with pytest.raises(HandoverRefused, match="incomplete"):
         intake.install()
 

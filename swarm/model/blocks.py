@@ -19,15 +19,11 @@ from swarm.model import kernels
 from swarm.model.config import ModelConfig
 from swarm.model.experts import MLP, Experts
 from swarm.model.families import block_tensors
+from swarm.model.latent import LatentAttention
 from swarm.model.linear import WEIGHT_FORMATS, Linear
+from swarm.model.norm import rms_norm
 from swarm.model.rope import Rotary, rotate
 from swarm.model.weights import Fused, make_linear, release_freed_memory
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
-
 
 ACTIVATE = {
     "silu": F.silu,
@@ -108,12 +104,12 @@ class KVCache:
     ) -> KVCache:
         """For layers [start, end) of the model, sessions of up to max_length tokens."""
         keys, values = [], []
+        (k_heads, k_width), (v_heads, v_width) = config.cache_widths
         for layer in range(start, end):
             window = config.window(layer)
             length = min(max_length, window) if window else max_length
-            shape = (1, config.kv_heads, length, config.head_dim)
-            keys.append(torch.zeros(shape, dtype=dtype))
-            values.append(torch.zeros(shape, dtype=dtype))
+            keys.append(torch.zeros((1, k_heads, length, k_width), dtype=dtype))
+            values.append(torch.zeros((1, v_heads, length, v_width), dtype=dtype))
         return cls(keys, values)
 
     @staticmethod
@@ -121,7 +117,8 @@ class KVCache:
         config: ModelConfig, layers: int, dtype: torch.dtype = torch.float32
     ) -> int:
         """At most: layers with a window hold fewer once sessions pass it."""
-        return 2 * layers * config.kv_heads * config.head_dim * dtype.itemsize
+        (k_heads, k_width), (v_heads, v_width) = config.cache_widths
+        return layers * (k_heads * k_width + v_heads * v_width) * dtype.itemsize
 
 
 class Block:
@@ -136,7 +133,7 @@ class Block:
         self,
         config: ModelConfig,
         norms: dict[str, torch.Tensor],
-        qkv: Fused,
+        qkv: Fused | LatentAttention,
         o: Linear,
         mlp: MLP | Experts,
     ):
@@ -182,7 +179,11 @@ class Block:
             if n.endswith("norm")
         }
         q, kv, ff = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.intermediate
-        qkv, o = fused(("qkv",) if c.fused else ("q", "k", "v"), [q, kv, kv]), linear("o")
+        if c.latent is not None:
+            qkv = LatentAttention.load(c, raw, norms, weights, usable, terms)
+        else:
+            qkv = fused(("qkv",) if c.fused else ("q", "k", "v"), [q, kv, kv])
+        o = linear("o")
         if c.moe(layer):
             mlp = Experts.load(c, raw, weights, usable, activate, terms)
         else:
@@ -254,6 +255,9 @@ class Block:
         the layer's sliding window (its cache then a ring of that many slots), or None."""
         c = self.c
         n = h.shape[0]
+        if c.latent is not None:
+            x = rms_norm(h, self.norms["attn_norm"], c.rms_eps)
+            return self._finish(h, self.qkv.forward(x, k_cache, v_cache, pos, cos, sin))
         q, k, v = self._attention_inputs(h, cos, sin)
         if n == 1 and self._kernels_for(k_cache) is not None:
             # a lone session's decode step: attended as Block.decode's are, ring or not (only
@@ -324,6 +328,9 @@ class Block:
         its own cache: the matmuls run on the stacked rows, attention per session. A ring
         cache (sliding window) holds exactly the positions the token sees, in slot order."""
         c = self.c
+        if c.latent is not None:
+            x = rms_norm(h, self.norms["attn_norm"], c.rms_eps)
+            return self._finish(h, self.qkv.decode(x, caches, positions, cos, sin))
         q, k, v = self._attention_inputs(h, cos, sin)
         out = [
             self._step_attention(q[i], k[i], v[i], k_cache, v_cache, pos % k_cache.shape[2], pos)

@@ -42,6 +42,23 @@ class Rope:
     yarn: YarnRope | None = None
 
 
+@dataclass(frozen=True)
+class Latent:
+    """Multi-head latent attention's shape (DeepSeek-V2/V3, Kimi K2): q through a rank-`q_rank`
+    bottleneck (0: one q_proj), k and v of every head expanded from one `kv_rank` latent a
+    token, beside one `rope` wide key shared by all heads. A head's q and k are `nope` + `rope`
+    wide, its v `v` wide; the cache holds the latent and the shared key (kv_rank + rope a token
+    a layer)."""
+
+    q_rank: int
+    kv_rank: int
+    nope: int
+    rope: int
+    v: int
+    interleaved: bool = True  # the rotated dims in adjacent pairs (DeepSeek's layout)
+
+
+ROUTERS = ("softmax", "sigmoid")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 
@@ -80,10 +97,20 @@ class ModelConfig:
     shared_intermediate: int = 0  # Qwen2-MoE's shared expert (0: none)
     topk_norm: bool = True  # the chosen experts' weights renormalised to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers of a mixture model with a dense MLP
+    router: str = "softmax"  # of the router's logits; one of ROUTERS
+    # DeepSeek-V3: experts in `groups`, the tokens' choice among the best `groups_used` of them
+    groups: int = 1
+    groups_used: int = 1
+    routed_scale: float = 1.0  # the chosen experts' weights multiplied by it
+    shared_gated: bool = True  # the shared expert behind a sigmoid gate (Qwen2-MoE; not DeepSeek)
+    latent: Latent | None = None  # multi-head latent attention (q, k, v as Latent says)
+    mtp_layers: int = 0  # multi-token-prediction layers after the last: skipped, not computed
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router {self.router!r} is not one of {ROUTERS}")
         if self.windows and len(self.windows) != self.num_layers:
             raise ValueError(f"{len(self.windows)} windows for {self.num_layers} layers")
 
@@ -102,6 +129,14 @@ class ModelConfig:
         if self.local_rope is not None and self.window(layer) is not None:
             return self.local_rope
         return self.rope
+
+    @property
+    def cache_widths(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of a layer's cached keys and of its values: under latent attention
+        the latent and the shared rotated key, one "head" each."""
+        if self.latent is not None:
+            return (1, self.latent.kv_rank), (1, self.latent.rope)
+        return (self.kv_heads, self.head_dim), (self.kv_heads, self.head_dim)
 
     @property
     def scale(self) -> float:

@@ -50,10 +50,12 @@ class Experts:
         config: ModelConfig,
         router: Linear,
         experts: list[MLP],
-        shared: tuple[MLP, Linear] | None,
+        shared: tuple[MLP, Linear | None] | None,
+        choice_bias: torch.Tensor | None = None,
     ):
         self.c = config
         self.router, self.experts, self.shared = router, experts, shared
+        self.choice_bias = choice_bias  # DeepSeek-V3's, added to the scores for the choice only
 
     @classmethod
     def load(
@@ -77,20 +79,23 @@ class Experts:
         if stacked:
             del whole
         release_freed_memory()
-        shared = None
+        shared, gate = None, None
         if c.shared_intermediate:
-            gate = raw["shared_gate"]  # [1, hidden]; older llama.cpp files hold it 1-D
-            gate = RawTensor(gate.name, gate.kind, gate.data.reshape(1, -1))
-            gate = make_linear(gate, "float32", None, usable)
+            if c.shared_gated:
+                gate = raw["shared_gate"]  # [1, hidden]; older llama.cpp files hold it 1-D
+                gate = RawTensor(gate.name, gate.kind, gate.data.reshape(1, -1))
+                gate = make_linear(gate, "float32", None, usable)
             shared = mlp(raw["shared.gate"], raw["shared.up"], raw["shared.down"]), gate
         router = make_linear(raw["router"], "float32", None, usable)  # routing decides all
-        return cls(c, router, experts, shared)
+        bias = raw["router_bias"].float32() if "router_bias" in raw else None
+        return cls(c, router, experts, shared, bias)
 
     @property
     def linears(self) -> tuple[Linear, ...]:
         out = [self.router, *(lin for mlp in self.experts for lin in mlp.linears)]
         if self.shared is not None:
-            out += [*self.shared[0].linears, self.shared[1]]
+            mlp, gate = self.shared
+            out += [*mlp.linears, *([] if gate is None else [gate])]
         return tuple(out)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,10 +103,13 @@ class Experts:
         (softmax in float32, top-k, renormalised where the family does; experts added in
         ascending order, so the float32 path stays token-exact)."""
         c = self.c
-        probs = torch.softmax(self.router(x).float(), dim=-1)
-        weights, chosen = torch.topk(probs, c.experts_used, dim=-1)  # [rows, used]
-        if c.topk_norm:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if c.router == "sigmoid":
+            weights, chosen = self._grouped_choice(self.router(x).float())
+        else:
+            probs = torch.softmax(self.router(x).float(), dim=-1)
+            weights, chosen = torch.topk(probs, c.experts_used, dim=-1)  # [rows, used]
+            if c.topk_norm:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(x)
         for e in torch.unique(chosen).tolist():
             rank, rows = torch.where(chosen.T == e)  # rows choosing e, and at which rank
@@ -109,5 +117,25 @@ class Experts:
             out.index_add_(0, rows, y * weights[rows, rank, None])
         if self.shared is not None:
             mlp, gate = self.shared
-            out = out + torch.sigmoid(gate(x).float()) * mlp(x)
+            out = out + (mlp(x) if gate is None else torch.sigmoid(gate(x).float()) * mlp(x))
         return out
+
+    def _grouped_choice(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's choice, transformers' steps: sigmoid scores, the bias added for the
+        choice only; the experts in `groups` groups, each scored by its best two, the best
+        `groups_used` groups kept; top-k among their experts, weighted by their own scores
+        (renormalised where the model does), times `routed_scale`."""
+        c = self.c
+        scores = logits.sigmoid()  # [rows, experts]
+        choice = scores if self.choice_bias is None else scores + self.choice_bias
+        rows = choice.shape[0]
+        grouped = choice.view(rows, c.groups, c.experts // c.groups)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [rows, groups]
+        kept = torch.topk(group_scores, k=c.groups_used, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter_(1, kept, 1).bool()
+        choice = choice.masked_fill(~mask.repeat_interleave(c.experts // c.groups, 1), -torch.inf)
+        chosen = torch.topk(choice, k=c.experts_used, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if c.topk_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scale, chosen

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from swarm.model import deepseek
 from swarm.model.config import ModelConfig, Rope
 from swarm.model.rope_scaling import gguf_rope, rope_from_hf
 
@@ -39,6 +40,7 @@ class Family:
     moe: bool = False  # a mixture of experts (GGUF: told apart from a dense arch by expert_count)
     topk_norm: bool = True  # renormalise the chosen experts' weights (config.json's default)
     gguf_topk_norm: bool | None = None  # llama.cpp's, where it differs (Qwen3-MoE: it does)
+    latent: bool = False  # multi-head latent attention, DeepSeek's router (swarm.model.deepseek)
     # config.json names of a mixture layer's router and expert e's gate, up and down
     hf_experts: tuple[str, ...] = (
         "mlp.gate",
@@ -98,6 +100,7 @@ FAMILIES = {
             topk_norm=False,
             gguf_topk_norm=True,
         ),
+        Family("deepseek_v3", ("deepseek_v3", "kimi_k2"), ("deepseek2",), moe=True, latent=True),
         Family(
             "gemma2", ("gemma2",), ("gemma2",), **_GEMMA, window_period=2, softcaps=(50.0, 30.0)
         ),
@@ -113,7 +116,7 @@ FAMILIES = {
     )
 }
 
-LINEARS = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")
+LINEARS = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "q_a", "q_b", "kv_a", "kv_b")
 
 # a block's tensors, by the name blocks.py reads -> (Hugging Face name, GGUF name)
 _NAMES = {
@@ -132,13 +135,33 @@ _NAMES = {
     "gate_up": ("mlp.gate_up_proj", "ffn_up"),  # llama.cpp keeps Phi-3's fused one as ffn_up
     "down": ("mlp.down_proj", "ffn_down"),
     "mlp_post_norm": ("post_feedforward_layernorm", "post_ffw_norm"),
+    # latent attention (llama.cpp splits kv_b in two: attn_k_b, attn_v_b)
+    "q_a": ("self_attn.q_a_proj", "attn_q_a"),
+    "q_a_norm": ("self_attn.q_a_layernorm", "attn_q_a_norm"),
+    "q_b": ("self_attn.q_b_proj", "attn_q_b"),
+    "kv_a": ("self_attn.kv_a_proj_with_mqa", "attn_kv_a_mqa"),
+    "kv_a_norm": ("self_attn.kv_a_layernorm", "attn_kv_a_norm"),
+    "kv_b": ("self_attn.kv_b_proj", "attn_kv_b"),
 }
+
+
+def file_name(name: str) -> str:
+    """A block tensor's full name in its file: name + ".weight", but for DeepSeek's router bias,
+    whose names carry their own ending (e_score_correction_bias, exp_probs_b.bias)."""
+    return name if name.endswith("bias") else f"{name}.weight"
+
+
+def _attention_tensors(c: ModelConfig) -> list[str]:
+    if c.latent is None:
+        return ["qkv"] if c.fused else ["q", "k", "v"]
+    q = ["q_a", "q_a_norm", "q_b"] if c.latent.q_rank else ["q"]
+    return [*q, "kv_a", "kv_a_norm", "kv_b"]
 
 
 def block_tensors(c: ModelConfig, layer: int) -> tuple[str, ...]:
     """The tensors (blocks.py's names) block `layer` of `c` must have, a mixture's experts
     aside (`block_names` adds them); biases are optional."""
-    names = ["attn_norm", *(["qkv"] if c.fused else ["q", "k", "v"]), "o", "mlp_norm"]
+    names = ["attn_norm", *_attention_tensors(c), "o", "mlp_norm"]
     if not c.moe(layer):
         names += ["gate_up", "down"] if c.fused else ["gate", "up", "down"]
     names += ["q_norm", "k_norm"] if c.qk_norm else []
@@ -154,6 +177,9 @@ def block_names(c: ModelConfig, gguf: bool, layer: int) -> dict[str, str]:
         hf, gg = _NAMES[name]
         if name == "mlp_norm" and c.post_norms:
             hf = "pre_feedforward_layernorm"  # Gemma: post_attention_layernorm is another norm
+        if name == "kv_b" and gguf:
+            out |= {"k_b": "attn_k_b", "v_b": "attn_v_b"}
+            continue
         out[name] = gg if gguf else hf
     if c.moe(layer):
         out |= _expert_names(c, gguf)
@@ -168,15 +194,22 @@ def _expert_names(c: ModelConfig, gguf: bool) -> dict[str, str]:
         out |= {f"experts.{p}": f"ffn_{p}_exps" for p in ("gate", "up", "down")}
         if c.shared_intermediate:
             out |= {f"shared.{p}": f"ffn_{p}_shexp" for p in ("gate", "up", "down")}
-            out["shared_gate"] = "ffn_gate_inp_shexp"
+            if c.shared_gated:
+                out["shared_gate"] = "ffn_gate_inp_shexp"
+        if c.router == "sigmoid":
+            out["router_bias"] = "exp_probs_b.bias"
         return out
     router, *parts = FAMILIES[c.family].hf_experts
     out = {"router": router}
     for e in range(c.experts):
         out |= {f"expert.{e}.{p}": n.format(e=e) for p, n in zip(("gate", "up", "down"), parts)}
-    if c.shared_intermediate:
+    if c.shared_intermediate and c.shared_gated:
         out |= {f"shared.{p}": f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")}
         out["shared_gate"] = "mlp.shared_expert_gate"
+    elif c.shared_intermediate:  # DeepSeek's, without a gate
+        out |= {f"shared.{p}": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")}
+    if c.router == "sigmoid":
+        out["router_bias"] = f"{router}.e_score_correction_bias"
     return out
 
 
@@ -241,6 +274,7 @@ def config_from_hf(cfg: dict, name: str, where: str) -> tuple[ModelConfig, bool]
     """A config.json's ModelConfig, and whether its LM head is the embedding table."""
     if cfg.get("text_config") is not None:
         raise ValueError(f"{where}: a multimodal folder; serve its text model's own folder")
+    deepseek.refuse_hf(cfg, where)
     f = family_of(cfg.get("model_type"), gguf=False, where=where)
     if cfg.get("use_bidirectional_attention"):
         raise ValueError(f"{where}: bidirectional attention is not supported")
@@ -282,7 +316,9 @@ def config_from_hf(cfg: dict, name: str, where: str) -> tuple[ModelConfig, bool]
         embed_scale=float(hidden) ** 0.5 if f.embed_scaled else None,
         wire_dtype=f.wire_dtype,
     )
-    if f.moe:
+    if f.latent:
+        config = replace(config, **deepseek.hf_fields(cfg))
+    elif f.moe:
         config = replace(config, **_hf_experts(f, cfg))
     return config, bool(cfg.get("tie_word_embeddings", f.tied))
 
@@ -347,7 +383,7 @@ def config_from_gguf(
         heads=heads,
         kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rope=gguf_rope(field, arch, name, tensors, freq_factors),
+        rope=gguf_rope(field, arch, name, tensors, freq_factors, f.latent),
         rms_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
         vocab=int(
             tensors["token_embd.weight"].shape[-1]
@@ -370,7 +406,11 @@ def config_from_gguf(
         embed_scale=float(hidden) ** 0.5 if f.embed_scaled else None,
         wire_dtype=f.wire_dtype,
     )
-    if f.moe:
+    if f.latent:
+        config = replace(
+            config, **deepseek.gguf_fields(field, arch, tensors, name, config.rope, layers)
+        )
+    elif f.moe:
         config = replace(config, **_gguf_experts(f, field, arch, tensors, layers))
     return config, f
 

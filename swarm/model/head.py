@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from swarm.model.blocks import rms_norm
 from swarm.model.config import ModelConfig
 from swarm.model.gguf_file import unmap_pages
 from swarm.model.linear import Dense, Linear
+from swarm.model.norm import rms_norm
 from swarm.model.weights import RawTensor, make_linear, release_freed_memory
 
 RESCORED = 64  # the quantized head's top candidates whose logits are recomputed exactly

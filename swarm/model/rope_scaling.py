@@ -58,9 +58,10 @@ def _hf_yarn(where: str, params: dict, max_position: int) -> YarnRope:
     )
 
 
-def gguf_rope(field, arch: str, name: str, tensors, freq_factors) -> Rope:
+def gguf_rope(field, arch: str, name: str, tensors, freq_factors, latent: bool = False) -> Rope:
     """A GGUF file's RoPE (`field(key, default)` its metadata, `tensors` its tensor names,
-    `freq_factors` reads rope_freqs.weight); ValueError naming a scaling not built here."""
+    `freq_factors` reads rope_freqs.weight); ValueError naming a scaling not built here.
+    `latent`: DeepSeek's, whose YaRN mscale llama.cpp reads from yarn_log_multiplier."""
     theta = float(field(f"{arch}.rope.freq_base", 10000.0))
     kind = field(f"{arch}.rope.scaling.type", "none") or "none"
     if "rope_freqs.weight" in tensors:  # llama.cpp keeps Llama 3.1's scaling as these
@@ -68,27 +69,30 @@ def gguf_rope(field, arch: str, name: str, tensors, freq_factors) -> Rope:
     if kind == "linear":
         return Rope(theta, linear=float(field(f"{arch}.rope.scaling.factor")))
     if kind == "yarn":
-        return Rope(theta, yarn=_gguf_yarn(field, arch, name))
+        return Rope(theta, yarn=_gguf_yarn(field, arch, name, latent))
     if kind != "none":
         raise ValueError(f"{name}: RoPE scaling {kind!r} is not supported yet")
     return Rope(theta)
 
 
-def _gguf_yarn(field, arch: str, name: str) -> YarnRope:
+def _gguf_yarn(field, arch: str, name: str, latent: bool = False) -> YarnRope:
     """llama.cpp's YaRN keys as its converter writes them from a config's (those it leaves
     out at their defaults, as llama.cpp reads them: betas 32 and 1, the ramp's ends rounded)."""
     key = f"{arch}.rope.scaling."
-    if float(field(f"{key}yarn_ext_factor", 1.0)) != 1.0 or field(f"{key}yarn_log_multiplier", 0):
+    log_mul = field(f"{key}yarn_log_multiplier", 0)
+    if float(field(f"{key}yarn_ext_factor", 1.0)) != 1.0 or (log_mul and not latent):
         raise ValueError(f"{name}: YaRN with an extrapolation factor or log multiplier: not yet")
     factor = float(field(f"{key}factor"))
     # the config's attention_factor where it had one (llama.cpp's llama reader ignores the
     # key and uses the default: transformers' reading of the checkpoint is followed here)
     attention = field(f"{key}yarn_attn_factor", None)
     attention = yarn_mscale(factor) if attention is None else float(attention)
+    if latent:  # llama.cpp's deepseek2: cos and sin unscaled, the scores by mscale^2
+        attention = 1.0
     return YarnRope(
         factor,
         int(field(f"{key}original_context_length", field(f"{arch}.context_length"))),
         float(field(f"{key}yarn_beta_fast", 32.0)),
         float(field(f"{key}yarn_beta_slow", 1.0)),
-        attention * float(field(f"{key}attn_factor", 1.0)),
+        attention * (1.0 if latent else float(field(f"{key}attn_factor", 1.0))),
     )

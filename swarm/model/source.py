@@ -18,7 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from swarm.errors import MissingShards
-from swarm.model.families import LINEARS, block_names, config_from_gguf, config_from_hf
+from swarm.model.families import (
+    LINEARS,
+    block_names,
+    config_from_gguf,
+    config_from_hf,
+    file_name,
+)
 from swarm.model.gguf_shards import SHARD_NAME, GGUFShards, model_stem
 from swarm.model.weights import RawTensor
 
@@ -36,7 +42,7 @@ def _check_block_tensors(where: str, present: dict[int, set[str]], names_of, who
     with a KeyError mid-load. Not `whole` (shards absent), a block may lack some here."""
     for block, have in sorted(present.items()):
         names = names_of(block)
-        required = {f"{n}.weight" for n in names.values()}
+        required = {file_name(n) for n in names.values()}
         known = required | {f"{names[n]}.bias" for n in LINEARS if n in names}
         missing, unknown = (required - have) if whole else set(), have - known
         if missing or unknown:
@@ -48,14 +54,18 @@ def _check_block_tensors(where: str, present: dict[int, set[str]], names_of, who
             )
 
 
-def _by_block(names, prefix: str) -> dict[int, set[str]]:
-    """Tensor names under `prefix` + "N." grouped by block N, the prefix removed."""
+def _by_block(names, prefix: str, config) -> dict[int, set[str]]:
+    """Tensor names under `prefix` + "N." grouped by block N, the prefix removed; the
+    multi-token-prediction layers past the last (`config.mtp_layers`) skipped by name."""
     out: dict[int, set[str]] = {}
+    skipped = range(config.num_layers, config.num_layers + config.mtp_layers)
     for n in names:
         if n.startswith(prefix):
             block, _, rest = n[len(prefix) :].partition(".")
-            if block.isdigit():
+            if block.isdigit() and int(block) not in skipped:
                 out.setdefault(int(block), set()).add(rest)
+    if config.mtp_layers:
+        log.info("%s: multi-token-prediction layers %s skipped", config.name, list(skipped))
     return out
 
 
@@ -89,7 +99,7 @@ def _block_map(names: dict[str, str], prefix: str, present) -> dict[str, str]:
     """blocks.py's name -> the file's full tensor name, biases the file has included."""
     out = {}
     for ours, theirs in names.items():
-        out[ours] = f"{prefix}{theirs}.weight"
+        out[ours] = prefix + file_name(theirs)
         if f"{prefix}{theirs}.bias" in present:
             out[f"{ours}.bias"] = f"{prefix}{theirs}.bias"
     return out
@@ -162,7 +172,7 @@ class GGUFSource:
         self.config, self.family = config_from_gguf(
             self._field, self._tensors, model_stem(self.path), self._freq_factors
         )
-        by_block = _by_block(self._tensors, "blk.")
+        by_block = _by_block(self._tensors, "blk.", self.config)
         _check_block_tensors(self.path.name, by_block, self._names, self.file.complete)
         # a family's blocks all have the same biases: those of the blocks here stand for all
         self._biases = {rest for have in by_block.values() for rest in have if rest[-5:] == ".bias"}
@@ -190,7 +200,7 @@ class GGUFSource:
 
     def _expected(self, block: int) -> set[str]:
         names = set(self._names(block).values())
-        weights = {f"blk.{block}.{n}.weight" for n in names}
+        weights = {f"blk.{block}.{file_name(n)}" for n in names}
         return weights | {f"blk.{block}.{b}" for b in self._biases if b[:-5] in names}
 
     def block_files(self, start: int, end: int) -> list[Path]:
@@ -297,7 +307,8 @@ class SafetensorsSource:
                     self._where[k] = f
         if not self._where:
             raise FileNotFoundError(f"{path} has no *.safetensors files")
-        _check_block_tensors(str(path), _by_block(self._where, "model.layers."), self._names)
+        by_block = _by_block(self._where, "model.layers.", self.config)
+        _check_block_tensors(str(path), by_block, self._names)
 
     def block_files(self, start: int, end: int) -> list[Path]:
         """The files holding blocks [start, end) (all here: the tensor check at load proved

@@ -102,6 +102,7 @@ def save_tiny_tokenizer(directory: str | PathLike, seed: int = 0) -> None:
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
+LATENT_FAMILIES = ("deepseek_v3",)
 
 # Shared by every family: TINY's shape, and the ids of save_tiny_tokenizer's <unk>, <s>, </s>.
 _SHAPE = dict(
@@ -168,7 +169,52 @@ def _family_config(family: str, layers: int) -> dict:
         )
     if family in MOE_FAMILIES:
         return _moe_config(family)
-    raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES + MOE_FAMILIES)}")
+    if family == "deepseek_v3":
+        return _deepseek_config()
+    known = FAMILIES + MOE_FAMILIES + LATENT_FAMILIES
+    raise ValueError(f"unknown family {family!r}; one of {', '.join(known)}")
+
+
+def _deepseek_config() -> dict:
+    """DeepSeek-V3's switches, small: a q bottleneck, a latent of 32 beside 8 rotated dims,
+    nope (16), v (24) and the bottlenecks' widths all apart, so a reader that takes one for
+    another fails on a shape; 4 layers, the first dense; 8 experts in 4 groups (the best 2
+    groups kept), top 3 renormalised and scaled by 2.5; 2 shared experts; YaRN past an original
+    context of 32 with DeepSeek's mscale pair (what llama.cpp's converter writes: mscale ==
+    mscale_all_dim); the router's scoring as config.json states it (llama.cpp reads it)."""
+    yarn = dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=32,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+    )
+    return dict(
+        num_hidden_layers=4,
+        num_key_value_heads=4,  # DeepSeek's: every head its own k and v
+        q_lora_rank=40,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        n_shared_experts=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_parameters=yarn,
+        rms_norm_eps=1e-6,  # transformers norms the latents at 1e-6 whatever it says
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        num_nextn_predict_layers=0,
+    )
 
 
 def _moe_config(family: str) -> dict:
@@ -223,6 +269,7 @@ def _family_classes(family: str):
         "mixtral": (t.MixtralConfig, t.MixtralForCausalLM),
         "qwen3_moe": (t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM),
         "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM),
+        "deepseek_v3": (t.DeepseekV3Config, t.DeepseekV3ForCausalLM),
     }[family]
 
 
@@ -257,6 +304,9 @@ def save_tiny(family: str, directory: str | PathLike, seed: int = 0, **config):
                 p.copy_(_norm_weight(name, gemma) + 0.3 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.3 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's: zero when initialized
+                b.copy_(0.3 * torch.randn_like(b))
     model.save_pretrained(directory, safe_serialization=True)
     return model.eval()
 

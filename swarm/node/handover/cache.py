@@ -1,7 +1,7 @@
 """Moving a session's KV cache to a replica serving the same blocks, so a leaving node's sessions
 go on there without replaying their tokens.
 
-The sender cuts each layer's cache into `slabs` (positions x kv_heads*head_dim, in the cache's
+The sender cuts each layer's cache into `slabs` (positions x heads*width, in the cache's
 own dtype) that the uplink sends as bulk volumes behind decode, in token chunks like a prompt's
 activations: first every position so far while the session goes on, then, paused, the tail it
 computed meanwhile. The receiver's `CacheIntake` checks every chunk against the cache it
@@ -76,7 +76,6 @@ class CacheIntake:
 
     cache: KVCache
     length: int
-    width: int  # kv_heads * head_dim
     _filled: list[int] = field(init=False)
     _hashes: list[tuple[hashlib._Hash, hashlib._Hash]] = field(init=False)
 
@@ -99,11 +98,15 @@ class CacheIntake:
         if left <= 0:
             raise HandoverRefused(f"layer {chunk.layer}: all {self.length} positions have come")
         tensors = []
-        for name, obj in (("keys", chunk.keys), ("values", chunk.values)):
+        for name, obj, dst in (
+            ("keys", chunk.keys, self.cache.keys[chunk.layer]),
+            ("values", chunk.values, self.cache.values[chunk.layer]),
+        ):
             if not isinstance(obj, dict) or obj.get("dtype") != self.dtype:
                 got = obj.get("dtype") if isinstance(obj, dict) else type(obj).__name__
                 raise HandoverRefused(f"{name} come as {got!r}; this cache holds {self.dtype}")
-            tensors.append(unpack_tensor(obj, hidden=self.width, max_tokens=left, native=True))
+            width = dst.shape[1] * dst.shape[3]  # heads x head width (a latent's: 1 x rank)
+            tensors.append(unpack_tensor(obj, hidden=width, max_tokens=left, native=True))
         keys, values = tensors
         n = keys.shape[1]
         if values.shape[1] != n:

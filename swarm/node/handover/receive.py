@@ -70,8 +70,7 @@ async def take(
         if ctx.sessions.make_room(session, now):
             raise NodeBusy("no free place for a handed-over session without evicting one")
         cache = ctx.span.allocate_cache(session.start, session.end, session.max_length)
-        width = ctx.span.config.kv_heads * ctx.span.config.head_dim
-        session.intake = CacheIntake(cache, msg.length, width)
+        session.intake = CacheIntake(cache, msg.length)
         ctx.sessions.add(session)
     except SwarmError as exc:
         ctx.counters.errors_sent += 1
