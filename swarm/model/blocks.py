@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from swarm.errors import ProtocolError
 from swarm.model import kernels
 from swarm.model.config import ModelConfig
+from swarm.model.eager import eager_attention
 from swarm.model.experts import MLP, Experts
 from swarm.model.families import block_tensors
 from swarm.model.latent import LatentAttention
@@ -136,8 +137,10 @@ class Block:
         qkv: Fused | LatentAttention,
         o: Linear,
         mlp: MLP | Experts,
+        sinks: torch.Tensor | None = None,
     ):
         self.c = config
+        self.sinks = sinks  # gpt-oss: [heads], a softmax column each (swarm.model.eager)
         self.norms = norms  # attn_norm, mlp_norm [, q_norm, k_norm, attn_post_norm, ...]
         self.qkv, self.o, self.mlp = qkv, o, mlp
         if config.qk_norm:  # one weight row per head of q and of k, normed in one go
@@ -189,7 +192,7 @@ class Block:
         else:
             gate_up = fused(("gate_up",) if c.fused else ("gate", "up"), [ff, ff])
             mlp = MLP(gate_up, linear("down"), activate)
-        block = cls(c, norms, qkv, o, mlp)
+        block = cls(c, norms, qkv, o, mlp, raw["sinks"].float32() if c.sinks else None)
         if unread := raw.unread():
             raise ValueError(f"{c.name}: tensors {sorted(unread)} were not used; refused")
         return block
@@ -234,21 +237,11 @@ class Block:
         """q [1, heads, n, head_dim] over keys, values [1, kv_heads, m, head_dim]; `mask`
         [n, m] True where a query sees a key."""
         c = self.c
-        if c.attn_softcap is None:
+        if c.attn_softcap is None and self.sinks is None:
             return F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, is_causal=causal, scale=c.scale, enable_gqa=True
             )
-        # softcapped scores (Gemma 2) have no fused kernel: transformers' eager steps
-        group = c.heads // c.kv_heads
-        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        scores = (q @ keys.transpose(2, 3)) * c.scale
-        scores = torch.tanh(scores / c.attn_softcap) * c.attn_softcap
-        if causal:
-            n, m = scores.shape[-2:]
-            mask = torch.ones(n, m, dtype=torch.bool).tril(diagonal=m - n)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.softmax(scores, dim=-1, dtype=torch.float32) @ values
+        return eager_attention(q, keys, values, c.scale, mask, causal, c.attn_softcap, self.sinks)
 
     def forward(self, h, k_cache, v_cache, pos: int, cos, sin, window: int | None):
         """One session's tokens h [tokens, hidden] at positions [pos, pos + tokens); `window`:
@@ -303,8 +296,9 @@ class Block:
     def _kernels_for(self, k_cache: torch.Tensor) -> kernels.Kernels | None:
         """swarm's kernels where they take one query row's attention over this cache: a
         bfloat16 one (a third of torch's time at 500 positions of 8B shape, a sixth at 2,000),
-        no softcap. The float32 cache of the exact mode keeps torch's float32 math."""
-        if k_cache.dtype != torch.bfloat16 or self.c.attn_softcap is not None:
+        no softcap, no sinks. The float32 cache of the exact mode keeps torch's float32 math."""
+        no_kernel = self.c.attn_softcap is not None or self.sinks is not None
+        if k_cache.dtype != torch.bfloat16 or no_kernel:
             return None
         return kernels.load()
 

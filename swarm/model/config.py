@@ -58,7 +58,7 @@ class Latent:
     interleaved: bool = True  # the rotated dims in adjacent pairs (DeepSeek's layout)
 
 
-ROUTERS = ("softmax", "sigmoid")
+ROUTERS = ("softmax", "sigmoid", "topk_softmax")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 
@@ -105,6 +105,9 @@ class ModelConfig:
     shared_gated: bool = True  # the shared expert behind a sigmoid gate (Qwen2-MoE; not DeepSeek)
     latent: Latent | None = None  # multi-head latent attention (q, k, v as Latent says)
     mtp_layers: int = 0  # multi-token-prediction layers after the last: skipped, not computed
+    sinks: bool = False  # gpt-oss: one learned logit a head, an extra softmax column (no value)
+    swiglu_limit: float = 0.0  # gpt-oss's experts: gate, up clamped to it, (up + 1) * glu
+    swiglu_alpha: float = 1.702  # glu = gate * sigmoid(alpha * gate) where swiglu_limit is set
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:

@@ -44,6 +44,32 @@ class MLP:
         return self.down(self.activate(gate) * up).float()
 
 
+class ClampedMLP(MLP):
+    """gpt-oss's expert: gate clamped above and up both sides at `limit`, then
+    down((up + 1) * gate * sigmoid(alpha * gate)); gate and up carry biases."""
+
+    def __init__(self, gate_up: Fused, down: Linear, limit: float, alpha: float):
+        super().__init__(gate_up, down, None)
+        self.limit, self.alpha = limit, alpha
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).float().chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return self.down((up + 1) * (gate * torch.sigmoid(gate * self.alpha))).float()
+
+
+def _interleaved(whole: dict, e: int) -> tuple[RawTensor, ...]:
+    """Expert e's gate, up and down (as Linears hold them: [out, in]) and their biases from
+    config.json's stacked gpt-oss tensors: gate_up [experts, hidden, 2 x width] with gate
+    and up in alternate columns, down [experts, width, hidden]."""
+    gate_up, down = whole["gate_up"].data[e], whole["down"].data[e]
+    bias = whole["gate_up.bias"].data[e]
+    parts = (gate_up[:, ::2].T, gate_up[:, 1::2].T, down.T, bias[::2], bias[1::2])
+    parts += (whole["down.bias"].data[e],)
+    return tuple(RawTensor(f"expert.{e}", "torch", t.contiguous()) for t in parts)
+
+
 class Experts:
     def __init__(
         self,
@@ -64,20 +90,36 @@ class Experts:
         """From per-expert tensors ("expert.{e}.gate", ...: safetensors) or stacked ones
         ("experts.gate", ...: GGUF's 3-D *_exps)."""
         c, n = config, config.experts
-        stacked = "experts.gate" in raw
-        if stacked:
-            whole = {part: raw[f"experts.{part}"] for part in ("gate", "up", "down")}
+        kinds = ("gate", "up", "down", "gate_up")
+        whole = {k: raw[f"experts.{k}"] for k in kinds if f"experts.{k}" in raw}
+        whole |= {
+            f"{k}.bias": raw[f"experts.{k}.bias"] for k in whole if f"experts.{k}.bias" in raw
+        }
+        stacked = "gate" in whole
 
         def part(e: int, name: str) -> RawTensor:
             return expert_rows(whole[name], e, n) if stacked else raw[f"expert.{e}.{name}"]
 
-        def mlp(gate: RawTensor, up: RawTensor, down: RawTensor) -> MLP:
-            gate_up = Fused.load([gate, up], weights, [None, None], usable, terms)
-            return MLP(gate_up, make_linear(down, weights, None, usable, terms), activate)
+        def mlp(gate, up, down, biases=(None, None, None)) -> MLP:
+            gate_up = Fused.load([gate, up], weights, list(biases[:2]), usable, terms)
+            down = make_linear(down, weights, biases[2], usable, terms)
+            if c.swiglu_limit:
+                return ClampedMLP(gate_up, down, c.swiglu_limit, c.swiglu_alpha)
+            return MLP(gate_up, down, activate)
 
-        experts = [mlp(part(e, "gate"), part(e, "up"), part(e, "down")) for e in range(n)]
-        if stacked:
-            del whole
+        biases = {k: t.float32() for k, t in whole.items() if k.endswith("bias") and stacked}
+
+        def expert(e: int) -> MLP:
+            if "gate_up" in whole:  # gpt-oss's config.json tensors
+                *mats, gb, ub, db = _interleaved(whole, e)
+                return mlp(*mats, (gb.data, ub.data, db.data))
+            mats = [part(e, p) for p in ("gate", "up", "down")]
+            if biases:  # gpt-oss's GGUF: [experts, rows] biases
+                return mlp(*mats, [biases[f"{p}.bias"][e] for p in ("gate", "up", "down")])
+            return mlp(*mats)
+
+        experts = [expert(e) for e in range(n)]
+        whole.clear(), biases.clear()  # the file's bytes, before release_freed_memory
         release_freed_memory()
         shared, gate = None, None
         if c.shared_intermediate:
@@ -86,7 +128,8 @@ class Experts:
                 gate = RawTensor(gate.name, gate.kind, gate.data.reshape(1, -1))
                 gate = make_linear(gate, "float32", None, usable)
             shared = mlp(raw["shared.gate"], raw["shared.up"], raw["shared.down"]), gate
-        router = make_linear(raw["router"], "float32", None, usable)  # routing decides all
+        router_bias = raw["router.bias"].float32() if "router.bias" in raw else None
+        router = make_linear(raw["router"], "float32", router_bias, usable)  # routing decides all
         bias = raw["router_bias"].float32() if "router_bias" in raw else None
         return cls(c, router, experts, shared, bias)
 
@@ -105,6 +148,9 @@ class Experts:
         c = self.c
         if c.router == "sigmoid":
             weights, chosen = self._grouped_choice(self.router(x).float())
+        elif c.router == "topk_softmax":  # gpt-oss: the softmax over the chosen logits only
+            logits, chosen = torch.topk(self.router(x).float(), c.experts_used, dim=-1)
+            weights = torch.softmax(logits, dim=-1)
         else:
             probs = torch.softmax(self.router(x).float(), dim=-1)
             weights, chosen = torch.topk(probs, c.experts_used, dim=-1)  # [rows, used]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from swarm.model import deepseek
+from swarm.model import deepseek, gptoss
 from swarm.model.config import ModelConfig, Rope
 from swarm.model.rope_scaling import gguf_rope, rope_from_hf
 
@@ -41,6 +41,7 @@ class Family:
     topk_norm: bool = True  # renormalise the chosen experts' weights (config.json's default)
     gguf_topk_norm: bool | None = None  # llama.cpp's, where it differs (Qwen3-MoE: it does)
     latent: bool = False  # multi-head latent attention, DeepSeek's router (swarm.model.deepseek)
+    sinks: bool = False  # gpt-oss's sinks, router and experts (swarm.model.gptoss)
     # config.json names of a mixture layer's router and expert e's gate, up and down
     hf_experts: tuple[str, ...] = (
         "mlp.gate",
@@ -101,6 +102,7 @@ FAMILIES = {
             gguf_topk_norm=True,
         ),
         Family("deepseek_v3", ("deepseek_v3", "kimi_k2"), ("deepseek2",), moe=True, latent=True),
+        Family("gpt_oss", ("gpt_oss",), ("gpt-oss",), moe=True, sinks=True),
         Family(
             "gemma2", ("gemma2",), ("gemma2",), **_GEMMA, window_period=2, softcaps=(50.0, 30.0)
         ),
@@ -142,13 +144,15 @@ _NAMES = {
     "kv_a": ("self_attn.kv_a_proj_with_mqa", "attn_kv_a_mqa"),
     "kv_a_norm": ("self_attn.kv_a_layernorm", "attn_kv_a_norm"),
     "kv_b": ("self_attn.kv_b_proj", "attn_kv_b"),
+    "sinks": ("self_attn.sinks", "attn_sinks"),
 }
 
 
 def file_name(name: str) -> str:
-    """A block tensor's full name in its file: name + ".weight", but for DeepSeek's router bias,
-    whose names carry their own ending (e_score_correction_bias, exp_probs_b.bias)."""
-    return name if name.endswith("bias") else f"{name}.weight"
+    """A block tensor's full name in its file: name + ".weight", but for names that carry their
+    own ending (DeepSeek's e_score_correction_bias, exp_probs_b.bias; gpt-oss's sinks and
+    stacked experts in config.json)."""
+    return name if name.endswith(("bias", *gptoss.OWN_ENDINGS)) else f"{name}.weight"
 
 
 def _attention_tensors(c: ModelConfig) -> list[str]:
@@ -166,7 +170,7 @@ def block_tensors(c: ModelConfig, layer: int) -> tuple[str, ...]:
         names += ["gate_up", "down"] if c.fused else ["gate", "up", "down"]
     names += ["q_norm", "k_norm"] if c.qk_norm else []
     names += ["attn_post_norm", "mlp_post_norm"] if c.post_norms else []
-    return tuple(names)
+    return tuple(names + ["sinks"] if c.sinks else names)
 
 
 def block_names(c: ModelConfig, gguf: bool, layer: int) -> dict[str, str]:
@@ -177,6 +181,8 @@ def block_names(c: ModelConfig, gguf: bool, layer: int) -> dict[str, str]:
         hf, gg = _NAMES[name]
         if name == "mlp_norm" and c.post_norms:
             hf = "pre_feedforward_layernorm"  # Gemma: post_attention_layernorm is another norm
+        if name == "mlp_norm" and gguf and c.sinks:
+            gg = "post_attention_norm"  # llama.cpp's gpt-oss name for the MLP's norm
         if name == "kv_b" and gguf:
             out |= {"k_b": "attn_k_b", "v_b": "attn_v_b"}
             continue
@@ -189,6 +195,8 @@ def block_names(c: ModelConfig, gguf: bool, layer: int) -> dict[str, str]:
 def _expert_names(c: ModelConfig, gguf: bool) -> dict[str, str]:
     """A mixture layer's router and experts: GGUF stacks each kind of expert matrix in one 3-D
     tensor, config.json folders keep one per expert."""
+    if c.sinks:
+        return gptoss.expert_names(gguf)
     if gguf:
         out = {"router": "ffn_gate_inp"}
         out |= {f"experts.{p}": f"ffn_{p}_exps" for p in ("gate", "up", "down")}
@@ -319,7 +327,7 @@ def config_from_hf(cfg: dict, name: str, where: str) -> tuple[ModelConfig, bool]
     if f.latent:
         config = replace(config, **deepseek.hf_fields(cfg))
     elif f.moe:
-        config = replace(config, **_hf_experts(f, cfg))
+        config = replace(config, **_hf_experts(f, cfg), **gptoss.hf_fields(f, cfg, where))
     return config, bool(cfg.get("tie_word_embeddings", f.tied))
 
 
@@ -411,7 +419,8 @@ def config_from_gguf(
             config, **deepseek.gguf_fields(field, arch, tensors, name, config.rope, layers)
         )
     elif f.moe:
-        config = replace(config, **_gguf_experts(f, field, arch, tensors, layers))
+        fields = gptoss.gguf_fields(f, field, arch)
+        config = replace(config, **_gguf_experts(f, field, arch, tensors, layers), **fields)
     return config, f
 
 

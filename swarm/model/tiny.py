@@ -103,6 +103,7 @@ def save_tiny_tokenizer(directory: str | PathLike, seed: int = 0) -> None:
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 LATENT_FAMILIES = ("deepseek_v3",)
+SINK_FAMILIES = ("gpt_oss",)
 
 # Shared by every family: TINY's shape, and the ids of save_tiny_tokenizer's <unk>, <s>, </s>.
 _SHAPE = dict(
@@ -171,7 +172,9 @@ def _family_config(family: str, layers: int) -> dict:
         return _moe_config(family)
     if family == "deepseek_v3":
         return _deepseek_config()
-    known = FAMILIES + MOE_FAMILIES + LATENT_FAMILIES
+    if family == "gpt_oss":
+        return _gptoss_config()
+    known = FAMILIES + MOE_FAMILIES + LATENT_FAMILIES + SINK_FAMILIES
     raise ValueError(f"unknown family {family!r}; one of {', '.join(known)}")
 
 
@@ -214,6 +217,34 @@ def _deepseek_config() -> dict:
         scoring_func="sigmoid",
         topk_method="noaux_tc",
         num_nextn_predict_layers=0,
+    )
+
+
+def _gptoss_config() -> dict:
+    """gpt-oss's switches, small: 4 layers, sliding (window 8, which the prompt passes) and full
+    by turns; head_dim apart from hidden/heads; top 3 of 8 experts 32 wide; the clamp low
+    enough to bite (2.0: the tiny model's gates reach past it); YaRN past an original
+    context of 32, not truncated (gpt-oss's)."""
+    yarn = dict(
+        rope_type="yarn",
+        rope_theta=150000.0,
+        factor=4.0,
+        original_max_position_embeddings=32,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+    )
+    return dict(
+        num_hidden_layers=4,
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=3,
+        intermediate_size=32,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters=yarn,
+        swiglu_limit=2.0,
+        rms_norm_eps=1e-5,
     )
 
 
@@ -270,6 +301,7 @@ def _family_classes(family: str):
         "qwen3_moe": (t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM),
         "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM),
         "deepseek_v3": (t.DeepseekV3Config, t.DeepseekV3ForCausalLM),
+        "gpt_oss": (t.GptOssConfig, t.GptOssForCausalLM),
     }[family]
 
 
@@ -302,7 +334,7 @@ def save_tiny(family: str, directory: str | PathLike, seed: int = 0, **config):
                 p.mul_(8.0)
             elif name.endswith("norm.weight"):
                 p.copy_(_norm_weight(name, gemma) + 0.3 * torch.randn_like(p))
-            elif name.endswith("bias"):
+            elif name.endswith(("bias", ".sinks")):  # gpt-oss's sinks: empty when made
                 p.copy_(0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek's: zero when initialized

@@ -1,0 +1,107 @@
+"""A tiny random gpt-oss (sinks, sliding and full layers by turns, YaRN, 8 biased experts with
+a clamped SwiGLU) gives transformers' greedy tokens at float32, split or not, batched, and
+through real nodes; each of its switches changes what it computes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from swarm.model.source import open_model
+from swarm.model.tiny import reference_greedy, save_tiny
+from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, nodes_greedy, split_greedy
+
+PROMPT, NEW_TOKENS = FAMILY_PROMPT, FAMILY_NEW_TOKENS
+# layers 0 and 2 slide (window 8), 1 and 3 see all: the 3-way split cuts between the kinds
+SPLITS = {1: [(0, 4)], 2: [(0, 1), (1, 4)], 3: [(0, 1), (1, 2), (2, 4)]}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """(reference model, safetensors folder, the model's greedy tokens after PROMPT)."""
+    folder = tmp_path_factory.mktemp("gpt_oss")
+    model = save_tiny("gpt_oss", folder)
+    return model, folder, reference_greedy(model, PROMPT, NEW_TOKENS)
+
+
+def _changed(folder, to, config_change=None, state_change=None):
+    for f in folder.iterdir():
+        if f.is_file():
+            (to / f.name).write_bytes(f.read_bytes())
+    if config_change:
+        cfg = json.loads((folder / "config.json").read_text())
+        (to / "config.json").write_text(json.dumps({**cfg, **config_change}))
+    if state_change:
+        state = load_file(folder / "model.safetensors")
+        save_file(state_change(state), to / "model.safetensors")
+    return to
+
+
+def test_the_config_has_sinks_windows_by_turns_and_the_clamped_router(made):
+    _, folder, _ = made
+    c = open_model(str(folder)).config
+    assert (c.family, c.sinks, c.router) == ("gpt_oss", True, "topk_softmax")
+    assert c.windows == (8, None, 8, None)
+    assert (c.experts, c.experts_used, c.swiglu_limit, c.swiglu_alpha) == (8, 3, 2.0, 1.702)
+    assert c.rope.yarn is not None and not c.rope.yarn.truncate
+
+
+@pytest.mark.parametrize("ways", [1, 2, 3])
+def test_a_split_gives_transformers_greedy_tokens(made, ways):
+    _, folder, want = made
+    assert len(PROMPT) + NEW_TOKENS > 8  # past the window
+    assert split_greedy(folder, SPLITS[ways], [PROMPT], NEW_TOKENS) == [want]
+
+
+def test_four_batched_sessions_each_get_their_own_tokens(made):
+    model, folder, _ = made
+    prompts = [PROMPT, PROMPT[:7], PROMPT[5:26], PROMPT[::-1]]
+    want = [reference_greedy(model, p, 24) for p in prompts]
+    assert split_greedy(folder, SPLITS[3], prompts, 24) == want
+
+
+def _no_sinks(state):
+    return {k: v.fill_(-1e9) if k.endswith(".sinks") else v for k, v in state.items()}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(state_change=_no_sinks),
+        dict(config_change={"swiglu_limit": 1e6}),
+        dict(config_change={"swiglu_alpha": 1.0}),
+    ],
+    ids=["sinks", "clamp", "alpha"],
+)
+def test_each_switch_changes_what_the_tiny_model_computes(made, tmp_path, change):
+    _, folder, want = made
+    other = _changed(folder, tmp_path, **change)
+    assert split_greedy(other, SPLITS[2], [PROMPT], NEW_TOKENS) != [want]
+
+
+def test_a_quantized_config_json_checkpoint_is_refused_by_name(made, tmp_path):
+    _, folder, _ = made
+    other = _changed(
+        folder, tmp_path, config_change={"quantization_config": {"quant_method": "mxfp4"}}
+    )
+    with pytest.raises(ValueError, match="mxfp4"):
+        open_model(str(other))
+
+
+def test_every_tensor_of_every_block_is_consumed(made):
+    from swarm.model.blocks import Block
+
+    _, folder, _ = made
+    source = open_model(str(folder))
+    for i in range(source.config.num_layers):
+        raw = source.block_raw(i)
+        Block.load(source.config, i, raw, "float32", None)
+        assert not raw.unread()
+
+
+@pytest.mark.slow
+def test_three_nodes_split_between_sliding_and_full_layers_give_transformers_tokens(made):
+    _, folder, want = made
+    assert nodes_greedy(str(folder), SPLITS[3], PROMPT, NEW_TOKENS) == want
