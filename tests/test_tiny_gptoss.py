@@ -9,6 +9,8 @@ import json
 import pytest
 from safetensors.torch import load_file, save_file
 
+from swarm.model import gptoss
+from swarm.model.families import family_of
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny
 from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, nodes_greedy, split_greedy
@@ -105,3 +107,9 @@ def test_every_tensor_of_every_block_is_consumed(made):
 def test_three_nodes_split_between_sliding_and_full_layers_give_transformers_tokens(made):
     _, folder, want = made
     assert nodes_greedy(str(folder), SPLITS[3], PROMPT, NEW_TOKENS) == want
+
+
+def test_a_gpt_oss_gguf_is_refused_by_name_until_one_is_verified():
+    family = family_of("gpt-oss", gguf=True, where="x.gguf", moe=True)
+    with pytest.raises(ValueError, match="gpt-oss GGUF files are not verified yet"):
+        gptoss.gguf_fields(family, lambda *a: None, "gpt-oss")

@@ -45,8 +45,13 @@ def hf_fields(family, cfg: dict, where: str) -> dict:
 
 
 def gguf_fields(family, field, arch: str) -> dict:
-    """A gpt-oss GGUF's fields (none for another family): llama.cpp's loader hard-codes the
-    clamp and alpha, and its converter writes no key for them."""
+    """A gpt-oss GGUF's fields (none for another family). Refused for now: its names are in
+    the table, but no test has checked a converted file against transformers (llama.cpp rounds
+    YaRN's ramp where gpt-oss's config says not to; its experts are MXFP4), and a file that
+    loads but computes wrongly is worse than one refused by name."""
     if not family.sinks:
         return {}
-    return dict(sinks=True, router="topk_softmax", swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+    raise ValueError(
+        f"{arch} GGUF files are not verified yet (YaRN's rounding, MXFP4 experts): serve a"
+        " gpt-oss safetensors folder (bfloat16) instead"
+    )
