@@ -31,6 +31,7 @@ import subprocess
 import time
 import warnings
 
+import bench  # noqa: F401  (first: OpenMP's wait policy, a node's, before torch loads)
 import torch
 from bench.timing import session_greedy
 

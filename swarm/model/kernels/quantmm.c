@@ -753,15 +753,17 @@ static void run_units(Job *j) {
  * and the scheduler) and the caller as long to be woken at the end: at 2 threads a matrix of
  * 4096x4096 gained nothing. So a helper spins on `state` for SPIN_NS after each call, long
  * enough to catch the next matmul of the step, and only then sleeps; the caller spins for the
- * end of the helpers that joined, whose last unit is a few microseconds away.
+ * end of the helpers that joined, whose last unit is a few microseconds away. Spinning with
+ * sched_yield instead of pause measured slower than sleeping on a busy host (a yielding thread
+ * waits its turn; a woken one is let in early).
  *
  * `state`: the job's generation (odd while a job is open) << 16 | helpers at work on it. A helper
  * joins by raising the count while the generation is the one it saw, so one that wakes after
  * the caller closed the job (generation made even) touches nothing of it. */
 enum { MAX_THREADS = 64 };
 #define MIN_SPLIT_MACS 1e7 /* multiply-adds below which a call runs on the calling thread alone */
-#define SPIN_NS 500000L     /* how long a helper waits for the next call before it sleeps */
-#define PAUSES 2000         /* pause instructions (~40 ns each on Zen 4) before it yields */
+#define SPIN_NS 200000L     /* a helper's wait for the next call before it sleeps: a step's gaps */
+#define CLOSE_PAUSES 1000   /* ~40 us of pause for the helpers' last units, then yields */
 #define ACTIVE_MASK 0xFFFFul
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;     /* guards sleeping helpers' wake-up */
@@ -787,12 +789,8 @@ static unsigned long wait_for_job(unsigned long seen) {
     for (int spins = 1;; spins++) {
         const unsigned long s = atomic_load(&state);
         if (is_open(s, seen)) return s;
-        if (spins < PAUSES) {
-            _mm_pause();
-        } else { /* the core to any thread that wants it: on a busy PC, often this one's caller */
-            sched_yield();
-            if (now_ns() > until) break;
-        }
+        _mm_pause();
+        if (spins % 64 == 0 && now_ns() > until) break;
     }
     pthread_mutex_lock(&mu);
     atomic_fetch_add(&sleepers, 1); /* before the check below: see open_job */
@@ -864,9 +862,13 @@ static void run_job(int threads) {
     run_units(&job);
     /* close once the helpers that joined are done; none can join after */
     unsigned long s = gen << 16;
-    while (!atomic_compare_exchange_weak(&state, &s, (gen + 1) << 16)) {
+    for (int spins = 1; !atomic_compare_exchange_weak(&state, &s, (gen + 1) << 16); spins++) {
         s = gen << 16;
-        _mm_pause();
+        /* a helper the OS took off its core mid-unit: let it back on rather than spin */
+        if (spins < CLOSE_PAUSES)
+            _mm_pause();
+        else
+            sched_yield();
     }
 }
 
