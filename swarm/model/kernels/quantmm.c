@@ -16,16 +16,14 @@
  *
  * build.py compiles this file per instruction set (SWQ_ISA names it): AVX-512 VNNI on 256-bit
  * registers (Zen 4, Ice Lake and later) and AVX2 + FMA + F16C. Work is split by groups of output
- * rows over a pool of threads that spin a while between calls, then sleep (see "thread pool").
+ * rows over a pool of threads that sleep on a condition variable between calls.
  */
 
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <immintrin.h>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -748,71 +746,33 @@ static void run_units(Job *j) {
 
 /* ------------------------------------------------------------------ thread pool */
 
-/* A decode step of an 8B-shaped layer is 4 matmuls of 0.2-2 ms with 20-100 us of Python between
- * them. Helpers that slept on a condition variable between calls took ~60 us to wake (a futex
- * and the scheduler) and the caller as long to be woken at the end: at 2 threads a matrix of
- * 4096x4096 gained nothing. So a helper spins on `state` for SPIN_NS after each call, long
- * enough to catch the next matmul of the step, and only then sleeps; the caller spins for the
- * end of the helpers that joined, whose last unit is a few microseconds away. Spinning with
- * sched_yield instead of pause measured slower than sleeping on a busy host (a yielding thread
- * waits its turn; a woken one is let in early).
- *
- * `state`: the job's generation (odd while a job is open) << 16 | helpers at work on it. A helper
- * joins by raising the count while the generation is the one it saw, so one that wakes after
- * the caller closed the job (generation made even) touches nothing of it. */
 enum { MAX_THREADS = 64 };
 #define MIN_SPLIT_MACS 1e7 /* multiply-adds below which a call runs on the calling thread alone */
-#define SPIN_NS 200000L     /* a helper's wait for the next call before it sleeps: a step's gaps */
-#define CLOSE_PAUSES 1000   /* ~40 us of pause for the helpers' last units, then yields */
-#define ACTIVE_MASK 0xFFFFul
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;     /* guards sleeping helpers' wake-up */
-static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
-static atomic_ulong state;
-static atomic_int sleepers;
-static Job job; /* the call's work: written by the caller only while no helper can join */
-static int workers;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER, done = PTHREAD_COND_INITIALIZER;
+static Job *current;
+static unsigned long generation;
+static int workers, pending;
 
-static long now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1000000000L + t.tv_nsec;
-}
-
-static inline int is_open(unsigned long s, unsigned long seen) {
-    return ((s >> 16) & 1) && (s >> 16) != seen;
-}
-
-/* the state once a job other than generation `seen` is open: spinning for SPIN_NS, then asleep */
-static unsigned long wait_for_job(unsigned long seen) {
-    const long until = now_ns() + SPIN_NS;
-    for (int spins = 1;; spins++) {
-        const unsigned long s = atomic_load(&state);
-        if (is_open(s, seen)) return s;
-        _mm_pause();
-        if (spins % 64 == 0 && now_ns() > until) break;
-    }
-    pthread_mutex_lock(&mu);
-    atomic_fetch_add(&sleepers, 1); /* before the check below: see open_job */
-    unsigned long s;
-    while (!is_open(s = atomic_load(&state), seen)) pthread_cond_wait(&wake, &mu);
-    atomic_fetch_sub(&sleepers, 1);
-    pthread_mutex_unlock(&mu);
-    return s;
-}
+typedef struct {
+    int index;
+    unsigned long seen;
+} WorkerStart;
 
 static void *worker_main(void *arg) {
-    const int index = (int)(intptr_t)arg;
-    unsigned long seen = 0;
+    WorkerStart start = *(WorkerStart *)arg;
+    free(arg);
+    unsigned long seen = start.seen;
+    pthread_mutex_lock(&mu);
     for (;;) {
-        unsigned long s = wait_for_job(seen);
-        seen = s >> 16;
-        /* join unless the caller closed the job meanwhile */
-        while (s >> 16 == seen && !atomic_compare_exchange_weak(&state, &s, s + 1)) {
-        }
-        if (s >> 16 != seen) continue;
-        if (index < job.helpers) run_units(&job);
-        atomic_fetch_sub(&state, 1);
+        while (generation == seen) pthread_cond_wait(&wake, &mu);
+        seen = generation;
+        Job *j = current;
+        pthread_mutex_unlock(&mu);
+        if (start.index < j->helpers) run_units(j);
+        pthread_mutex_lock(&mu);
+        if (--pending == 0) pthread_cond_signal(&done);
     }
     return NULL;
 }
@@ -820,56 +780,52 @@ static void *worker_main(void *arg) {
 static void after_fork_in_child(void) {
     /* the child has none of the parent's threads */
     workers = 0;
-    atomic_store(&sleepers, 0);
-    atomic_store(&state, atomic_load(&state) & ~ACTIVE_MASK & ~(1ul << 16));
     pthread_mutex_init(&call_mu, NULL);
     pthread_mutex_init(&mu, NULL);
     pthread_cond_init(&wake, NULL);
+    pthread_cond_init(&done, NULL);
 }
 
 static void grow_pool(int helpers) {
     static int fork_hook;
     if (!fork_hook) fork_hook = !pthread_atfork(NULL, NULL, after_fork_in_child);
+    pthread_mutex_lock(&mu);
     while (workers < helpers) {
+        WorkerStart *s = malloc(sizeof *s);
         pthread_t t;
-        if (pthread_create(&t, NULL, worker_main, (void *)(intptr_t)workers) != 0) break;
+        if (!s) break;
+        s->index = workers;
+        s->seen = generation;
+        if (pthread_create(&t, NULL, worker_main, s) != 0) {
+            free(s);
+            break;
+        }
         pthread_detach(t);
         workers++;
     }
+    pthread_mutex_unlock(&mu);
 }
 
-/* the job set up in `job`, under call_mu */
-static void run_job(int threads) {
+static void run_job(Job *j, int threads) {
     int helpers = threads - 1;
     if (helpers > MAX_THREADS - 1) helpers = MAX_THREADS - 1;
-    if (helpers > 0 && job.units > 1) grow_pool(helpers);
+    if (helpers > 0 && j->units > 1) grow_pool(helpers);
     if (helpers > workers) helpers = workers;
-    job.helpers = helpers;
-    if (helpers <= 0 || job.units < 2) {
-        run_units(&job);
+    if (helpers <= 0 || j->units < 2) {
+        run_units(j);
         return;
     }
-    /* open: no helper is at work (the last job closed with none), so a plain store */
-    const unsigned long gen = (atomic_load(&state) >> 16) + 1;
-    atomic_store(&state, gen << 16);
-    /* a helper that counted itself asleep before this store waits on `wake`; one that did so
-     * after it sees the job open before it waits (both sides' seq_cst order) */
-    if (atomic_load(&sleepers) > 0) {
-        pthread_mutex_lock(&mu);
-        pthread_cond_broadcast(&wake);
-        pthread_mutex_unlock(&mu);
-    }
-    run_units(&job);
-    /* close once the helpers that joined are done; none can join after */
-    unsigned long s = gen << 16;
-    for (int spins = 1; !atomic_compare_exchange_weak(&state, &s, (gen + 1) << 16); spins++) {
-        s = gen << 16;
-        /* a helper the OS took off its core mid-unit: let it back on rather than spin */
-        if (spins < CLOSE_PAUSES)
-            _mm_pause();
-        else
-            sched_yield();
-    }
+    j->helpers = helpers;
+    pthread_mutex_lock(&mu);
+    current = j;
+    pending = workers;
+    generation++;
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&mu);
+    run_units(j);
+    pthread_mutex_lock(&mu);
+    while (pending > 0) pthread_cond_wait(&done, &mu);
+    pthread_mutex_unlock(&mu);
 }
 
 /* ------------------------------------------------------------------ entry point */
@@ -908,13 +864,11 @@ int swq_matmul(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, 
     Acts A = {rows, k, group, terms, (int8_t *)buf, (float *)(buf + qb), (int16_t *)(buf + qb + db),
               (int16_t *)(buf + qb + db + sb32)};
     for (int64_t r = 0; r < rows; r++) quantize_row(x + r * k, &A, r);
-    job.fmt = fmt, job.w = w, job.n = n, job.nb = k / BLOCK_ELEMS[fmt], job.groups = groups;
-    job.A = &A, job.y = y, job.units = (n + UNIT_ROWS - 1) / UNIT_ROWS;
-    atomic_store(&job.next, 0);
+    Job j = {fmt, w, n, k / BLOCK_ELEMS[fmt], groups, &A, y, (n + UNIT_ROWS - 1) / UNIT_ROWS, 0, 0};
     /* waking the pool (~60 us here) costs more than splitting a small matmul saves: one
      * Q4_K row against 1024x4096 took 88 us on 2 threads, 62 on one (4096x4096: 178 vs 230),
      * and the default model's decode (576-wide matrices) ran at 40 tok/s on 2 threads, 79 on 1 */
-    run_job((double)rows * (double)n * (double)k < MIN_SPLIT_MACS ? 1 : threads);
+    run_job(&j, (double)rows * (double)n * (double)k < MIN_SPLIT_MACS ? 1 : threads);
     pthread_mutex_unlock(&call_mu);
     return 0;
 }
