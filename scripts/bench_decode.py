@@ -1,4 +1,4 @@
-"""Decode and prompt speed of the default model on this CPU, against llama.cpp (issue 27).
+"""Decode and prompt speed of a model on this CPU, against llama.cpp (issues 27 and 49).
 
 One sitting, one table, tokens per second at 1 and 2 threads:
   prompt   a 512-token prompt pass (the swarm: 512 / time to first token)
@@ -10,6 +10,13 @@ client run it, default weights and float32) and a 2-node local swarm at the defa
 --threads N). Rows alternate inside each repeat so machine noise hits them alike; medians.
 
     .venv/bin/python scripts/bench_decode.py --llama-bench /path/to/llama-bench [--repeats 3]
+
+With --model FILE (a GGUF file, e.g. scripts/synthetic_gguf.py's 16 8B-shaped Q4_K layers) the
+rows are that file's whole span unsplit in this process, the same span on one node (--threads N,
+this process its client) and llama-bench on the same file; float32 and transformers, 4 bytes a
+weight, are left out:
+
+    .venv/bin/python scripts/bench_decode.py --model /tmp/l8b-16.Q4_K.gguf --llama-bench PATH
 
 llama-bench is a yardstick built in a scratch folder, not a dependency (see docs/benchmarks.md).
 """
@@ -24,6 +31,7 @@ import subprocess
 import time
 import warnings
 
+import bench  # noqa: F401  (first: OpenMP's wait policy, a node's, before torch loads)
 import torch
 from bench.timing import session_greedy
 
@@ -35,17 +43,21 @@ PROMPT, NEW, CONTEXT = 512, 128, 500
 COLUMNS = ("prompt", "decode", "@500")
 GOAL_UNSPLIT_VS_LLAMA = 0.5
 GOAL_SWARM_VS_UNSPLIT = 0.8
+GOAL_MODEL_VS_LLAMA = 1.0  # issue 49: a node's whole span at llama.cpp's speed, 1 and 2 threads
 
 
-def ids(n: int, salt: int = 0) -> list[int]:
-    return [(i * 7919 + salt) % 40000 + 100 for i in range(n)]
+def ids(n: int, salt: int = 0, vocab: int = 40100) -> list[int]:
+    return [(i * 7919 + salt) % min(40000, vocab - 100) + 100 for i in range(n)]
 
 
 def span_figures(span: Span, head: Head) -> dict[str, float]:
+    vocab = span.config.vocab
+
     def prompt_pass(n: int):
         cache = span.allocate_cache(span.start, span.end, n + NEW + 1)
         start = time.perf_counter()
-        hidden = span.forward(head.embed_tokens(ids(n)), cache, 0, span.start, span.end)
+        embedded = head.embed_tokens(ids(n, vocab=vocab))
+        hidden = span.forward(embedded, cache, 0, span.start, span.end)
         token = int(head.logits(hidden[:, -1]).argmax())
         return cache, token, time.perf_counter() - start
 
@@ -86,8 +98,10 @@ def transformers_figures(model) -> dict[str, float]:
 
 
 def swarm_figures(client) -> dict[str, float]:
+    vocab = client.config.vocab
+
     def run(n: int, new: int) -> tuple[float, float]:
-        t = session_greedy(client, ids(n, salt=n), new)
+        t = session_greedy(client, ids(n, salt=n, vocab=vocab), new)
         return t.ttft, t.tokens_per_s
 
     return {
@@ -97,12 +111,12 @@ def swarm_figures(client) -> dict[str, float]:
     }
 
 
-def llama_figures(binary: str, threads: int) -> dict[str, float]:
+def llama_figures(binary: str, threads: int, model: str | None = None) -> dict[str, float]:
     out = subprocess.run(
         [
             binary,
             "-m",
-            str(default_model_path()),
+            model or str(default_model_path()),
             "-p",
             str(PROMPT),
             "-n",
@@ -130,21 +144,51 @@ def llama_figures(binary: str, threads: int) -> dict[str, float]:
     return figures
 
 
+LLAMA = "llama.cpp, Q4_1"  # the default model's file
+UNSPLIT = "unsplit span, default weights"
+SWARM = "2-node swarm, default weights"
+NODE = "one node, whole span"
+LLAMA_FILE = "llama.cpp, same file"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"))
+    p.add_argument("--model", help="a GGUF file: its span unsplit and on one node (see above)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", default="1,2")
     a = p.parse_args()
     warnings.filterwarnings("ignore")
+    from devtools.launch import stop_all
+
+    threads = [int(t) for t in a.threads.split(",")]
+    runs, swarms, clients = model_runs(a, threads) if a.model else default_runs(a, threads)
+    rows: dict[tuple[str, int], list[dict[str, float]]] = {}
+    try:
+        for r in range(a.repeats):
+            for t in threads:
+                torch.set_num_threads(t)
+                for name, run in runs(t).items():
+                    rows.setdefault((name, t), []).append(run())
+                print(f"repeat {r + 1}/{a.repeats}, {t} thread(s) done", flush=True)
+        for c in clients.values():
+            c.close()
+    finally:
+        for nodes in swarms.values():
+            stop_all(nodes)
+    report(rows, threads, a)
+
+
+def default_runs(a, threads: list[int]):
+    """The default model's rows: its span on swarm's kernels and in float32, transformers in
+    float32, a 2-node swarm; llama.cpp on its file."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from devtools.launch import even_spans, start_swarm, stop_all
+    from devtools.launch import even_spans, start_swarm
     from swarm.client.client import Client
 
     hf_logging.set_verbosity_error()
-    threads = [int(t) for t in a.threads.split(",")]
     source = open_model(None)
     layers = source.config.num_layers
     spans = {w: Span.load(source, 0, layers, weights=w) for w in ("auto", "float32")}
@@ -154,33 +198,46 @@ def main() -> None:
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
     swarms = {t: start_swarm(even_spans(layers, 2), extra=["--threads", str(t)]) for t in threads}
-    rows: dict[tuple[str, int], list[dict[str, float]]] = {}
-    try:
-        clients = {t: Client(swarms[t][0].maddrs[:1]) for t in threads}
-        for r in range(a.repeats):
-            for t in threads:
-                torch.set_num_threads(t)
-                runs = {
-                    "unsplit span, default weights": lambda: span_figures(
-                        spans["auto"], heads["auto"]
-                    ),
-                    "unsplit span, float32": lambda: span_figures(
-                        spans["float32"], heads["float32"]
-                    ),
-                    "transformers, float32": lambda: transformers_figures(reference),
-                    "2-node swarm, default weights": lambda t=t: swarm_figures(clients[t]),
-                }
-                if a.llama_bench:
-                    runs["llama.cpp, Q4_1"] = lambda t=t: llama_figures(a.llama_bench, t)
-                for name, run in runs.items():
-                    rows.setdefault((name, t), []).append(run())
-                print(f"repeat {r + 1}/{a.repeats}, {t} thread(s) done", flush=True)
-        for c in clients.values():
-            c.close()
-    finally:
-        for nodes in swarms.values():
-            stop_all(nodes)
-    report(rows, threads, a)
+    clients = {t: Client(swarms[t][0].maddrs[:1]) for t in threads}
+
+    def runs(t: int) -> dict:
+        out = {
+            UNSPLIT: lambda: span_figures(spans["auto"], heads["auto"]),
+            "unsplit span, float32": lambda: span_figures(spans["float32"], heads["float32"]),
+            "transformers, float32": lambda: transformers_figures(reference),
+            SWARM: lambda: swarm_figures(clients[t]),
+        }
+        if a.llama_bench:
+            out[LLAMA] = lambda: llama_figures(a.llama_bench, t)
+        return out
+
+    return runs, swarms, clients
+
+
+def model_runs(a, threads: list[int]):
+    """--model's rows: the file's whole span unsplit here and on one node at --threads t
+    (this process its client), llama.cpp on the same file."""
+    from devtools.launch import start_swarm
+    from swarm.client.client import Client
+
+    source = open_model(a.model)
+    layers = source.config.num_layers
+    span, head = Span.load(source, 0, layers), Head.load(source, "auto")
+    swarms = {}
+    for t in threads:  # one at a time: each holds the span's weights
+        swarms[t] = start_swarm([(0, layers)], model=a.model, extra=["--threads", str(t)])
+    clients = {t: Client(swarms[t][0].maddrs[:1], model=a.model) for t in threads}
+
+    def runs(t: int) -> dict:
+        out = {
+            UNSPLIT: lambda: span_figures(span, head),
+            NODE: lambda: swarm_figures(clients[t]),
+        }
+        if a.llama_bench:
+            out[LLAMA_FILE] = lambda: llama_figures(a.llama_bench, t, a.model)
+        return out
+
+    return runs, swarms, clients
 
 
 def report(rows, threads, a) -> None:
@@ -193,22 +250,41 @@ def report(rows, threads, a) -> None:
     print(f"\ntok/s, median of {a.repeats}; load average {os.getloadavg()[0]:.2f}")
     print(f"| | {header} |\n|---|" + "---|" * len(COLUMNS))
     for name in names:
-        cells = [" / ".join(f"{med[(name, t)][c]:.0f}" for t in threads) for c in COLUMNS]
+        cells = [" / ".join(figure(med[(name, t)][c]) for t in threads) for c in COLUMNS]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    unsplit = "unsplit span, default weights"
-    swarm = "2-node swarm, default weights"
     for t in threads:
-        for c in ("decode", "@500"):
-            ratio = med[(swarm, t)][c] / med[(unsplit, t)][c]
-            line = f"{t} thread(s), {c}: swarm / unsplit {ratio:.2f}"
-            line += f" (goal >= {GOAL_SWARM_VS_UNSPLIT})"
-            if ("llama.cpp, Q4_1", t) in med:
-                ratio = med[(unsplit, t)][c] / med[("llama.cpp, Q4_1", t)][c]
-                line += f"; unsplit / llama.cpp {ratio:.2f} (goal >= {GOAL_UNSPLIT_VS_LLAMA})"
+        for line in model_ratios(med, t) if a.model else default_ratios(med, t):
             print(line)
-        if ("llama.cpp, Q4_1", t) in med:
-            ratio = med[(unsplit, t)]["prompt"] / med[("llama.cpp, Q4_1", t)]["prompt"]
-            print(f"{t} thread(s), prompt: unsplit / llama.cpp {ratio:.2f} (goal >= 1)")
+
+
+def figure(tok_s: float) -> str:
+    return f"{tok_s:.0f}" if tok_s >= 100 else f"{tok_s:.1f}"
+
+
+def default_ratios(med, t: int) -> list[str]:
+    lines = []
+    for c in ("decode", "@500"):
+        ratio = med[(SWARM, t)][c] / med[(UNSPLIT, t)][c]
+        line = f"{t} thread(s), {c}: swarm / unsplit {ratio:.2f} (goal >= {GOAL_SWARM_VS_UNSPLIT})"
+        if (LLAMA, t) in med:
+            ratio = med[(UNSPLIT, t)][c] / med[(LLAMA, t)][c]
+            line += f"; unsplit / llama.cpp {ratio:.2f} (goal >= {GOAL_UNSPLIT_VS_LLAMA})"
+        lines.append(line)
+    if (LLAMA, t) in med:
+        ratio = med[(UNSPLIT, t)]["prompt"] / med[(LLAMA, t)]["prompt"]
+        lines.append(f"{t} thread(s), prompt: unsplit / llama.cpp {ratio:.2f} (goal >= 1)")
+    return lines
+
+
+def model_ratios(med, t: int) -> list[str]:
+    if (LLAMA_FILE, t) not in med:
+        return []
+    return [
+        f"{t} thread(s), {c}: unsplit / llama.cpp {ratio(UNSPLIT):.2f}, node / llama.cpp"
+        f" {ratio(NODE):.2f} (goal >= {GOAL_MODEL_VS_LLAMA})"
+        for c in COLUMNS
+        for ratio in [lambda name, c=c: med[(name, t)][c] / med[(LLAMA_FILE, t)][c]]
+    ]
 
 
 if __name__ == "__main__":

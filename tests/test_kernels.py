@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gguf
@@ -125,6 +126,41 @@ def test_threads_split_the_rows_without_changing_a_bit(isa):
     one = lib.matmul("Q4_K", packed, 2000, 512, x, 1)
     assert torch.equal(one, lib.matmul("Q4_K", packed, 2000, 512, x, 2))
     assert torch.equal(one, lib.matmul("Q4_K", packed, 2000, 512, x, 3))
+
+
+@needs_kernels
+def test_calls_in_quick_succession_on_threads_each_get_their_whole_result():
+    # helpers stay awake between calls and join each as it opens: a helper still at work on
+    # one call, or joining it late, must not leave the next one short of rows
+    lib = kernels.load()
+    # units of ~1 ms (32 weight rows of 8192 against 33 x rows): one ending late shows
+    shapes = [(1000, 8192), (700, 8192)]
+    packed = {s: lib.pack("Q4_K", random_blocks("Q4_K", *s, seed=s[0]), s[1]) for s in shapes}
+    xs = {s: torch.randn(33, s[1]) for s in shapes}
+    want = {s: lib.matmul("Q4_K", packed[s], *s, xs[s], 1) for s in shapes}
+    for i in range(100):
+        s = shapes[i % 2]
+        assert torch.equal(lib.matmul("Q4_K", packed[s], *s, xs[s], 3), want[s]), f"call {i}"
+
+
+@needs_kernels
+def test_a_forked_child_multiplies_on_threads_of_its_own():
+    lib = kernels.load()
+    packed = lib.pack("Q4_K", random_blocks("Q4_K", 2000, 512, seed=5), 512)
+    x = torch.randn(11, 512)
+    want = lib.matmul("Q4_K", packed, 2000, 512, x, 2)  # the parent's helpers are up
+    child = os.fork()
+    if child == 0:  # the child has none of them: it must start its own, not wait on the parent's
+        os._exit(0 if torch.equal(lib.matmul("Q4_K", packed, 2000, 512, x, 2), want) else 1)
+    for _ in range(300):
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.1)
+    os.kill(child, 9)
+    os.waitpid(child, 0)
+    pytest.fail("the forked child's matmul did not return in 30 s")
 
 
 @needs_kernels
