@@ -72,6 +72,30 @@ def test_the_tuner_drafts_long_rounds_of_a_good_kind_and_none_of_a_bad_one():
     assert tuner.plan(100, kind=1) == (0, 1)
 
 
+def test_one_round_flies_at_a_time_until_a_tokens_cost_in_a_round_is_measured():
+    tuner = Tuner(acceptance=0.95)
+    tuner.timed(1, 0.1)  # a long round trip, rounds of one size only
+    assert tuner.plan(10)[1] == 1
+    for _ in range(3):
+        tuner.timed(4, 0.101)  # tokens cost little beside the round trip
+        tuner.timed(8, 0.102)
+    assert tuner.per_token < 0.001 and tuner.plan(20)[1] > 1
+
+
+def test_rounds_go_off_where_they_produced_tokens_slower_than_plain_steps():
+    tuner = Tuner(acceptance=0.9)
+    tuner.timed(1, 0.02)
+    assert tuner.plan(10)[0] > 0  # nothing measured yet: the model's choice
+    for _ in range(10):
+        tuner.produced(True, 2, 0.05)  # 40 tokens/s by rounds
+        tuner.produced(False, 1, 0.02)  # 50 by plain steps
+    assert tuner.plan(20) == (0, 1)
+    tuner.produced(True, 8, 0.05)
+    for _ in range(10):
+        tuner.produced(True, 3, 0.02)  # now 150 tokens/s
+    assert tuner.plan(30)[0] > 0
+
+
 # ---- a ring cache's rewind ----------------------------------------------------------------
 
 PROMPT = [(7 * i + 3) % 500 + 5 for i in range(30)]  # past every tiny model's window

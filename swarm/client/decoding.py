@@ -91,7 +91,14 @@ class Tuner:
         self._fit = [0.0] * 5  # decayed sums of 1, n, T, n*n, n*T over (tokens n, seconds T)
         self.latency = 0.0  # seconds of a round that do not grow with its tokens
         self.per_token = 0.0  # seconds each token adds to a round
+        # whether per_token was measured: until then one round at a time (a round sent behind
+        # another is not timed, and one that goes stale costs the nodes what per_token tells)
+        self.fitted = False
+        self.step_s: float | None = None  # a plain step's seconds (decayed)
+        self.stages = 1  # hops of the route: a round behind another waits for the slowest only
         self.off_since = -1  # token count when speculation switched itself off, -1 if on
+        # decayed (tokens, seconds) produced with rounds and with plain steps: what each paid
+        self._produced = {True: (0.0, 0.0), False: (0.0, 0.0)}
 
     def acceptance(self, kind: int = 0) -> float:
         """Of the drafts of `kind` checked, the share accepted (decayed)."""
@@ -109,7 +116,16 @@ class Tuner:
             )
 
     def timed(self, tokens: int, seconds: float) -> None:
-        """A round of `tokens` (a plain step: 1) answered `seconds` after it was sent."""
+        """A round of `tokens` (a plain step: 1) answered `seconds` after it was sent. The
+        line is fitted to rounds only: a round's first token costs more than a plain step's
+        (every hop checks its positions and keeps what a rewind needs), which a line through
+        both would count as a cost a token."""
+        if tokens == 1:
+            last = seconds if self.step_s is None else self.step_s
+            self.step_s = self.DECAY * last + (1 - self.DECAY) * seconds
+            if not self.fitted:
+                self.latency = self.step_s
+            return
         f = [self.DECAY * x for x in self._fit]
         for i, x in enumerate((1, tokens, seconds, tokens * tokens, tokens * seconds)):
             f[i] += x
@@ -118,7 +134,22 @@ class Tuner:
         spread = nn / one - (n / one) ** 2
         if spread > 0.25:  # rounds of several sizes: a line through them
             self.per_token = max(0.0, (nt / one - n / one * t / one) / spread)
+            self.fitted = True
         self.latency = max(1e-4, t / one - self.per_token * (n / one - 1))
+
+    def produced(self, speculating: bool, tokens: int, seconds: float) -> None:
+        """`tokens` decided in `seconds` of the reply, by a round or by a plain step."""
+        n, t = self._produced[speculating]
+        self._produced[speculating] = (self.DECAY * n + tokens, self.DECAY * t + seconds)
+
+    def rounds_pay(self) -> bool:
+        """Whether tokens came faster by rounds than by plain steps, as measured (True until
+        both were): the model of a round's cost can miss what stale rounds cost the nodes and
+        the head the client, where compute, not the round trip, sets the pace."""
+        (n1, t1), (n0, t0) = self._produced[True], self._produced[False]
+        if n1 < 4 or n0 < 4 or t1 <= 0 or t0 <= 0:
+            return True
+        return n1 / t1 >= n0 / t0
 
     def rows_read(self, tokens: int, kind: int = 0) -> int:
         """How many of a round's rows the client may expect to read: one a token while the
@@ -130,15 +161,21 @@ class Tuner:
         """(drafts a round, rounds in flight) for the next round, of drafts of `kind`; (0, 1):
         a plain step."""
         a = min(self.acceptance(kind), 0.999)
-        best, best_rate = (0, 1), 1.0 / max(self.latency, 1e-6)
+        step = self.latency if self.step_s is None else self.step_s
+        best, best_rate = (0, 1), 1.0 / max(step, 1e-6)
         for k in range(1, MAX_DRAFTS + 1):
             yields = (1 - a ** (k + 1)) / (1 - a)  # the accepted run and the pick after it
-            for m in range(1, MAX_IN_FLIGHT + 1):
+            for m in range(1, (MAX_IN_FLIGHT if self.fitted else 1) + 1):
                 # round j is valid if every token before it was accepted
                 tokens = yields * sum(a ** ((k + 1) * j) for j in range(m))
-                rate = tokens / max(self.latency + m * k * self.per_token, 1e-6)
+                # the first round pays its tokens at every hop; each behind it, at the
+                # slowest hop only (about 1/stages of them), the hops working at once
+                cost = k * self.per_token * (1 + (m - 1) / self.stages)
+                rate = tokens / max(self.latency + cost, 1e-6)
                 if rate > best_rate * 1.05:
                     best, best_rate = (k, m), rate
+        if best[0] and not self.rounds_pay():
+            best = (0, 1)  # measured slower than plain steps: off, and probed as below
         if best[0]:
             self.off_since = -1
         elif self.off_since < 0:
@@ -146,6 +183,7 @@ class Tuner:
         elif produced - self.off_since >= self.PROBE_EVERY:  # try again: texts change
             self.off_since = produced
             self._accepted[kind] = (max(self.acceptance(kind), 0.5), 1.0)
+            self._produced[True] = (0.0, 0.0)  # the rounds from here on tell whether they pay
             return 2, 1
         return best
 
@@ -173,6 +211,7 @@ class Decoding:
         self.rounds: deque[tuple[Round, float | None, int]] = deque()
         self.plan: list[int] = []  # the drafts in flight, after the decided tokens
         self.stale = False  # rounds a rejection made stale went out before the next round
+        self._rounds_seen = 0
 
     def __iter__(self) -> Iterator[int]:
         """The reply's tokens, up to max_new_tokens; the caller stops at its end of text."""
@@ -188,11 +227,25 @@ class Decoding:
 
     def _next(self) -> list[int]:
         """The next tokens decided: one by a plain step, or those of the next round."""
+        started = time.perf_counter()
+        out = self._next_tokens()
+        self.tuner.produced(
+            self.stats.rounds > self._rounds_seen, len(out), time.perf_counter() - started
+        )
+        self._rounds_seen = self.stats.rounds
+        return out
+
+    def _next_tokens(self) -> list[int]:
+        remote = getattr(self.session, "remote", None)
+        if remote is not None:
+            self.tuner.stages = len(remote.route)
         if not self.rounds and not self._send_rounds():
             self.stats.steps += 1
             started = time.perf_counter()
             logits = self.session.feed(self.tokens[-1:])
-            self.tuner.timed(1, time.perf_counter() - started)
+            if not self.stale:  # else it waited behind the stale rounds: not its own time
+                self.tuner.timed(1, time.perf_counter() - started)
+            self.stale = False  # they were computed or dropped before it
             return [self._pick(logits, len(self.tokens))]
         r, sent, kind = self.rounds.popleft()
         try:
