@@ -23,6 +23,7 @@ import statistics
 import time
 from collections import Counter
 
+import bench  # noqa: F401  (first: OpenMP's wait policy, a node's, before torch loads)
 import torch
 import trio
 from bench.timing import session_greedy

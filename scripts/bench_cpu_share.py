@@ -22,6 +22,7 @@ import threading
 import time
 import warnings
 
+import bench  # noqa: F401  (first: OpenMP's wait policy, a node's, before torch loads)
 import torch
 from bench.stats import percentile
 

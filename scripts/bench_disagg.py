@@ -33,6 +33,7 @@ import subprocess
 import threading
 import time
 
+import bench  # noqa: F401  (first: OpenMP's wait policy, a node's, before torch loads)
 import torch
 from bench.local import LocalSwarm, Shape
 from bench.proc import cpu_name, cpu_seconds, process_tree

@@ -27,6 +27,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import bench  # noqa: F401  (first: OpenMP's wait policy, a node's, before torch loads)
 import gguf
 import numpy as np
 import torch

@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+import bench  # noqa: F401  (first: OpenMP's wait policy, a node's, before torch loads)
 import torch
 from bench.proc import cpu_flags, cpu_name
 

@@ -40,6 +40,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+import bench  # noqa: F401  (first: OpenMP's wait policy, a node's, before torch loads)
 import torch
 
 warnings.filterwarnings("ignore")
