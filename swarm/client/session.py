@@ -112,7 +112,9 @@ class RemoteSession:
 
     def _raise_error(self, msg: Error, default_hop: int):
         hop = msg.hop if 0 <= msg.hop < len(self.route) else default_hop
-        raise _with_hop(msg.exception(), hop, self.route[hop].peer)
+        exc = _with_hop(msg.exception(), hop, self.route[hop].peer)
+        exc.reported = True  # type: ignore[attr-defined]  # by the node, of what it received
+        raise exc
 
     async def _receive(self, conn: FramedStream, hop: int):
         try:
