@@ -12,7 +12,7 @@ import torch
 from swarm.client.client import InferenceSession
 from swarm.client.options import ClientOptions
 from swarm.client.session import RemoteSession
-from swarm.errors import FingerprintMismatch, PeerFailed, ProtocolError
+from swarm.errors import FingerprintMismatch, PeerFailed
 
 
 class Nodes:
@@ -48,7 +48,6 @@ def session(errors: list[Exception], max_retries: int = 2) -> InferenceSession:
         head=lambda route: SimpleNamespace(embed_tokens=lambda ids: torch.tensor(ids, dtype=float)),
         logits=SimpleNamespace(logits=lambda head, out: out),
         observe_step=lambda route, seconds: None,
-        shunned={},
         prefill_hop=lambda hop, tokens, max_length, exclude: None,  # no prefill nodes
         remote_session=lambda route, max_length, handoff: RemoteSession(
             route, "f", 1, max_length, None, 1.0, handoff=handoff
@@ -89,23 +88,3 @@ def test_an_error_no_other_route_can_fix_is_raised_at_once():
     with pytest.raises(FingerprintMismatch):
         s.feed([1])
     assert s.client.loop.opened == 1
-
-
-def reported(hop: int) -> ProtocolError:
-    """What an Error frame from hop `hop` about a broken message raises in the client."""
-    exc = ProtocolError("a step out of order")
-    exc.hop, exc.peer, exc.reported = hop, "p", True
-    return exc
-
-
-def test_the_first_hop_reporting_the_clients_own_message_broken_is_not_shunned():
-    s = session([reported(0)])
-    with pytest.raises(ProtocolError):
-        s.feed([1])  # another route would refuse it too
-    assert s.client.shunned == {} and s.client.loop.opened == 1
-
-
-def test_a_later_hop_reporting_a_broken_message_is_routed_around():
-    s = session([reported(1)])
-    s.feed([1])
-    assert set(s.client.shunned) == {"p"} and s.client.loop.opened == 2

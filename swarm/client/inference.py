@@ -269,10 +269,7 @@ class InferenceSession:
 
 def _misbehaved(exc: SwarmError) -> bool:
     """A hop named by `exc` answered as no honest node of this model would: blocks it announced
-    but does not serve, other weights, a broken message. The first hop reporting that a message
-    it got was broken is not one: the message was this client's own."""
-    if isinstance(exc, ProtocolError) and getattr(exc, "reported", False) and exc.hop == 0:
-        return False
+    but does not serve, other weights, a broken message."""
     liar = isinstance(exc, (SpanError, FingerprintMismatch, ProtocolError))
     return liar and bool(getattr(exc, "peer", None))
 

@@ -112,9 +112,7 @@ class RemoteSession:
 
     def _raise_error(self, msg: Error, default_hop: int):
         hop = msg.hop if 0 <= msg.hop < len(self.route) else default_hop
-        exc = _with_hop(msg.exception(), hop, self.route[hop].peer)
-        exc.reported = True  # type: ignore[attr-defined]  # by the node, of what it received
-        raise exc
+        raise _with_hop(msg.exception(), hop, self.route[hop].peer)
 
     async def _receive(self, conn: FramedStream, hop: int):
         try:
