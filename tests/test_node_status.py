@@ -30,7 +30,9 @@ def serving_node() -> SimpleNamespace:
         throughput=41.5,
         span=SimpleNamespace(format="int8"),
         compute=SimpleNamespace(mean_decode_batch=1.75, decode_passes=80),
-        counters=SimpleNamespace(prompt_passes=7, moved_in=2, moved_out=1, transfers=1),
+        counters=SimpleNamespace(
+            prompt_passes=7, moved_in=2, moved_out=1, transfers=1, rounds_done=40, steps_dropped=6
+        ),
     )
 
 
@@ -59,4 +61,6 @@ def test_a_serving_node_reports_every_figure_it_holds():
         moved_in=2,
         moved_out=1,
         transfers=1,
+        rounds=40,
+        rounds_dropped=6,
     )
