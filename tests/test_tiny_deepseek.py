@@ -6,13 +6,11 @@ mixture layers, in process and through 3 nodes; batched sessions; the cache hold
 
 from __future__ import annotations
 
-import json
-
 import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from devtools import gguf_check, gguf_tables
 from devtools.hf_to_gguf import UnsupportedCheckpoint, write_gguf
@@ -20,7 +18,7 @@ from swarm.model.blocks import Block, KVCache
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny
 from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, nodes_greedy, split_greedy
-from tests.helpers.tiny import logits_of, variant
+from tests.helpers.tiny import changed_copy, logits_of, variant
 
 VARIANTS = {"q-bottleneck": {}, "q-proj": {"q_lora_rank": None}}
 SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}  # layer 0 dense, 1-3 mixtures
@@ -31,18 +29,6 @@ PROMPT, NEW_TOKENS = FAMILY_PROMPT, FAMILY_NEW_TOKENS
 def made(tiny_family):
     """variant -> (reference model, safetensors folder, GGUF path, reference tokens)."""
     return lambda name: tiny_family("deepseek_v3", **VARIANTS[name])
-
-
-def _copy(folder, to, config_change=None, state=None):
-    for f in folder.iterdir():
-        if f.is_file():
-            (to / f.name).write_bytes(f.read_bytes())
-    if config_change:
-        cfg = json.loads((folder / "config.json").read_text())
-        (to / "config.json").write_text(json.dumps({**cfg, **config_change}))
-    if state is not None:
-        save_file(state, to / "model.safetensors")
-    return to
 
 
 @pytest.mark.parametrize("ways", [2, 3])
@@ -100,7 +86,7 @@ def test_the_choice_bias_changes_the_experts_chosen(made, tmp_path):
     model, folder, _, want = made("q-bottleneck")
     state = load_file(folder / "model.safetensors")
     state = {k: torch.zeros_like(v) if "e_score" in k else v for k, v in state.items()}
-    other = _copy(folder, tmp_path, state=state)
+    other = changed_copy(folder, tmp_path, state_change=lambda _: state)
     assert split_greedy(other, SPLITS[2], [PROMPT], NEW_TOKENS) != [want]
 
 
@@ -189,7 +175,7 @@ def test_a_checkpoint_the_file_would_misdescribe_is_refused(tmp_path, config, sa
 def test_deepseek_v3_2_s_indexer_is_refused_by_name(made, tmp_path, change, said):
     _, folder, _, _ = made("q-bottleneck")
     with pytest.raises(ValueError, match=said):
-        open_model(str(_copy(folder, tmp_path, change)))
+        open_model(str(changed_copy(folder, tmp_path, change)))
 
 
 @pytest.mark.parametrize(
@@ -235,7 +221,9 @@ def test_multi_token_prediction_layers_are_skipped_by_name(made, tmp_path):
     }
     mtp["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128)  # what only MTP layers have
     mtp["model.layers.4.enorm.weight"] = torch.ones(64)
-    other = _copy(folder, tmp_path, {"num_nextn_predict_layers": 1}, state | mtp)
+    other = changed_copy(
+        folder, tmp_path, {"num_nextn_predict_layers": 1}, state_change=lambda _: state | mtp
+    )
     assert open_model(str(other)).config.num_layers == 4
     assert split_greedy(other, SPLITS[2], [PROMPT], NEW_TOKENS) == [want]
 

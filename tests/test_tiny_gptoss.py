@@ -4,16 +4,14 @@ through real nodes; each of its switches changes what it computes."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from safetensors.torch import load_file, save_file
 
 from swarm.model import gptoss
 from swarm.model.families import family_of
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny
 from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, nodes_greedy, split_greedy
+from tests.helpers.tiny import changed_copy
 
 PROMPT, NEW_TOKENS = FAMILY_PROMPT, FAMILY_NEW_TOKENS
 # layers 0 and 2 slide (window 8), 1 and 3 see all: the 3-way split cuts between the kinds
@@ -26,19 +24,6 @@ def made(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpt_oss")
     model = save_tiny("gpt_oss", folder)
     return model, folder, reference_greedy(model, PROMPT, NEW_TOKENS)
-
-
-def _changed(folder, to, config_change=None, state_change=None):
-    for f in folder.iterdir():
-        if f.is_file():
-            (to / f.name).write_bytes(f.read_bytes())
-    if config_change:
-        cfg = json.loads((folder / "config.json").read_text())
-        (to / "config.json").write_text(json.dumps({**cfg, **config_change}))
-    if state_change:
-        state = load_file(folder / "model.safetensors")
-        save_file(state_change(state), to / "model.safetensors")
-    return to
 
 
 def test_the_config_has_sinks_windows_by_turns_and_the_clamped_router(made):
@@ -79,13 +64,13 @@ def _no_sinks(state):
 )
 def test_each_switch_changes_what_the_tiny_model_computes(made, tmp_path, change):
     _, folder, want = made
-    other = _changed(folder, tmp_path, **change)
+    other = changed_copy(folder, tmp_path, **change)
     assert split_greedy(other, SPLITS[2], [PROMPT], NEW_TOKENS) != [want]
 
 
 def test_a_quantized_config_json_checkpoint_is_refused_by_name(made, tmp_path):
     _, folder, _ = made
-    other = _changed(
+    other = changed_copy(
         folder, tmp_path, config_change={"quantization_config": {"quant_method": "mxfp4"}}
     )
     with pytest.raises(ValueError, match="mxfp4"):

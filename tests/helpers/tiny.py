@@ -3,7 +3,10 @@ and its logits."""
 
 from __future__ import annotations
 
+import json
+
 import torch
+from safetensors.torch import load_file, save_file
 
 # Llama 3's rope scaling on the tiny models: their 64 positions make it touch the head's bands
 LLAMA3 = {
@@ -37,3 +40,18 @@ def logits_of(model, ids: list[int]) -> torch.Tensor:
     """[tokens, vocab] logits of `model` after `ids`."""
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0]
+
+
+def changed_copy(folder, to, config_change=None, state_change=None):
+    """A copy of the model folder `folder` in `to`, its config.json updated with
+    `config_change`, its weights replaced by `state_change(weights)`."""
+    for f in folder.iterdir():
+        if f.is_file():
+            (to / f.name).write_bytes(f.read_bytes())
+    if config_change:
+        cfg = json.loads((folder / "config.json").read_text())
+        (to / "config.json").write_text(json.dumps({**cfg, **config_change}))
+    if state_change:
+        state = load_file(folder / "model.safetensors")
+        save_file(state_change(state), to / "model.safetensors")
+    return to
