@@ -41,6 +41,12 @@ class NodeProcess:
             self._queue.put(line)
         self._queue.put(None)
 
+    @property
+    def host_port(self) -> tuple[str, int]:
+        """Where a plain TCP connection reaches it (its `addr` as a pair)."""
+        host, _, port = self.addr.rpartition(":")
+        return host, int(port)
+
     def wait_serving(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from devtools.launch import start_swarm, stop_all
+from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny_llama, save_tiny_tokenizer
 from swarm.process import wait_passively
 from tests.helpers.flags import exact_flags
@@ -27,6 +28,12 @@ def tiny_model_dir(tmp_path_factory):
     save_tiny_llama(path)
     save_tiny_tokenizer(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def fingerprint(tiny_model_dir) -> str:
+    """The tiny model's fingerprint, as a hand-made Open must name it."""
+    return open_model(str(tiny_model_dir)).fingerprint()
 
 
 @pytest.fixture(scope="session")
@@ -92,7 +99,6 @@ def split_greedy(path, spans, prompts: list[list[int]], new_tokens: int) -> list
     batched in one pass per span as a node batches them."""
     from swarm.model.blocks import Span
     from swarm.model.head import Head
-    from swarm.model.source import open_model
 
     source = open_model(str(path))
     head = Head.load(source, weights="float32")

@@ -13,7 +13,6 @@ import trio
 from devtools.launch import NodeProcess, start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.errors import NodeBusy
-from swarm.model.source import open_model
 from swarm.protocol import Attach, Attached, Close, Error, Hop, Open, Opened
 from swarm.tls import dial
 from swarm.transport import FramedStream
@@ -49,30 +48,20 @@ def node(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fingerprint(tiny_model_dir) -> str:
-    return open_model(str(tiny_model_dir)).fingerprint()
-
-
-@pytest.fixture(scope="module")
 def honest(node, tiny_model_dir):
     c = Client(node.maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
     yield c
     c.close()
 
 
-def address(node: NodeProcess) -> tuple[str, int]:
-    host, _, port = node.addr.rpartition(":")
-    return host, int(port)
-
-
 async def attacker(node: NodeProcess, source: str) -> FramedStream:
     """A connection to `node` from loopback address `source` (127.0.0.2, ...)."""
-    stream = await trio.open_tcp_stream(*address(node), local_address=source)
+    stream = await trio.open_tcp_stream(*node.host_port, local_address=source)
     return FramedStream(await dial(stream, node.tls, node.addr))
 
 
 def open_msg(node: NodeProcess, fingerprint: str, max_length: int = 64, sid: str = "") -> Open:
-    host, port = address(node)
+    host, port = node.host_port
     return Open(
         sid=sid or os.urandom(16).hex(),
         route=(Hop(host, port, 0, 6, node.peer, node.tls),),
@@ -231,8 +220,8 @@ async def test_closing_the_upstream_connection_frees_the_session_down_the_route(
     """A two-hop session through the shared swarm; its opener goes away without a close."""
     first = next(n for n in tiny_swarm if n.layers == (0, 2))
     second = next(n for n in tiny_swarm if n.layers == (1, 5))
-    h1, p1 = address(first)
-    h2, p2 = address(second)
+    h1, p1 = first.host_port
+    h2, p2 = second.host_port
     sid, token = os.urandom(16).hex(), "t" * 32
     opener = await attacker(first, "127.0.0.30")
     await opener.send(

@@ -10,20 +10,9 @@ import pytest
 import trio
 
 from devtools.launch import NodeProcess
-from swarm.model.source import open_model
 from swarm.protocol import Error, Hop, Open, Opened
 from swarm.tls import dial
 from swarm.transport import FramedStream
-
-
-@pytest.fixture(scope="module")
-def fingerprint(tiny_model_dir) -> str:
-    return open_model(str(tiny_model_dir)).fingerprint()
-
-
-def address(node: NodeProcess) -> tuple[str, int]:
-    host, _, port = node.addr.rpartition(":")
-    return host, int(port)
 
 
 def nodes_by_span(swarm) -> tuple[NodeProcess, NodeProcess]:
@@ -34,7 +23,7 @@ def nodes_by_span(swarm) -> tuple[NodeProcess, NodeProcess]:
 
 async def open_through(first: NodeProcess, fingerprint: str, next_hop: Hop):
     """Open a two-hop route from 127.0.0.40 through `first` to `next_hop`: the answer."""
-    host, port = address(first)
+    host, port = first.host_port
     stream = await trio.open_tcp_stream(host, port, local_address="127.0.0.40")
     conn = FramedStream(await dial(stream, first.tls, first.addr))
     await conn.send(
@@ -87,7 +76,7 @@ def listener():
 
 async def test_an_announced_next_hop_is_opened(tiny_swarm, fingerprint):
     first, second = nodes_by_span(tiny_swarm)
-    host, port = address(second)
+    host, port = second.host_port
     assert isinstance(
         await open_through(first, fingerprint, Hop(host, port, 2, 5, second.peer, second.tls)),
         Opened,
@@ -112,8 +101,8 @@ async def test_an_open_naming_an_unannounced_next_hop_is_refused_without_dialing
     hop = {
         "unknown peer": Hop("127.0.0.1", listener.port, 2, 5, "QmNobodyAnnouncedThis", key),
         "announced peer at another port": Hop("127.0.0.1", listener.port, 2, 5, second.peer, key),
-        "announced peer with another TLS key": Hop(*address(second), 2, 5, second.peer, "0" * 64),
-        "blocks it does not serve": Hop(*address(second), 5, 6, second.peer, key),
+        "announced peer with another TLS key": Hop(*second.host_port, 2, 5, second.peer, "0" * 64),
+        "blocks it does not serve": Hop(*second.host_port, 5, 6, second.peer, key),
         "no peer": Hop("127.0.0.1", listener.port, 2, 5, "", key),
     }[how]
     msg = await open_through(first, fingerprint, hop)

@@ -119,17 +119,7 @@ def lone_node(lone_nodes) -> NodeProcess:
     return lone_nodes.get()
 
 
-@pytest.fixture(scope="module")
-def fingerprint(tiny_model_dir) -> str:
-    return open_model(str(tiny_model_dir)).fingerprint()
-
-
 # ---- helpers ---------------------------------------------------------------------------------
-
-
-def address(node: NodeProcess) -> tuple[str, int]:
-    host, _, port = node.addr.rpartition(":")
-    return host, int(port)
 
 
 def answers_ping(node: NodeProcess, timeout: float = 5.0) -> bool:
@@ -137,7 +127,7 @@ def answers_ping(node: NodeProcess, timeout: float = 5.0) -> bool:
     if node.proc.poll() is not None:
         return False
     try:
-        with socket.create_connection(address(node), timeout=timeout) as sock:
+        with socket.create_connection(node.host_port, timeout=timeout) as sock:
             sock.sendall(encode_frame(to_wire(Ping(nonce=1))))
             decoder = FrameDecoder(4096)
             while (msg := decoder.next_message()) is None:
@@ -171,7 +161,7 @@ async def assert_alive(node: NodeProcess, log=None) -> None:
 
 
 async def raw_connect(node: NodeProcess) -> FramedStream:
-    stream = await trio.open_tcp_stream(*address(node))
+    stream = await trio.open_tcp_stream(*node.host_port)
     return FramedStream(stream)
 
 
@@ -213,7 +203,7 @@ def hidden(tokens: int, dtype: str = "float32") -> dict:
 
 async def own_session(node: NodeProcess, fingerprint: str, sid: str, start: int, end: int):
     """An attacker's own one-hop session on `node`, attached on the same connection."""
-    host, port = address(node)
+    host, port = node.host_port
     conn = await connect(host, port, tls=None)
     await conn.send(
         Open(
@@ -411,7 +401,7 @@ async def foreign_sessions(
     node: NodeProcess, last: NodeProcess, fingerprint: str, sid: str, ledger: Ledger
 ) -> None:
     """Another connection names the legitimate session: refused as if it did not exist."""
-    host, port = address(node)
+    host, port = node.host_port
     conn = await connect(host, port, tls=None)
     probes = [
         Step(sid=sid, phase="decode", pos=p, end=p + 1, hidden=hidden(1)) for p in (0, 8, 9, 200)
@@ -442,7 +432,7 @@ async def foreign_sessions(
     ledger.add("open with a taken sid", "error:busy")
     await conn.aclose()
     # nobody else can claim the legitimate session's results on the last node
-    sink = await connect(*address(last), tls=None)
+    sink = await connect(*last.host_port, tls=None)
     for token in ("", "0" * 32, os.urandom(16).hex()):
         await sink.send(Attach(sid=sid, sink_token=token))
         await expect_error(sink, "session_not_found")
@@ -497,7 +487,7 @@ async def churn(node: NodeProcess, ledger: Ledger, n: int, parallel: int = 25) -
 
     async def one(i: int) -> None:
         async with limiter:
-            stream = await trio.open_tcp_stream(*address(node))
+            stream = await trio.open_tcp_stream(*node.host_port)
             try:
                 if i % 2:
                     await stream.send_all(b"\x00\x00"[: i % 3])
@@ -523,7 +513,7 @@ async def middle_node(
     await conn.send(Close(sid=sid))
     await expect_error(conn, "session_not_found")
     ledger.add("middle: foreign close", "error:session_not_found")
-    host, port = address(node)
+    host, port = node.host_port
     await conn.send(
         Open(
             sid=sid,
@@ -629,7 +619,7 @@ async def test_hostile_connections_leave_a_concurrent_session_and_the_node_intac
 
 async def test_a_foreign_session_id_gets_the_same_error_as_an_unknown_one(chain, client):
     """Nothing in the refusal tells an attacker that a guessed id exists."""
-    conn = await connect(*address(chain[0]), tls=None)
+    conn = await connect(*chain[0].host_port, tls=None)
 
     def legit():
         with client.session(32) as s:
@@ -666,7 +656,7 @@ async def test_a_tensor_whose_dtype_is_not_a_string_gets_shape_mismatch(
 async def test_attach_with_a_non_ascii_token_gets_session_not_found(
     lone_node, lone_nodes, fingerprint
 ):
-    host, port = address(lone_node)
+    host, port = lone_node.host_port
     conn = await connect(host, port, tls=None)
     got = []
     for sid, opened_with, attached_with in [
@@ -704,7 +694,7 @@ async def test_attach_with_a_non_ascii_token_gets_session_not_found(
 async def test_open_naming_an_unusable_next_hop_gets_unannounced_peer(
     lone_node, lone_nodes, fingerprint, next_host
 ):
-    host, port = address(lone_node)
+    host, port = lone_node.host_port
     conn = await connect(host, port, tls=None)
     await conn.send(two_hop_open(lone_node, fingerprint, Hop(next_host, 80, 3, 6, "")))
     got = await verdict(conn, 30)
@@ -749,7 +739,7 @@ async def test_open_whose_announced_next_hop_never_accepts_gets_peer_failed(
         )
         assert announce(announcer, [record], ttl=60) > 0
         await trio.sleep(0.5)
-        conn = await connect(*address(lone_node), tls=None)
+        conn = await connect(*lone_node.host_port, tls=None)
         hop = Hop(*full.getsockname(), 3, 6, record.peer)
         await conn.send(two_hop_open(lone_node, fingerprint, hop))
         got = await verdict(conn, 60)
@@ -761,7 +751,7 @@ async def test_open_whose_announced_next_hop_never_accepts_gets_peer_failed(
 
 
 def two_hop_open(node: NodeProcess, fingerprint: str, next_hop: Hop) -> Open:
-    host, port = address(node)
+    host, port = node.host_port
     return Open(
         sid=os.urandom(16).hex(),
         route=(Hop(host, port, 0, 3, node.peer), next_hop),

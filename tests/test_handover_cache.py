@@ -11,8 +11,7 @@ import torch
 from swarm.errors import HandoverRefused
 from swarm.model.blocks import KVCache
 from swarm.node.handover.cache import CacheIntake, pick_replicas, slab_digest, slabs
-from swarm.protocol import KvChunk
-from swarm.wire import pack_tensor
+from tests.helpers.handover import chunks
 from tests.helpers.records import rec
 
 HEADS, DIM, LENGTH = 2, 4, 64
@@ -33,17 +32,6 @@ def compute(cache: KVCache, lo: int, hi: int) -> None:
             cache.keys[layer][0, :, p % cap] = torch.full((HEADS, DIM), 1000.0 * layer + p)
             cache.values[layer][0, :, p % cap] = torch.full((HEADS, DIM), -1000.0 * layer - p)
     cache.length = hi
-
-
-def chunks(phase, size: int = 3) -> list[KvChunk]:
-    """A phase's slabs cut into chunks of `size` positions, as the uplink cuts them."""
-    out = []
-    for layer, (first, keys, values) in enumerate(phase):
-        for i in range(0, keys.shape[1], size):
-            k, v = keys[:, i : i + size], values[:, i : i + size]
-            dtype = "bfloat16" if keys.dtype == torch.bfloat16 else "float32"
-            out.append(KvChunk("s", layer, first + i, pack_tensor(k, dtype), pack_tensor(v, dtype)))
-    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

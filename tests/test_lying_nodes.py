@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from devtools.launch import start_node, stop_all
-from devtools.liar_node import start_liar
+from devtools.launch import stop_all
 from swarm.client.client import Client
 from swarm.client.routing import MAX_PER_ADDRESS, MAX_PER_HOST, bounded
 from swarm.records import NodeRecord
 from tests.conftest import reference_greedy, swarm_greedy
 from tests.helpers.flags import exact_flags
+from tests.helpers.liars import honest_and_liar
 from tests.helpers.records import node_record
 
 FLAGS = exact_flags(ttl=10)
@@ -25,16 +25,10 @@ def test_a_node_announcing_blocks_it_does_not_serve_is_left_out(tiny_model_dir, 
     cheaper than two honest ones, so routes draw it among the near-best, and the session that
     tries it gets SpanError, reroutes, and leaves it out from then on."""
     model = str(tiny_model_dir)
-    first = start_node((0, 3), model=model, extra=FLAGS)
-    nodes = [first]
+    lie = {"LIE_END": 6, "LIE_THROUGHPUT": 1e9}
+    nodes = honest_and_liar(model, [(0, 3), (3, 6)], (0, 3), FLAGS, **lie)
+    peers = nodes[0].maddrs[:1]
     try:
-        first.wait_serving()
-        peers = first.maddrs[:1]
-        nodes.append(start_node((3, 6), peers, model=model, extra=FLAGS))
-        lie = {"LIE_END": 6, "LIE_THROUGHPUT": 1e9}
-        nodes.append(start_liar((0, 3), peers, model, FLAGS, **lie))
-        for n in nodes[1:]:
-            n.wait_serving()
         client = Client(peers, model=model, wire_dtype="float32")
         try:
             liar, reference = nodes[2].peer, reference_greedy(tiny_reference, PROMPT, 6)
@@ -76,14 +70,10 @@ def test_a_node_claiming_a_throughput_it_lacks_loses_its_routes_once_measured(ti
     """The liar serves 0:6 but takes 50 ms a pass while announcing 1e9 tokens/s: its claim draws
     a session; after that session's decode steps the client routes by what it measured."""
     model = str(tiny_model_dir)
-    honest = start_node((0, 6), model=model, extra=FLAGS)
-    nodes = [honest]
+    lie = {"LIE_THROUGHPUT": 1e9, "LIE_SLOW_S": 0.05}
+    nodes = honest_and_liar(model, [(0, 6)], (0, 6), FLAGS, **lie)
+    honest, peers = nodes[0], nodes[0].maddrs[:1]
     try:
-        honest.wait_serving()
-        peers = honest.maddrs[:1]
-        lie = {"LIE_THROUGHPUT": 1e9, "LIE_SLOW_S": 0.05}
-        nodes.append(start_liar((0, 6), peers, model, FLAGS, **lie))
-        nodes[1].wait_serving()
         client = Client(peers, model=model, wire_dtype="float32")
         liar = nodes[1].peer
         try:

@@ -28,8 +28,7 @@ def client(tiny_swarm, tiny_model_dir):
 
 
 def first_node(tiny_swarm) -> tuple[str, int]:
-    host, _, port = tiny_swarm[0].addr.rpartition(":")
-    return host, int(port)
+    return tiny_swarm[0].host_port
 
 
 async def expect_error(conn, code: str) -> Error:

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from devtools.launch import start_node, stop_all
-from devtools.liar_node import start_liar
+from devtools.launch import stop_all
 from swarm.client.client import Client
 from swarm.records import JOINING
 from tests.helpers.flags import exact_flags
+from tests.helpers.liars import honest_and_liar
 
 FLAGS = exact_flags(threads=1)
 
@@ -21,12 +21,9 @@ FLAGS = exact_flags(threads=1)
 @pytest.mark.slow
 def test_a_route_waits_for_a_joining_node_to_serve_the_missing_blocks(tiny_model_dir, caplog):
     model = str(tiny_model_dir)
-    first = start_node((0, 3), model=model, extra=FLAGS)
-    nodes = [first]
+    nodes = honest_and_liar(model, [(0, 3)], (3, 6), FLAGS, wait_for_liar=False, SLOW_LOAD_S=10)
+    peers = nodes[0].maddrs[:1]
     try:
-        first.wait_serving()
-        peers = first.maddrs[:1]
-        nodes.append(start_liar((3, 6), peers, model, FLAGS, SLOW_LOAD_S=10))
         client = Client(peers, model=model, wire_dtype="float32")
         try:
             deadline = time.monotonic() + 60

@@ -240,7 +240,7 @@ def test_a_latent_cache_handed_over_mid_generation_goes_on_to_the_same_tokens(ma
     from swarm.model.blocks import Span
     from swarm.model.head import Head
     from swarm.node.handover.cache import CacheIntake, slabs
-    from tests.test_handover_cache import chunks
+    from tests.helpers.handover import chunks
 
     model, folder, _, _ = made("q-bottleneck")
     want = reference_greedy(model, PROMPT, 12)

@@ -15,11 +15,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from devtools import gguf_check, gguf_tables, hf_to_gguf
+from devtools import gguf_check, gguf_tables
 from devtools.hf_to_gguf import UnsupportedCheckpoint, write_gguf
 from swarm.model.gguf_file import GGUFFile
-from swarm.model.tiny import FAMILIES, min_greedy_margin, reference_greedy, save_tiny
-from tests.helpers.tiny import LLAMA3, logits_of, variant
+from swarm.model.tiny import FAMILIES, save_tiny
+from tests.helpers.tiny import (
+    LLAMA3,
+    assert_gguf_reads_back,
+    assert_greedy_sound,
+    logits_of,
+    variant,
+    written_with,
+)
 
 PROMPT = list(range(5, 5 + 30 * 13, 13))  # 30 tokens, past every tiny model's window
 LONG = list(range(5, 5 + 70 * 7, 7))  # a prompt and 40 new tokens' worth
@@ -72,10 +79,7 @@ def test_same_seed_saves_the_same_weights_and_another_seed_others(tmp_path, fami
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_decoding_is_finite_varied_and_clear_of_ties(tiny, family):
     model, _, _ = tiny(family)
-    tokens = reference_greedy(model, PROMPT, 40)
-    assert torch.isfinite(logits_of(model, PROMPT + tokens)).all()
-    assert len(set(tokens)) >= 10, tokens
-    assert min_greedy_margin(model, PROMPT, 40) > 1e-4
+    assert_greedy_sound(model, PROMPT, margin=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -133,10 +137,7 @@ def test_a_tied_qwen2_stores_no_lm_head_in_either_format(tiny, tied):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_transformers_reads_the_gguf_back_into_the_same_weights_andlogits_of(tiny, family):
     model, _, path = tiny(family)
-    assert gguf_check.config_mismatches(model.config, path) == {}
-    loaded = gguf_check.load_gguf_model(model, path)
-    assert max(gguf_check.weight_gaps(model, loaded).values()) < 1e-6
-    assert gguf_check.logit_gap(model, loaded, LONG) < 1e-5
+    assert_gguf_reads_back(model, path, LONG)
 
 
 def test_transformers_reads_back_a_llama3_scaled_llama(tiny):
@@ -239,10 +240,9 @@ def test_quantized_files_hold_the_rounded_weights_and_f32_norms(tiny, tmp_path, 
 def test_the_transformers_check_catches_a_convention_left_out(tiny, tmp_path, family, change):
     model, folder, _ = tiny(family)
     table = gguf_tables.FAMILIES[family]
-    families = {**hf_to_gguf.FAMILIES, family: dataclasses.replace(table, **change)}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hf_to_gguf, "FAMILIES", families)
-        path = write_gguf(folder, tmp_path / "wrong.gguf")
+    path = written_with(
+        folder, tmp_path / "wrong.gguf", family, dataclasses.replace(table, **change)
+    )
     loaded = gguf_check.load_gguf_model(model, path)
     assert gguf_check.logit_gap(model, loaded, LONG) > 0.1
 

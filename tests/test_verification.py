@@ -8,13 +8,13 @@ import random
 import pytest
 import trio
 
-from devtools.launch import start_node, stop_all
-from devtools.liar_node import start_liar
+from devtools.launch import stop_all
 from swarm.client.client import Client
 from swarm.health.render import render_page
 from swarm.health.state import Collector, CollectorConfig
 from tests.conftest import reference_greedy, swarm_greedy
 from tests.helpers.flags import exact_flags
+from tests.helpers.liars import honest_and_liar
 
 FLAGS = exact_flags(ttl=10)
 PROMPT = [5, 50, 150, 250]
@@ -24,17 +24,9 @@ PROMPT = [5, 50, 150, 250]
 def nodes(tiny_model_dir):
     """Two honest nodes on all blocks, and a liar that scales what it computes by 1.5 while
     claiming a throughput that wins it every first route."""
-    model = str(tiny_model_dir)
-    first = start_node((0, 6), model=model, extra=FLAGS)
-    started = [first]
+    lie = {"LIE_THROUGHPUT": 1e9, "LIE_SCALE": 1.5}
+    started = honest_and_liar(str(tiny_model_dir), [(0, 6), (0, 6)], (0, 6), FLAGS, **lie)
     try:
-        first.wait_serving()
-        peers = first.maddrs[:1]
-        started.append(start_node((0, 6), peers, model=model, extra=FLAGS))
-        lie = {"LIE_THROUGHPUT": 1e9, "LIE_SCALE": 1.5}
-        started.append(start_liar((0, 6), peers, model, FLAGS, **lie))
-        for n in started[1:]:
-            n.wait_serving()
         yield started
     finally:
         stop_all(started)

@@ -8,7 +8,11 @@ import signal
 import subprocess
 import time
 
+import torch
+
 from devtools.launch import NodeProcess, start_node, stop_all
+from swarm.protocol import KvChunk
+from swarm.wire import pack_tensor
 from tests.helpers.flags import exact_flags
 
 # prompts whose greedy continuations never come within 0.08 of a tie between the two likeliest
@@ -59,3 +63,14 @@ def start_full_node(
         stop_all([node])
         raise
     return node
+
+
+def chunks(phase, size: int = 3) -> list[KvChunk]:
+    """A phase's slabs cut into chunks of `size` positions, as the uplink cuts them."""
+    out = []
+    for layer, (first, keys, values) in enumerate(phase):
+        for i in range(0, keys.shape[1], size):
+            k, v = keys[:, i : i + size], values[:, i : i + size]
+            dtype = "bfloat16" if keys.dtype == torch.bfloat16 else "float32"
+            out.append(KvChunk("s", layer, first + i, pack_tensor(k, dtype), pack_tensor(v, dtype)))
+    return out

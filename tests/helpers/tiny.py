@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -55,3 +56,36 @@ def changed_copy(folder, to, config_change=None, state_change=None):
         state = load_file(folder / "model.safetensors")
         save_file(state_change(state), to / "model.safetensors")
     return to
+
+
+def written_with(folder, path, family: str, table):
+    """`folder` written as a GGUF file at `path` by a converter whose row for `family` is
+    `table`: a convention left out, to show the checks notice it."""
+    from devtools import hf_to_gguf
+
+    families = {**hf_to_gguf.FAMILIES, family: table}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_to_gguf, "FAMILIES", families)
+        return hf_to_gguf.write_gguf(folder, path)
+
+
+def assert_greedy_sound(model, prompt: list[int], margin: float) -> None:
+    """40 greedy tokens after `prompt`: finite logits, at least 10 distinct tokens, and no step
+    within `margin` of a tie (which float noise between two runs could break either way)."""
+    from swarm.model.tiny import min_greedy_margin, reference_greedy
+
+    tokens = reference_greedy(model, prompt, 40)
+    assert torch.isfinite(logits_of(model, prompt + tokens)).all()
+    assert len(set(tokens)) >= 10, tokens
+    assert min_greedy_margin(model, prompt, 40) > margin
+
+
+def assert_gguf_reads_back(model, path, prompt: list[int]) -> None:
+    """transformers reads the GGUF file at `path` back into `model`'s config, weights and
+    logits after `prompt`."""
+    from devtools import gguf_check
+
+    assert gguf_check.config_mismatches(model.config, path) == {}
+    loaded = gguf_check.load_gguf_model(model, path)
+    assert max(gguf_check.weight_gaps(model, loaded).values()) < 1e-6
+    assert gguf_check.logit_gap(model, loaded, prompt) < 1e-5
