@@ -53,9 +53,10 @@ from bench.table import print_table
 from bench.timing import TokenTimes
 
 from swarm.client.client import Client
-from swarm.client.decoding import Decoding, Drafter, SpeculationStats, Tuner
+from swarm.client.decoding import Decoding, Drafter, SpeculationStats
 from swarm.client.options import Sampling
 from swarm.client.reply import Sampler
+from swarm.client.tuner import Tuner
 from swarm.model.source import default_model_path
 
 REWRITE = [
@@ -105,8 +106,9 @@ class Counting:
     """A drafter that notes, for each round it drafts (sent right after), how many rounds are
     in flight with it and how many drafts it carries."""
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, label: str):
         self.drafter = drafter
+        self.label = label  # the client's Tuner for it on this route is the last reply's
         self.decoding: Decoding | None = None
         self.in_flight: list[int] = []
         self.drafts: list[int] = []
@@ -134,13 +136,20 @@ class Run:
 
 
 def decode(
-    client: Client, ids: list[int], new: int, drafter: Drafter | None, ends: Sequence[int] = ()
+    client: Client,
+    ids: list[int],
+    new: int,
+    drafter: Drafter | None,
+    ends: Sequence[int] = (),
+    label: str = "",
 ) -> Run:
     """`new` greedy tokens after `ids`, timed, drafted by `drafter` (None: plain decoding);
-    fewer if one of `ends` comes first (it is the last)."""
-    counting = Counting(drafter) if drafter is not None else None
+    fewer if one of `ends` comes first (it is the last). The round sizes start from the last
+    reply's with the same `label`, as a client's do."""
+    counting = Counting(drafter, label) if drafter is not None else None
     with client.session(len(ids) + new, "off") as session:
-        decoding = Decoding(session, list(ids), new, Sampler(Sampling()), counting)
+        sampler = Sampler(Sampling())
+        decoding = Decoding(session, list(ids), new, sampler, counting, pool=client.tuners)
         if counting is not None:
             counting.decoding = decoding
         t = TokenTimes(time.perf_counter())
@@ -233,7 +242,7 @@ def measure(swarm: LocalSwarm, model: Model, rtt: float, a, runs: dict) -> None:
                 plain = decode(client, prompt, a.new_tokens, None, ends)
                 runs[(model.name, rtt, workload, "off")].append(plain)
                 for label, drafter in drafters(client, model, workload, plain, prompt, a):
-                    run = decode(client, prompt, a.new_tokens, drafter, ends)
+                    run = decode(client, prompt, a.new_tokens, drafter, ends, label)
                     run.differs = first_difference(run.times.tokens, plain.times.tokens)
                     runs[(model.name, rtt, workload, label)].append(run)
                 print(f"  {model.name} {rtt:g} ms {workload} repeat {rep + 1} done", flush=True)

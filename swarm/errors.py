@@ -16,6 +16,16 @@ class ProtocolError(SwarmError):
     code = "protocol"
 
 
+class RewindRefused(ProtocolError):
+    """A rewind to positions a sliding window's cache no longer holds what they overwrote:
+    a node that took a session over (its ring filled by the transfer, without the slots a
+    rewind gives back) or a round behind its time. The node computes honestly; the session
+    replays its accepted tokens on a route, which rebuilds every cache."""
+
+    code = "rewind_refused"
+    retry_elsewhere = True
+
+
 class FrameTooLarge(ProtocolError):
     code = "frame_too_large"
 
@@ -146,6 +156,7 @@ ERRORS_BY_CODE: dict[str, type[SwarmError]] = {
     for cls in (
         SwarmError,
         ProtocolError,
+        RewindRefused,
         FrameTooLarge,
         ShapeMismatch,
         SessionNotFound,

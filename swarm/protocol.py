@@ -180,6 +180,7 @@ class Error:
     def exception(self) -> SwarmError:
         exc = error_from_code(self.code, self.message)
         exc.hop = self.hop  # type: ignore[attr-defined]
+        exc.reported = True  # type: ignore[attr-defined]  # by a node, not seen by us
         return exc
 
 

@@ -13,11 +13,12 @@ import pytest
 import torch
 import trio
 
-from swarm.client.decoding import Decoding, PromptLookup, Tuner
+from swarm.client.decoding import Decoding, PromptLookup
 from swarm.client.inference import Round, RoundRows
 from swarm.client.options import Sampling
 from swarm.client.reply import Sampler
-from swarm.errors import ProtocolError, ShapeMismatch
+from swarm.client.tuner import Tuner
+from swarm.errors import ProtocolError, RewindRefused, ShapeMismatch
 from swarm.model.blocks import KVCache, Span
 from swarm.model.head import Head
 from swarm.model.source import open_model
@@ -190,6 +191,16 @@ def test_a_round_longer_than_a_rings_window_is_refused_before_it_is_computed(mod
         cache.keep_for_rewind(len(PROMPT), drafts, MAX_REWIND)
     assert cache.length == len(PROMPT)
     assert_holds(cache, before)
+
+
+def test_a_ring_short_of_what_a_rewind_needs_says_a_replay_may_help(model_parts):
+    span, head = model_parts("mistral")
+    cache = prompted(span, head)
+    cache.keep_for_rewind(len(PROMPT), 8, 4)
+    fed(span, head, DRAFTS[:8], cache)
+    with pytest.raises(RewindRefused) as refused:
+        cache.rewind(len(PROMPT) + 1)
+    assert refused.value.retry_elsewhere  # the node is honest: a route rebuilds its cache
 
 
 def test_a_rewind_further_back_than_was_kept_is_refused_and_changes_nothing(model_parts):

@@ -11,12 +11,13 @@ import torch
 
 from devtools.launch import start_swarm, stop_all
 from swarm.client.client import Client
-from swarm.client.decoding import MAX_DRAFTS, MAX_IN_FLIGHT, Decoding, Tuner
+from swarm.client.decoding import Decoding
 from swarm.client.options import Sampling
 from swarm.client.reply import Sampler
-from swarm.errors import ProtocolError, ShapeMismatch
+from swarm.client.tuner import MAX_DRAFTS, MAX_IN_FLIGHT, Tuner
+from swarm.errors import ProtocolError, ShapeMismatch, SwarmError
 from swarm.model.tiny import FAMILIES, reference_greedy
-from swarm.protocol import MAX_VERIFY_TOKENS
+from swarm.protocol import MAX_VERIFY_TOKENS, Error
 from tests.conftest import SPLITS
 from tests.helpers.flags import exact_flags
 from tests.helpers.speculation import Fixed
@@ -178,3 +179,43 @@ def test_a_node_killed_during_a_round_costs_a_reroute_and_replays_accepted_token
     finally:
         client.close()
     assert out == reference_greedy(tiny_reference, PROMPT, NEW)
+
+
+def test_a_clients_next_reply_on_a_route_starts_from_what_its_last_measured(
+    tiny_client, tiny_swarm
+):
+    pool = tiny_client.tuners
+    tiny_client.generate(
+        "one two three one two three one two", max_new_tokens=16, speculative="lookup"
+    )
+    (key,) = [k for k in pool.keys() if k[0] == "PromptLookup"]
+    assert set(key[1:]) <= {n.peer for n in tiny_swarm}  # the route's hops
+    assert pool.take(key).latency > 0  # what its rounds or steps took, measured
+
+
+def reported(code: str, hop: int, peer: str) -> SwarmError:
+    """The error a node at `hop` of a route sends back, as the client raises it."""
+    exc = Error(code=code, message="refused", hop=hop).exception()
+    exc.peer = peer
+    return exc
+
+
+def test_a_broken_message_the_first_hop_reports_leaves_it_for_this_session_only(
+    tiny_client, tiny_reference
+):
+    with tiny_client.session(len(PROMPT) + 8, "off") as s:
+        s.feed(PROMPT)
+        first = s.remote.route[0].peer
+        s.recover(reported("protocol", 0, first))  # about the client's own round
+        assert first in s.excluded and first not in tiny_client.shunned
+
+
+def test_a_refused_rewind_replays_the_session_and_blames_nobody(tiny_client, tiny_reference):
+    want = reference_greedy(tiny_reference, PROMPT, 2)
+    with tiny_client.session(len(PROMPT) + 8, "off") as s:
+        s.feed(PROMPT)
+        last = s.remote.route[-1].peer
+        s.recover(reported("rewind_refused", len(s.remote.route) - 1, last))
+        assert s.excluded == set() and last not in tiny_client.shunned
+        assert int(s.feed([want[0]]).argmax()) == want[1]  # replayed on a new route
+        assert len(s.recoveries) == 1

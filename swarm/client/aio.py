@@ -45,7 +45,10 @@ class AsyncSession:
     ) -> AsyncIterator[int]:
         """The reply's tokens after prompt `ids` (a Decoding: speculative where the session's
         drafter proposes), each step or round in a worker thread."""
-        self.decoding = Decoding(self._session, ids, max_new_tokens, sampler, self._session.drafter)
+        session = self._session
+        self.decoding = Decoding(
+            session, ids, max_new_tokens, sampler, session.drafter, pool=session.client.tuners
+        )
         tokens = iter(self.decoding)
         while (token := await self._in_thread(next, tokens, None)) is not None:
             yield token

@@ -27,6 +27,7 @@ from swarm.client.routing import (
 )
 from swarm.client.runtime import TrioThread
 from swarm.client.session import RemoteSession
+from swarm.client.tuner import TunerPool
 from swarm.client.verify import Reports
 from swarm.dht import read_nodes, start_dht
 from swarm.errors import (
@@ -62,6 +63,7 @@ class Client:
         self.fingerprint = self.source.fingerprint()
         self._heads: dict[str, Head] = {}
         self._drafts: dict[str, DraftModel] = {}  # draft models by path, loaded once
+        self.tuners = TunerPool()  # what speculation learnt of each route, for the next reply
         self._weights: dict[str, str] = {}  # peer -> the weight format its record announces
         self._tokenizer = None
         self._loading = threading.Lock()  # tokenizer and heads load once, whatever the threads
@@ -274,7 +276,9 @@ class Client:
     ) -> Generator[str, None, SpeculationStats]:
         ids = self.encode(prompt)
         with self.session(len(ids) + max_new_tokens, speculative) as session:
-            decoding = Decoding(session, ids, max_new_tokens, sampler, session.drafter)
+            decoding = Decoding(
+                session, ids, max_new_tokens, sampler, session.drafter, pool=self.tuners
+            )
             for token in decoding:
                 piece, done = text.add(token)
                 if piece:

@@ -11,7 +11,6 @@ round starts before their positions, which rewinds every hop and drops them wher
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -22,12 +21,8 @@ import numpy as np
 
 from swarm.client.inference import InferenceSession, Round
 from swarm.client.reply import Sampler
+from swarm.client.tuner import Tuner, TunerPool
 from swarm.errors import SwarmError
-from swarm.protocol import MAX_REWIND, MAX_VERIFY_TOKENS
-
-MAX_DRAFTS = MAX_VERIFY_TOKENS - 1  # a round: the decided token and up to this many drafts
-MAX_IN_FLIGHT = 4  # rounds sent ahead of the one whose answer is awaited
-assert MAX_IN_FLIGHT * MAX_VERIFY_TOKENS <= MAX_REWIND  # a rejection rewinds all in flight
 
 
 class Drafter(Protocol):
@@ -75,119 +70,6 @@ class SpeculationStats:
     steps: int = 0  # plain one-token steps, where no draft was proposed or it did not pay
 
 
-class Tuner:
-    """How many drafts a round carries and how many rounds fly at once: the pair with the most
-    tokens a second expected from the measured acceptance (drafts accepted of those checked:
-    each accepted one, and the first that was not) and round times (a fixed latency and a cost
-    a token, fitted to the rounds sent with none ahead of them); a plain step where nothing
-    beats it (speculation off, tried again every PROBE_EVERY tokens)."""
-
-    PROBE_EVERY = 32
-    DECAY = 0.8  # weight of the past in the averages, a round at a time
-
-    def __init__(self, acceptance: float = 0.6):
-        self.prior = acceptance  # of a kind of draft not seen yet
-        self._accepted: dict[int, tuple[float, float]] = {}  # kind: decayed (hits, checks)
-        self._fit = [0.0] * 5  # decayed sums of 1, n, T, n*n, n*T over (tokens n, seconds T)
-        self.latency = 0.0  # seconds of a round that do not grow with its tokens
-        self.per_token = 0.0  # seconds each token adds to a round
-        # whether per_token was measured: until then one round at a time (a round sent behind
-        # another is not timed, and one that goes stale costs the nodes what per_token tells)
-        self.fitted = False
-        self.step_s: float | None = None  # a plain step's seconds (decayed)
-        self.stages = 1  # hops of the route: a round behind another waits for the slowest only
-        self.off_since = -1  # token count when speculation switched itself off, -1 if on
-        # decayed (tokens, seconds) produced with rounds and with plain steps: what each paid
-        self._produced = {True: (0.0, 0.0), False: (0.0, 0.0)}
-
-    def acceptance(self, kind: int = 0) -> float:
-        """Of the drafts of `kind` checked, the share accepted (decayed)."""
-        hits, checks = self._accepted.get(kind, (self.prior, 1.0))
-        return hits / checks
-
-    def observe(self, checked: int, accepted: int, kind: int = 0) -> None:
-        """A round's drafts of `kind`: `checked` compared with the picks, `accepted` of them
-        equal."""
-        if checked:
-            hits, checks = self._accepted.get(kind, (self.prior, 1.0))
-            self._accepted[kind] = (
-                self.DECAY * hits + accepted,
-                self.DECAY * checks + checked,
-            )
-
-    def timed(self, tokens: int, seconds: float) -> None:
-        """A round of `tokens` (a plain step: 1) answered `seconds` after it was sent. The
-        line is fitted to rounds only: a round's first token costs more than a plain step's
-        (every hop checks its positions and keeps what a rewind needs), which a line through
-        both would count as a cost a token."""
-        if tokens == 1:
-            last = seconds if self.step_s is None else self.step_s
-            self.step_s = self.DECAY * last + (1 - self.DECAY) * seconds
-            if not self.fitted:
-                self.latency = self.step_s
-            return
-        f = [self.DECAY * x for x in self._fit]
-        for i, x in enumerate((1, tokens, seconds, tokens * tokens, tokens * seconds)):
-            f[i] += x
-        self._fit = f
-        one, n, t, nn, nt = f
-        spread = nn / one - (n / one) ** 2
-        if spread > 0.25:  # rounds of several sizes: a line through them
-            self.per_token = max(0.0, (nt / one - n / one * t / one) / spread)
-            self.fitted = True
-        self.latency = max(1e-4, t / one - self.per_token * (n / one - 1))
-
-    def produced(self, speculating: bool, tokens: int, seconds: float) -> None:
-        """`tokens` decided in `seconds` of the reply, by a round or by a plain step."""
-        n, t = self._produced[speculating]
-        self._produced[speculating] = (self.DECAY * n + tokens, self.DECAY * t + seconds)
-
-    def rounds_pay(self) -> bool:
-        """Whether tokens came faster by rounds than by plain steps, as measured (True until
-        both were): the model of a round's cost can miss what stale rounds cost the nodes and
-        the head the client, where compute, not the round trip, sets the pace."""
-        (n1, t1), (n0, t0) = self._produced[True], self._produced[False]
-        if n1 < 4 or n0 < 4 or t1 <= 0 or t0 <= 0:
-            return True
-        return n1 / t1 >= n0 / t0
-
-    def rows_read(self, tokens: int, kind: int = 0) -> int:
-        """How many of a round's rows the client may expect to read: one a token while the
-        drafts are accepted, and the one after the first that is not."""
-        a = min(self.acceptance(kind), 0.999)
-        return min(tokens, math.ceil((1 - a**tokens) / (1 - a)))
-
-    def plan(self, produced: int, kind: int = 0) -> tuple[int, int]:
-        """(drafts a round, rounds in flight) for the next round, of drafts of `kind`; (0, 1):
-        a plain step."""
-        a = min(self.acceptance(kind), 0.999)
-        step = self.latency if self.step_s is None else self.step_s
-        best, best_rate = (0, 1), 1.0 / max(step, 1e-6)
-        for k in range(1, MAX_DRAFTS + 1):
-            yields = (1 - a ** (k + 1)) / (1 - a)  # the accepted run and the pick after it
-            for m in range(1, (MAX_IN_FLIGHT if self.fitted else 1) + 1):
-                # round j is valid if every token before it was accepted
-                tokens = yields * sum(a ** ((k + 1) * j) for j in range(m))
-                # the first round pays its tokens at every hop; each behind it, at the
-                # slowest hop only (about 1/stages of them), the hops working at once
-                cost = k * self.per_token * (1 + (m - 1) / self.stages)
-                rate = tokens / max(self.latency + cost, 1e-6)
-                if rate > best_rate * 1.05:
-                    best, best_rate = (k, m), rate
-        if best[0] and not self.rounds_pay():
-            best = (0, 1)  # measured slower than plain steps: off, and probed as below
-        if best[0]:
-            self.off_since = -1
-        elif self.off_since < 0:
-            self.off_since = produced
-        elif produced - self.off_since >= self.PROBE_EVERY:  # try again: texts change
-            self.off_since = produced
-            self._accepted[kind] = (max(self.acceptance(kind), 0.5), 1.0)
-            self._produced[True] = (0.0, 0.0)  # the rounds from here on tell whether they pay
-            return 2, 1
-        return best
-
-
 class Decoding:
     """A reply's tokens, iterated: the prompt goes first, then each token is the sampler's
     pick; with a drafter, several tokens a round where drafts are accepted."""
@@ -200,11 +82,16 @@ class Decoding:
         sampler: Sampler,
         drafter: Drafter | None = None,
         tuner: Tuner | None = None,
+        pool: TunerPool | None = None,
     ):
+        """`tuner`: how rounds are sized (a new one if None); or `pool`: where the last reply
+        on the same route with the same drafter left its Tuner, taken once the route is open
+        and given back at the reply's end."""
         self.session, self.sampler, self.drafter = session, sampler, drafter
         self.tokens = list(ids)
         self.end = len(ids) + max_new_tokens  # positions of the reply's tokens end here
         self.tuner = tuner or Tuner()
+        self.pool = pool if tuner is None and drafter is not None else None
         self.stats = SpeculationStats()
         # in flight, with when each left if no round was ahead of it (then its time is its own),
         # and the kind of its drafts
@@ -216,9 +103,25 @@ class Decoding:
     def __iter__(self) -> Iterator[int]:
         """The reply's tokens, up to max_new_tokens; the caller stops at its end of text."""
         prompt = len(self.tokens)
-        yield self._pick(self.session.feed(self.tokens), prompt)
-        while len(self.tokens) < self.end:
-            yield from self._next()
+        logits = self.session.feed(self.tokens)
+        key = self._pool_key()
+        if key is not None:
+            self.tuner = self.pool.take(key)
+        try:
+            yield self._pick(logits, prompt)
+            while len(self.tokens) < self.end:
+                yield from self._next()
+        finally:
+            if key is not None:
+                self.pool.give(key, self.tuner)
+
+    def _pool_key(self) -> tuple | None:
+        """The route's peers and the drafter: what a Tuner measured holds for."""
+        remote = getattr(self.session, "remote", None)
+        if self.pool is None or remote is None:
+            return None
+        drafter = getattr(self.drafter, "label", None) or type(self.drafter).__name__
+        return (drafter, *(h.peer for h in remote.route))
 
     def _pick(self, logits, position: int) -> int:
         token = self.sampler(logits, position)

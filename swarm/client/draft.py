@@ -24,6 +24,7 @@ class DraftModel:
     about, so proposing after a round costs only the tokens that came since."""
 
     def __init__(self, path: str, served_tokenizer, served_name: str, max_length: int = 8192):
+        self.label = path  # which draft model: a tuner per draft model and route
         self.source = open_model(path)
         name = self.source.config.name
         if self.source.tokenizer().get_vocab() != served_tokenizer.get_vocab():

@@ -15,7 +15,13 @@ import torch
 from swarm.client.probe import round_trips
 from swarm.client.session import RemoteSession
 from swarm.client.verify import Verdict, check_last_step
-from swarm.errors import FingerprintMismatch, ProtocolError, SpanError, SwarmError
+from swarm.errors import (
+    FingerprintMismatch,
+    ProtocolError,
+    RewindRefused,
+    SpanError,
+    SwarmError,
+)
 from swarm.model.blocks import ring_slots
 from swarm.protocol import MAX_VERIFY_TOKENS, Hop
 
@@ -250,11 +256,14 @@ class InferenceSession:
         time.sleep(min(0.25 * 2**attempt, 4.0))
 
     def _blame(self, exc: SwarmError) -> None:
+        if isinstance(exc, RewindRefused):
+            return  # an honest node, short of history: the replay (there too) rebuilds it
         peer = getattr(exc, "peer", None)
         if peer:
             self.excluded.add(peer)
             self.client.router.failed(peer)  # the client's other sessions wait for a pong too
-            if _misbehaved(exc):  # every session of this client leaves it out for a while
+            if _misbehaved(exc) and not _about_our_message(exc):
+                # every session of this client leaves it out for a while
                 self.client.shunned[peer] = time.monotonic() + SHUN_S
             return
         if self.remote is None:
@@ -271,7 +280,16 @@ def _misbehaved(exc: SwarmError) -> bool:
     """A hop named by `exc` answered as no honest node of this model would: blocks it announced
     but does not serve, other weights, a broken message."""
     liar = isinstance(exc, (SpanError, FingerprintMismatch, ProtocolError))
+    liar = liar and not isinstance(exc, RewindRefused)
     return liar and bool(getattr(exc, "peer", None))
+
+
+def _about_our_message(exc: SwarmError) -> bool:
+    """Whether the first hop reported a broken message: the one it parsed is the client's own
+    (a bug of ours, or a round its state refuses), no reason to leave an honest node out of
+    every session for SHUN_S; this session still leaves it and replays."""
+    reported = getattr(exc, "reported", False) and getattr(exc, "hop", None) == 0
+    return reported and isinstance(exc, ProtocolError)
 
 
 def _route_may_help(exc: SwarmError) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from swarm.errors import ProtocolError
+from swarm.errors import ProtocolError, RewindRefused
 from swarm.model import kernels
 from swarm.model.config import ModelConfig
 from swarm.model.eager import eager_attention
@@ -77,13 +77,13 @@ class KVCache:
 
     def rewind(self, pos: int) -> None:
         """Forget positions [pos, length): every ring slot they took gets back what it held.
-        Raises ProtocolError, changing nothing, where a ring no longer holds what it needs."""
+        Raises RewindRefused, changing nothing, where a ring no longer holds what it needs."""
         if pos >= self.length:
             return
         capacity = min(k.shape[2] for k in self.keys) if self.keys else self.length
         lost = [q for q in range(max(pos, capacity), self.length) if q not in self.overwritten]
         if lost:
-            raise ProtocolError(
+            raise RewindRefused(
                 f"cannot rewind to position {pos}: a sliding window's cache no longer holds"
                 f" what position {lost[0]} overwrote"
             )

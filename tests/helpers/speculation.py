@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from swarm.client.decoding import Tuner
+from swarm.client.tuner import Tuner
 
 
 class Fixed(Tuner):

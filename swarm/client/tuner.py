@@ -1,0 +1,176 @@
+"""How speculative decoding sizes its rounds: a Tuner per reply, fitted to what the route's
+rounds cost and what the drafts' acceptance is, and a pool that carries a route's Tuner from one
+reply to the next, so a client's second reply starts from what its first measured."""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+
+from swarm.protocol import MAX_REWIND, MAX_VERIFY_TOKENS
+
+MAX_DRAFTS = MAX_VERIFY_TOKENS - 1  # a round: the decided token and up to this many drafts
+MAX_IN_FLIGHT = 4  # rounds sent ahead of the one whose answer is awaited
+assert MAX_IN_FLIGHT * MAX_VERIFY_TOKENS <= MAX_REWIND  # a rejection rewinds all in flight
+
+
+class Tuner:
+    """How many drafts a round carries and how many rounds fly at once: the pair with the most
+    tokens a second expected from the measured acceptance (drafts accepted of those checked:
+    each accepted one, and the first that was not) and round times (a fixed latency and a cost
+    a token, fitted to the rounds sent with none ahead of them); a plain step where nothing
+    beats it (speculation off, tried again every PROBE_EVERY tokens)."""
+
+    PROBE_EVERY = 32
+    DECAY = 0.8  # weight of the past in the acceptance, a round at a time
+    FIT_DECAY = 0.95  # and in the fit of a round's cost: the route's, slower to change
+    NOISE = 0.1  # a round's time is known to within this share of it, before any is measured
+
+    def __init__(self, acceptance: float = 0.6):
+        self.prior = acceptance  # of a kind of draft not seen yet
+        self._accepted: dict[int, tuple[float, float]] = {}  # kind: decayed (hits, checks)
+        self._fit = [0.0] * 6  # decayed sums of 1, n, T, n*n, n*T, T*T over (tokens n, seconds T)
+        self.latency = 0.0  # seconds of a round that do not grow with its tokens
+        self.per_token = 0.0  # seconds each token adds to a round
+        # whether per_token was measured: until then one round at a time (a round sent behind
+        # another is not timed, and one that goes stale costs the nodes what per_token tells)
+        self.fitted = False
+        self.step_s: float | None = None  # a plain step's seconds (decayed)
+        self.stages = 1  # hops of the route: a round behind another waits for the slowest only
+        self.off_since = -1  # token count when speculation switched itself off, -1 if on
+        # decayed (tokens, seconds) produced with rounds and with plain steps: what each paid
+        self._produced = {True: (0.0, 0.0), False: (0.0, 0.0)}
+
+    def acceptance(self, kind: int = 0) -> float:
+        """Of the drafts of `kind` checked, the share accepted (decayed)."""
+        hits, checks = self._accepted.get(kind, (self.prior, 1.0))
+        return hits / checks
+
+    def observe(self, checked: int, accepted: int, kind: int = 0) -> None:
+        """A round's drafts of `kind`: `checked` compared with the picks, `accepted` of them
+        equal."""
+        if checked:
+            hits, checks = self._accepted.get(kind, (self.prior, 1.0))
+            self._accepted[kind] = (
+                self.DECAY * hits + accepted,
+                self.DECAY * checks + checked,
+            )
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A round of `tokens` (a plain step: 1) answered `seconds` after it was sent. The
+        line is fitted to rounds only: a round's first token costs more than a plain step's
+        (every hop checks its positions and keeps what a rewind needs), which a line through
+        both would count as a cost a token."""
+        if tokens == 1:
+            last = seconds if self.step_s is None else self.step_s
+            self.step_s = self.DECAY * last + (1 - self.DECAY) * seconds
+            if not self.fitted:
+                self.latency = self.step_s
+            return
+        f = [self.FIT_DECAY * x for x in self._fit]
+        for i, x in enumerate((1, tokens, seconds, tokens * tokens, tokens * seconds, seconds**2)):
+            f[i] += x
+        self._fit = f
+        one, n, t, nn, nt, tt = f
+        sxx = nn - n * n / one  # the spread of the sizes, times the rounds
+        if sxx > 0.25 * one:  # rounds of several sizes: a line through them
+            slope = (nt - n * t / one) / sxx
+            # the slope less its standard error: a few noisy rounds (a round trip's jitter is
+            # as big as several tokens' cost) must not pin rounds short, where no round of
+            # another size would come to correct it; the noise's prior is NOISE of a round
+            residual = max(0.0, tt - t * t / one - slope * (nt - n * t / one))
+            prior = 2 * (self.NOISE * t / one) ** 2
+            noise = (residual + prior) / (max(0.0, one - 2) + 2)
+            self.per_token = max(0.0, slope - math.sqrt(noise / sxx))
+            self.fitted = True
+        self.latency = max(1e-4, t / one - self.per_token * (n / one - 1))
+
+    def produced(self, speculating: bool, tokens: int, seconds: float) -> None:
+        """`tokens` decided in `seconds` of the reply, by a round or by a plain step."""
+        n, t = self._produced[speculating]
+        self._produced[speculating] = (self.DECAY * n + tokens, self.DECAY * t + seconds)
+
+    def rounds_pay(self) -> bool:
+        """Whether tokens came faster by rounds than by plain steps, as measured (True until
+        both were): the model of a round's cost can miss what stale rounds cost the nodes and
+        the head the client, where compute, not the round trip, sets the pace."""
+        (n1, t1), (n0, t0) = self._produced[True], self._produced[False]
+        if n1 < 4 or n0 < 4 or t1 <= 0 or t0 <= 0:
+            return True
+        return n1 / t1 >= n0 / t0
+
+    def rows_read(self, tokens: int, kind: int = 0) -> int:
+        """How many of a round's rows the client may expect to read: one a token while the
+        drafts are accepted, and the one after the first that is not."""
+        a = min(self.acceptance(kind), 0.999)
+        return min(tokens, math.ceil((1 - a**tokens) / (1 - a)))
+
+    def plan(self, produced: int, kind: int = 0) -> tuple[int, int]:
+        """(drafts a round, rounds in flight) for the next round, of drafts of `kind`; (0, 1):
+        a plain step."""
+        a = min(self.acceptance(kind), 0.999)
+        step = self.latency if self.step_s is None else self.step_s
+        best, best_rate = (0, 1), 1.0 / max(step, 1e-6)
+        for k in range(1, MAX_DRAFTS + 1):
+            yields = (1 - a ** (k + 1)) / (1 - a)  # the accepted run and the pick after it
+            for m in range(1, (MAX_IN_FLIGHT if self.fitted else 1) + 1):
+                # round j is valid if every token before it was accepted
+                tokens = yields * sum(a ** ((k + 1) * j) for j in range(m))
+                # the first round pays its tokens at every hop; each behind it, at the
+                # slowest hop only (about 1/stages of them), the hops working at once
+                cost = k * self.per_token * (1 + (m - 1) / self.stages)
+                rate = tokens / max(self.latency + cost, 1e-6)
+                if rate > best_rate * 1.05:
+                    best, best_rate = (k, m), rate
+        if best[0] and not self.rounds_pay():
+            best = (0, 1)  # measured slower than plain steps: off, and probed as below
+        if best[0]:
+            self.off_since = -1
+        elif self.off_since < 0:
+            self.off_since = produced
+        elif produced - self.off_since >= self.PROBE_EVERY:  # try again: texts change
+            self.off_since = produced
+            self._accepted[kind] = (max(self.acceptance(kind), 0.5), 1.0)
+            self._produced[True] = (0.0, 0.0)  # the rounds from here on tell whether they pay
+            return 2, 1
+        return best
+
+    def for_next_reply(self) -> Tuner:
+        """A copy for another reply on the same route: what it measured of the route and the
+        drafts, not whether rounds paid in this reply's text."""
+        out = copy.deepcopy(self)
+        out.off_since = -1
+        out._produced = {True: (0.0, 0.0), False: (0.0, 0.0)}
+        return out
+
+
+class TunerPool:
+    """The last Tuner of each (route, drafter) a client used, for its next reply there: a reply
+    of 64 tokens is too short to learn a route's round cost from nothing. Each reply gets its
+    own copy (replies at once on one route do not share one)."""
+
+    MOST = 64  # routes remembered, the least recently used forgotten
+
+    def __init__(self):
+        self._last: OrderedDict[Hashable, Tuner] = OrderedDict()
+        self._lock = threading.Lock()  # one client, many sessions' threads
+
+    def keys(self) -> list[Hashable]:
+        """(drafter, peer of each hop) of the routes remembered, least recently used first."""
+        with self._lock:
+            return list(self._last)
+
+    def take(self, key: Hashable) -> Tuner:
+        with self._lock:
+            last = self._last.get(key)
+        return Tuner() if last is None else last.for_next_reply()
+
+    def give(self, key: Hashable, tuner: Tuner) -> None:
+        with self._lock:
+            self._last[key] = tuner
+            self._last.move_to_end(key)
+            while len(self._last) > self.MOST:
+                self._last.popitem(last=False)

@@ -1,0 +1,72 @@
+"""How speculative decoding sizes its rounds from what they cost (swarm/client/tuner.py): a
+round's cost fitted so that noise cannot pin rounds short, and a route's Tuner carried from one
+reply to the next."""
+
+from __future__ import annotations
+
+import random
+
+from swarm.client.tuner import Tuner, TunerPool
+
+
+def measured(acceptance: float = 0.77) -> Tuner:
+    tuner = Tuner(acceptance)
+    tuner.timed(1, 0.109)  # a plain step through 3 hops at 40 ms
+    for _ in range(6):
+        tuner.observe(1, 1)
+        tuner.observe(1, round(acceptance))
+    return tuner
+
+
+def test_two_noisy_rounds_do_not_make_a_token_cost_what_their_difference_says():
+    tuner = measured()
+    tuner.timed(7, 0.136)  # 26 ms more than the next, a round trip's jitter at 40 ms a hop
+    tuner.timed(3, 0.110)
+    assert tuner.fitted
+    assert tuner.per_token < 0.5 * (0.136 - 0.110) / 4
+    assert tuner.plan(20)[0] >= 2  # rounds longer than one draft stay worth trying
+
+
+def test_many_rounds_of_several_sizes_find_what_a_token_costs():
+    tuner, rng = measured(), random.Random(5)
+    for _ in range(200):
+        n = rng.randint(2, 8)
+        tuner.timed(n, 0.100 + 0.004 * n + rng.gauss(0, 0.002))
+    assert 0.003 < tuner.per_token < 0.0045
+    assert 0.095 < tuner.latency < 0.115
+
+
+def test_a_costly_token_keeps_rounds_short():
+    cheap, costly = measured(0.6), measured(0.6)
+    for n in (2, 5, 8) * 30:
+        cheap.timed(n, 0.1 + 0.0005 * n)
+        costly.timed(n, 0.1 + 0.03 * n)
+    assert costly.plan(20)[0] < cheap.plan(20)[0]
+
+
+def test_the_next_reply_on_a_route_starts_from_what_the_last_measured():
+    pool = TunerPool()
+    first = pool.take("route")
+    assert not first.fitted  # nothing measured on this route yet
+    for n in (2, 6) * 5:
+        first.timed(n, 0.1 + 0.002 * n)
+    first.observe(5, 4)
+    first.off_since = 12
+    first.produced(True, 10, 0.5)
+    pool.give("route", first)
+    second = pool.take("route")
+    assert second.fitted and second.per_token == first.per_token
+    assert second.acceptance() == first.acceptance()
+    assert second.off_since == -1 and second.rounds_pay()  # this reply's text: not judged yet
+    assert pool.take("route") is not second  # replies at once each get their own
+    assert not pool.take("another route").fitted
+
+
+def test_the_pool_forgets_the_routes_least_recently_used():
+    pool = TunerPool()
+    for i in range(TunerPool.MOST + 1):
+        tuner = Tuner()
+        tuner.timed(1, 0.01 * (i + 1))
+        pool.give(i, tuner)
+    assert pool.take(0).step_s is None
+    assert pool.take(TunerPool.MOST).step_s is not None
