@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -141,6 +142,37 @@ def test_calls_in_quick_succession_on_threads_each_get_their_whole_result():
     for i in range(100):
         s = shapes[i % 2]
         assert torch.equal(lib.matmul("Q4_K", packed[s], *s, xs[s], 3), want[s]), f"call {i}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_small_matmul_does_not_wait_for_a_long_one_on_another_thread(threads):
+    # a node's decode lane and prefill lane call at once: the decode step's one row must not
+    # queue behind a prompt pass's many, and both must get exactly their own results
+    lib = kernels.load()
+    big = lib.pack("Q4_K", random_blocks("Q4_K", 4096, 4096, seed=7), 4096)
+    small = lib.pack("Q4_K", random_blocks("Q4_K", 256, 4096, seed=8), 4096)
+    xb, xs = torch.randn(128, 4096), torch.randn(1, 4096)
+    want_b = lib.matmul("Q4_K", big, 4096, 4096, xb, threads)
+    want_s = lib.matmul("Q4_K", small, 256, 4096, xs, 1)
+    started, done = threading.Event(), {}
+
+    def long_call():
+        started.set()
+        done["big"] = (lib.matmul("Q4_K", big, 4096, 4096, xb, threads), time.perf_counter())
+
+    t = threading.Thread(target=long_call)
+    t0 = time.perf_counter()
+    t.start()
+    started.wait()
+    time.sleep(0.005)  # the long call is under way
+    got = [lib.matmul("Q4_K", small, 256, 4096, xs, 1) for _ in range(5)]
+    small_done = time.perf_counter()
+    t.join()
+    big_out, big_done = done["big"]
+    assert small_done < big_done, (small_done - t0, big_done - t0)
+    assert all(torch.equal(g, want_s) for g in got)
+    assert torch.equal(big_out, want_b)
 
 
 @needs_kernels

@@ -748,7 +748,11 @@ static void run_units(Job *j) {
 
 enum { MAX_THREADS = 64 };
 #define MIN_SPLIT_MACS 1e7 /* multiply-adds below which a call runs on the calling thread alone */
-static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
+/* one call at a time uses the pool; calls that find it taken run on their own thread, so a
+ * decode step's matmul never waits behind a prompt pass's (a 64-token pass through one of an
+ * 8B model's 14336x4096 matrices takes ~100 ms at one thread: with one lock for every call, a
+ * node's decode steps took 25x longer while a prompt was in flight) */
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER, done = PTHREAD_COND_INITIALIZER;
 static Job *current;
@@ -830,8 +834,9 @@ static void run_job(Job *j, int threads) {
 
 /* ------------------------------------------------------------------ entry point */
 
-static void *scratch;
-static size_t scratch_bytes;
+/* per calling thread (a node's decode and prefill lanes call at once) */
+static __thread void *scratch;
+static __thread size_t scratch_bytes;
 
 static void *scratch_for(size_t bytes) {
     if (bytes > scratch_bytes) {
@@ -851,16 +856,12 @@ int swq_matmul(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, 
     if (swq_packed_bytes(fmt, n, k) < 0 || terms < 1 || terms > 2) return -1;
     const int group = ACT_GROUP[fmt];
     const int64_t tr = rows * terms;
-    pthread_mutex_lock(&call_mu);
     const size_t qb = ((size_t)(tr * k) + 63) & ~(size_t)63;
     const size_t db = (size_t)(rows * (k / group)) * sizeof(float);
     const size_t sb32 = (size_t)(tr * (k / 32)) * sizeof(int16_t);
     const size_t sb16 = (size_t)(tr * (k / 16)) * sizeof(int16_t);
     char *buf = scratch_for(qb + db + sb32 + sb16 + 64);
-    if (!buf) {
-        pthread_mutex_unlock(&call_mu);
-        return -2;
-    }
+    if (!buf) return -2;
     Acts A = {rows, k, group, terms, (int8_t *)buf, (float *)(buf + qb), (int16_t *)(buf + qb + db),
               (int16_t *)(buf + qb + db + sb32)};
     for (int64_t r = 0; r < rows; r++) quantize_row(x + r * k, &A, r);
@@ -868,7 +869,13 @@ int swq_matmul(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, 
     /* waking the pool (~60 us here) costs more than splitting a small matmul saves: one
      * Q4_K row against 1024x4096 took 88 us on 2 threads, 62 on one (4096x4096: 178 vs 230),
      * and the default model's decode (576-wide matrices) ran at 40 tok/s on 2 threads, 79 on 1 */
-    run_job(&j, (double)rows * (double)n * (double)k < MIN_SPLIT_MACS ? 1 : threads);
-    pthread_mutex_unlock(&call_mu);
+    if ((double)rows * (double)n * (double)k < MIN_SPLIT_MACS || threads < 2) {
+        run_units(&j);
+    } else if (pthread_mutex_trylock(&call_mu) == 0) {
+        run_job(&j, threads);
+        pthread_mutex_unlock(&call_mu);
+    } else {
+        run_units(&j); /* the pool is another call's: this thread alone, not after it */
+    }
     return 0;
 }
