@@ -9,6 +9,8 @@ record's pass counters). Goals: 8 sessions >= 4x one session's aggregate tokens/
 8 sessions <= 2.5x a lone session's.
 
     .venv/bin/python scripts/bench_batching.py [--sessions 1,2,4,8,16] [--nodes 2,3]
+    .venv/bin/python scripts/bench_batching.py --model /tmp/swarm-l8b/l8b-16.Q4_K.gguf \
+        --nodes 1,2 --sessions 1,4    # real-size layers: does a pipeline overlap its stages?
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -37,8 +40,11 @@ def client_main(a) -> None:
     # nodes, and idle OpenMP threads spinning between matmuls would take them from everyone
     torch.set_num_threads(1)
 
-    client = Client(a.peers.split(","))
-    ids = client.encode(f"User {a.index}: tell me a story about the number {a.index}.")
+    client = Client(a.peers.split(","), model=a.model)
+    if client.config.vocab < 10000:  # a synthetic file: no tokenizer, ids of its own
+        ids = [(37 * i + 11 * a.index) % (client.config.vocab - 50) + 50 for i in range(16)]
+    else:
+        ids = client.encode(f"User {a.index}: tell me a story about the number {a.index}.")
     with client.session(len(ids) + a.new_tokens + 1) as s:
         token = int(s.feed(ids).argmax())
         print("ready", flush=True)
@@ -53,7 +59,9 @@ def client_main(a) -> None:
     client.close()
 
 
-def run_sessions(peers: str, n: int, new_tokens: int, node_pids: list[int]) -> dict:
+def run_sessions(
+    peers: str, n: int, new_tokens: int, node_pids: list[int], model: str | None = None
+) -> dict:
     procs = [
         subprocess.Popen(
             [
@@ -66,6 +74,7 @@ def run_sessions(peers: str, n: int, new_tokens: int, node_pids: list[int]) -> d
                 str(i),
                 "--new-tokens",
                 str(new_tokens),
+                *(["--model", model] if model else []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -131,6 +140,8 @@ def main() -> None:
     p.add_argument("--nodes", default="2,3")
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--max-batch", type=int, default=None, help="pass to the nodes (default theirs)")
+    p.add_argument("--model", help="a GGUF file (default: the default model)")
+    p.add_argument("--node-args", default="", help="more options for every node")
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--peers", help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -142,20 +153,21 @@ def main() -> None:
     from swarm.client.client import Client
     from swarm.model.source import open_model
 
-    layers = open_model(None).config.num_layers
+    layers = open_model(a.model).config.num_layers
     ttl = 3.0
-    extra = ["--threads", "1", "--announce-ttl", str(ttl)]
+    extra = ["--threads", "1", "--announce-ttl", str(ttl), *shlex.split(a.node_args)]
     if a.max_batch:
         extra += ["--max-batch", str(a.max_batch)]
     table = []
     for parts in (int(x) for x in a.nodes.split(",")):
-        nodes = start_swarm(even_spans(layers, parts), extra=extra)
+        nodes = start_swarm(even_spans(layers, parts), model=a.model, extra=extra)
         try:
             peers = ",".join(nodes[0].maddrs[:1])
-            watcher = Client(nodes[0].maddrs[:1])
+            watcher = Client(nodes[0].maddrs[:1], model=a.model)
             for n in (int(x) for x in a.sessions.split(",")):
                 before = fresh_counters(watcher, {}, 0)
-                result = run_sessions(peers, n, a.new_tokens, [node.pid for node in nodes])
+                pids = [node.pid for node in nodes]
+                result = run_sessions(peers, n, a.new_tokens, pids, a.model)
                 result["batch"] = batch_means(before, fresh_counters(watcher, before, ttl))
                 result.update(nodes=parts, sessions=n, load=os.getloadavg()[0])
                 table.append(result)

@@ -1,6 +1,8 @@
 """Link scheduler benchmark: molink vs fifo on shaped links, real nodes, real model compute.
 
-Three nodes split the default model (0:10, 10:20, 20:30). Nodes 2 and 3 sit behind shaped relays
+Three nodes split the default model (0:10, 10:20, 20:30), or --model's layers, or an 8B-shaped
+Q4_K file of --synthetic-layers (4096 wide: 8 KiB a token on the wire, MoLink's case; the trace
+is token ids, no tokenizer needed). Nodes 2 and 3 sit behind shaped relays
 (`python -m devtools.link_proxy`, announced with --public-address), so both node-to-node hops
 cross a link of --rates Mbps with --rtt-ms round trip and a bounded bottleneck buffer; the client
 reaches node 1 directly. Per round the nodes start fresh with one variant's options and carry:
@@ -23,6 +25,7 @@ then the first variant's figures over each other's.
     .venv/bin/python scripts/bench_link.py                      # 5 and 20 Mbps, 2 rounds each
     .venv/bin/python scripts/bench_link.py --rates 5 --rounds 1 --duration 60
     .venv/bin/python scripts/bench_link.py --variants molink fifo "one-lane=--compute-lanes 1"
+    .venv/bin/python scripts/bench_link.py --synthetic-layers 3 --rates 10 20 --input-scale 1
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import bench  # noqa: F401  (first: OpenMP's wait policy, a node's, before torch loads)
 import torch
@@ -53,14 +57,16 @@ from bench.timing import TokenTimes, greedy  # noqa: E402
 
 from devtools.launch import NodeProcess  # noqa: E402
 from swarm.client.client import Client  # noqa: E402
+from swarm.model.source import default_model_path, open_model  # noqa: E402
 
-SPANS = [(0, 10), (10, 20), (20, 30)]
+SPANS = [(0, 10), (10, 20), (20, 30)]  # the default model's; --model's split like it into 3
 # Azure LLM inference trace 2023, conversation: medians ~1020 input and ~130 output tokens
 TRACE_IN_MEDIAN, TRACE_IN_SIGMA, TRACE_IN_MAX = 1020, 0.6, 2048
 TRACE_OUT_MEDIAN, TRACE_OUT_SIGMA, TRACE_OUT_MAX = 130, 0.8, 1024
 STEADY_PROMPT = 32
-# a frame of one token's activations (576 x float16) with its header: a decode step, as prefill
-# chunks of the default model are at least 2 tokens on links of 1 Mbps and more
+# a frame of one token's activations (hidden x float16) with its header: a decode step, as
+# prefill chunks are at least 2 tokens on links of 1 Mbps and more (hidden: 576, the default
+# model's; set from --model)
 DECODE_FRAME_BYTES = (1152, 2 * 1152)
 
 
@@ -154,7 +160,7 @@ def draw_trace(rng: random.Random, a) -> list[Request]:
         n_out = min(TRACE_OUT_MAX, rng.lognormvariate(math.log(TRACE_OUT_MEDIAN), TRACE_OUT_SIGMA))
         n_in = max(16, round(n_in * a.input_scale))
         n_out = max(4, round(n_out * a.output_scale))
-        out.append(Request(t, [rng.randrange(100, 40000) for _ in range(n_in)], n_out))
+        out.append(Request(t, [rng.randrange(100, a.vocab) for _ in range(n_in)], n_out))
 
 
 # a node that writes its step log through the node's observer hook
@@ -174,7 +180,7 @@ def start_nodes(swarm: LocalSwarm, variant: Variant, rate: float, a, logs, step_
         extra = [*common, "--step-log", step_logs[i]]
         # the hop into every node but the first crosses a shaped link
         shape = Shape(rate, a.rtt_ms, a.buffer_kb, logs[i - 1], nice=False) if i > 0 else None
-        swarm.node(span, extra, shape, wait=False, program=(STEP_LOG_NODE,))
+        swarm.node(span, extra, shape, wait=False, program=(STEP_LOG_NODE,), model=a.model)
     for n in swarm.nodes:
         n.wait_serving()
 
@@ -207,11 +213,13 @@ def generate(client: Client, prompt: list[int], new_tokens: int, done: Done, sto
         done.failed_at = time.monotonic()
 
 
-def steady(client: Client, stop: threading.Event, rnd: Round, lock: threading.Lock, seed: int):
+def steady(
+    client: Client, stop: threading.Event, rnd: Round, lock: threading.Lock, seed: int, vocab: int
+):
     rng = random.Random(seed)
     while not stop.is_set():
         d = Done(TokenTimes(time.monotonic()))
-        prompt = [rng.randrange(100, 40000) for _ in range(STEADY_PROMPT)]
+        prompt = [rng.randrange(100, vocab) for _ in range(STEADY_PROMPT)]
         generate(client, prompt, 1000, d, stop)
         with lock:
             if d.error:
@@ -276,7 +284,7 @@ def run_round(client: Client, swarm: LocalSwarm, trace, variant: Variant, rate: 
         wait_route(client, {n.peer for n in nodes})
         lock, stop = threading.Lock(), threading.Event()
         workers = [
-            threading.Thread(target=steady, args=(client, stop, rnd, lock, i), daemon=True)
+            threading.Thread(target=steady, args=(client, stop, rnd, lock, i, a.vocab), daemon=True)
             for i in range(a.steady)
         ]
         for w in workers:
@@ -611,7 +619,16 @@ def main() -> None:
         help='"molink", "fifo" or "NAME=NODE OPTIONS"; ratios are the first over each other',
     )
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--model", help="a GGUF file to serve (default: the default model)")
+    p.add_argument(
+        "--synthetic-layers",
+        type=int,
+        default=0,
+        help="serve an 8B-shaped Q4_K file of this many layers (written to --files), not --model",
+    )
+    p.add_argument("--files", type=Path, default=Path(tempfile.gettempdir()) / "swarm-l8b")
     a = p.parse_args()
+    choose_model(a)
     variants = [Variant.parse(v) for v in a.variants]
     if len({v.name for v in variants}) != len(variants) or len(variants) < 2:
         p.error("--variants wants at least two distinct names")
@@ -627,11 +644,32 @@ def main() -> None:
     )
     with LocalSwarm() as swarm:
         # plaintext=True lets a variant run its nodes --plaintext; TLS nodes are dialled by key
-        client = Client(swarm.peers, prefill_chunk=a.prefill_chunk, plaintext=True)
+        client = Client(swarm.peers, prefill_chunk=a.prefill_chunk, plaintext=True, model=a.model)
         try:
             report(run_rounds(client, swarm, trace, variants, a), variants, a)
         finally:
             client.close()
+
+
+def choose_model(a) -> None:
+    """The served file (a.model), its vocabulary (a.vocab: the trace's token ids stay below
+    it) and the spans and decode frame size of it."""
+    global SPANS, DECODE_FRAME_BYTES
+    if a.synthetic_layers:
+        from synthetic_gguf import Shapes, write_synthetic_gguf
+
+        a.files.mkdir(parents=True, exist_ok=True)
+        path = a.files / f"l8b-{a.synthetic_layers}.Q4_K.gguf"
+        if not path.exists():
+            write_synthetic_gguf(path, Shapes(layers=a.synthetic_layers), "Q4_K")
+        a.model = str(path)
+    a.model = a.model or str(default_model_path())
+    config = open_model(a.model).config
+    a.vocab = min(40000, config.vocab)  # 40000: the default model's trace as it always was
+    cuts = [round(config.num_layers * i / 3) for i in range(4)]
+    SPANS = list(zip(cuts, cuts[1:]))
+    DECODE_FRAME_BYTES = (2 * config.hidden, 4 * config.hidden)
+    print(f"model: {a.model}, {config.num_layers} layers, hidden {config.hidden}", flush=True)
 
 
 def run_rounds(client: Client, swarm: LocalSwarm, trace, variants: list[Variant], a):
