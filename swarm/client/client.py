@@ -31,6 +31,7 @@ from swarm.client.verify import Reports
 from swarm.dht import read_nodes, start_dht
 from swarm.errors import (
     NoChatTemplate,
+    SpeculationRefused,
 )
 from swarm.model.blocks import KVCache
 from swarm.model.head import Head
@@ -230,7 +231,15 @@ class Client:
 
     def drafter(self, speculative: str | None = None) -> Drafter | None:
         """None for "off"; prompt lookup for "lookup"; else the draft model at that path,
-        loaded once (DraftRefused if its vocabulary is not the served model's)."""
+        loaded once (DraftRefused if its vocabulary is not the served model's). A model with
+        Gated DeltaNet layers decodes a token a step: SpeculationRefused if asked by name."""
+        if self.config.delta is not None:  # its states keep no earlier position to rewind to
+            if speculative not in (None, "off"):
+                raise SpeculationRefused(
+                    f"{self.config.name} ({self.config.family}): speculative decoding needs"
+                    " caches that rewind; its Gated DeltaNet states do not"
+                )
+            return None
         speculative = speculative or self.options.speculative
         if speculative == "off":
             return None
