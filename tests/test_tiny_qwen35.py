@@ -143,14 +143,26 @@ def test_the_attention_gate_changes_what_the_model_computes(made, tmp_path):
     assert split_greedy(other, SPLITS[1], [PROMPT], NEW_TOKENS) != [want]
 
 
-def test_a_multimodal_qwen3_5_folder_is_refused_by_name(made, tmp_path):
-    _, folder, _ = made("qwen3_5")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_multimodal_folder_serves_its_text_model_skipping_vision_and_mtp(made, tmp_path, family):
+    """As transformers saves Qwen3_5ForConditionalGeneration (and the Hub's checkpoints are):
+    the text model under model.language_model., the vision tower under model.visual., the
+    multi-token-prediction weights under mtp.; config.json's text_config."""
+    _, folder, want = made(family)
     text = json.loads((folder / "config.json").read_text())
-    whole = {"model_type": "qwen3_5", "text_config": text, "vision_config": {"depth": 2}}
-    other = changed_copy(folder, tmp_path)
+    whole = {"model_type": family, "text_config": text, "vision_config": {"depth": 1}}
+    whole["tie_word_embeddings"] = False
+
+    def multimodal(state):
+        out = {k.replace("model.", "model.language_model.", 1): v for k, v in state.items()}
+        out["model.visual.blocks.0.attn.qkv.weight"] = torch.ones(96, 32)
+        out["mtp.fc.weight"] = torch.ones(64, 128)
+        return out
+
+    other = changed_copy(folder, tmp_path, state_change=multimodal)
     (other / "config.json").write_text(json.dumps(whole))
-    with pytest.raises(ValueError, match="multimodal"):
-        open_model(str(other))
+    assert open_model(str(other)).config.family == family
+    assert split_greedy(other, SPLITS[2], [PROMPT], NEW_TOKENS) == [want]
 
 
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next"])

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from swarm.errors import ProtocolError
-from swarm.model import kernels
+from swarm.model import kernels, qwen35
 from swarm.model.config import ModelConfig
-from swarm.model.deltanet import NO_REWIND, DeltaNetNoRewind, GatedDeltaNet, State, split_gate
+from swarm.model.deltanet import NO_REWIND, DeltaNetNoRewind, GatedDeltaNet, State
 from swarm.model.eager import eager_attention
 from swarm.model.experts import MLP, Experts
 from swarm.model.families import block_tensors
@@ -198,7 +198,7 @@ class Block:
         elif c.latent is not None:
             qkv = LatentAttention.load(c, raw, norms, weights, usable, terms)
         elif c.attn_gate:  # q_proj's rows: each head's query, then its gate: gates go last
-            qkv = Fused.load([*split_gate(raw, c.heads)], weights, [None] * 4, usable, terms)
+            qkv = Fused.load([*qwen35.split_gate(raw, c.heads)], weights, [None] * 4, usable, terms)
         else:
             qkv = fused(("qkv",) if c.fused else ("q", "k", "v"), [q, kv, kv])
         o = linear("o")

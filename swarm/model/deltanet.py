@@ -25,72 +25,17 @@ from swarm.errors import ProtocolError
 from swarm.model.config import Delta, ModelConfig
 from swarm.model.linear import Linear
 from swarm.model.norm import rms_norm
-from swarm.model.weights import Fused, RawTensor, release_freed_memory
+from swarm.model.weights import Fused, release_freed_memory
 
 CHUNK = 64  # transformers' chunk_size for prompts
 L2_EPS = 1e-6  # transformers' l2norm of q and k (the FLA library's)
 
-# a linear-attention layer's tensors: blocks.py's name -> (config.json name, GGUF name)
-NAMES = {
-    "in_qkv": ("linear_attn.in_proj_qkv", "attn_qkv"),
-    "in_z": ("linear_attn.in_proj_z", "attn_gate"),
-    "in_b": ("linear_attn.in_proj_b", "ssm_beta"),
-    "in_a": ("linear_attn.in_proj_a", "ssm_alpha"),
-    "conv": ("linear_attn.conv1d", "ssm_conv1d"),
-    "A_log": ("linear_attn.A_log", "ssm_a"),
-    "dt_bias": ("linear_attn.dt_bias", "ssm_dt.bias"),
-    "gated_rms": ("linear_attn.norm", "ssm_norm"),  # not "...norm": weight used as is, not 1 + w
-    "o": ("linear_attn.out_proj", "ssm_out"),
-}
 NO_REWIND = "a Gated DeltaNet layer's state holds no earlier position"
 
 
 class DeltaNetNoRewind(ProtocolError):
     """A rewind (a speculative round's rejected drafts) asked of a session with a Gated DeltaNet
     layer: its fixed-size state keeps no per-position snapshots, so it cannot go back."""
-
-
-def block_tensors(moe: bool) -> tuple[str, ...]:
-    """A linear-attention block's tensors (blocks.py's names), a mixture's experts aside."""
-    return ("attn_norm", *NAMES, "mlp_norm", *(() if moe else ("gate", "up", "down")))
-
-
-def hf_fields(family, cfg: dict, where: str) -> dict:
-    """ModelConfig fields of a qwen3_5 / qwen3_5_moe text config.json (transformers' defaults:
-    every 4th layer full attention, the rest linear); none for another family."""
-    if not family.delta:
-        return {}
-    layers = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or [
-        "linear_attention" if (i + 1) % cfg.get("full_attention_interval", 4) else "full_attention"
-        for i in range(layers)
-    ]
-    if unknown := set(types) - {"linear_attention", "full_attention"}:
-        raise ValueError(f"{where}: layer types {sorted(unknown)} are not supported")
-    if cfg.get("attention_bias"):
-        raise ValueError(f"{where}: attention biases are not supported for {cfg['model_type']}")
-    delta = Delta(
-        layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
-        k_heads=int(cfg.get("linear_num_key_heads", 16)),
-        v_heads=int(cfg.get("linear_num_value_heads", 32)),
-        k_dim=int(cfg.get("linear_key_head_dim", 128)),
-        v_dim=int(cfg.get("linear_value_head_dim", 128)),
-        kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-    )
-    if delta.v_heads % delta.k_heads:
-        raise ValueError(f"{where}: {delta.v_heads} value heads for {delta.k_heads} key heads")
-    return dict(delta=delta, attn_gate=True, mtp_layers=int(cfg.get("mtp_num_hidden_layers", 0)))
-
-
-def split_gate(raw, heads: int) -> tuple[RawTensor, ...]:
-    """A gated attention's q, k, v and gate matrices: q_proj [heads * 2 * head_dim, hidden]
-    holds each head's query rows then its gate rows (any file's rows: torch or GGUF bytes)."""
-    q = raw["q"]
-    data = q.data.reshape(heads, 2, -1, q.data.shape[-1])
-    query, gate = (
-        RawTensor(q.name, q.kind, data[:, i].reshape(-1, data.shape[-1])) for i in (0, 1)
-    )
-    return query, raw["k"], raw["v"], gate
 
 
 @dataclass

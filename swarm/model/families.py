@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from swarm.model import deepseek, deltanet, gptoss
+from swarm.model import deepseek, gptoss, qwen35
 from swarm.model.config import ModelConfig, Rope
 from swarm.model.rope_scaling import gguf_rope, rope_from_hf
 
@@ -42,7 +42,7 @@ class Family:
     gguf_topk_norm: bool | None = None  # llama.cpp's, where it differs (Qwen3-MoE: it does)
     latent: bool = False  # multi-head latent attention, DeepSeek's router (swarm.model.deepseek)
     sinks: bool = False  # gpt-oss's sinks, router and experts (swarm.model.gptoss)
-    delta: bool = False  # Gated DeltaNet layers, gated attention (swarm.model.deltanet)
+    delta: bool = False  # Gated DeltaNet layers, gated attention (swarm.model.qwen35)
     # config.json names of a mixture layer's router and expert e's gate, up and down
     hf_experts: tuple[str, ...] = (
         "mlp.gate",
@@ -171,7 +171,7 @@ def block_tensors(c: ModelConfig, layer: int) -> tuple[str, ...]:
     """The tensors (blocks.py's names) block `layer` of `c` must have, a mixture's experts
     aside (`block_names` adds them); biases are optional."""
     if c.is_delta(layer):  # Gated DeltaNet's instead of attention's
-        return deltanet.block_tensors(c.moe(layer))
+        return qwen35.block_tensors(c.moe(layer))
     names = ["attn_norm", *_attention_tensors(c), "o", "mlp_norm"]
     if not c.moe(layer):
         names += ["gate_up", "down"] if c.fused else ["gate", "up", "down"]
@@ -185,7 +185,7 @@ def block_names(c: ModelConfig, gguf: bool, layer: int) -> dict[str, str]:
     and ".weight" left out)."""
     out = {}
     for name in block_tensors(c, layer):
-        hf, gg = (deltanet.NAMES if c.is_delta(layer) else _NAMES).get(name) or _NAMES[name]
+        hf, gg = (qwen35.NAMES if c.is_delta(layer) else _NAMES).get(name) or _NAMES[name]
         if name == "mlp_norm" and c.post_norms:
             hf = "pre_feedforward_layernorm"  # Gemma: post_attention_layernorm is another norm
         if name == "mlp_norm" and gguf and c.sinks:
@@ -331,7 +331,7 @@ def config_from_hf(cfg: dict, name: str, where: str) -> tuple[ModelConfig, bool]
         embed_scale=float(hidden) ** 0.5 if f.embed_scaled else None,
         wire_dtype=f.wire_dtype,
     )
-    config = replace(config, **deltanet.hf_fields(f, cfg, where))
+    config = replace(config, **qwen35.hf_fields(f, cfg, where))
     if f.latent:
         config = replace(config, **deepseek.hf_fields(cfg))
     elif f.moe:
