@@ -214,3 +214,34 @@ def test_a_state_is_the_same_whether_its_session_decodes_alone_or_batched(made):
     for layer in alone.states:
         assert torch.allclose(alone.states[layer].s, batched.states[layer].s, atol=1e-5)
         assert not torch.allclose(other.states[layer].s, batched.states[layer].s, atol=1e-2)
+
+
+@pytest.mark.slow
+def test_a_leaving_node_hands_no_deltanet_session_over_and_replay_finishes_each(made, dht_peers):
+    import re
+    import signal
+
+    from devtools.launch import stop_all
+    from tests.helpers.handover import start_full_node
+    from tests.test_handover import NEW, client_of, generate_across_a_leave
+
+    model, folder, _ = made("qwen3_5")
+    prompts = [PROMPT, PROMPT[:7], PROMPT[5:26], PROMPT[::-1]]
+    leaving = start_full_node(folder, dht_peers, "--grace", "1")
+    client = client_of(dht_peers, folder)
+    nodes = [leaving]
+    try:
+
+        def leave() -> None:
+            nodes.append(start_full_node(folder, dht_peers))
+            leaving.proc.send_signal(signal.SIGTERM)
+            assert leaving.proc.wait(60) == 0  # gone before the sessions' next steps
+
+        out, sessions = generate_across_a_leave(client, prompts, leave)
+        assert out == [reference_greedy(model, p, NEW) for p in prompts]
+        assert [(bool(s.recoveries), s.moves) for s in sessions] == [(True, 0)] * 4
+        said = [m for line in leaving.lines if (m := re.search(r"to replicas (\d+)", line))]
+        assert [m.group(1) for m in said] == ["0"]
+    finally:
+        client.close()
+        stop_all(nodes)
