@@ -245,3 +245,21 @@ def test_a_leaving_node_hands_no_deltanet_session_over_and_replay_finishes_each(
     finally:
         client.close()
         stop_all(nodes)
+
+
+def test_a_node_s_memory_budget_counts_a_state_for_each_session_a_deltanet_block_may_hold(made):
+    from swarm.node.config import Limits, NodeConfig
+    from swarm.node.measure import blocks_that_fit
+
+    _, folder, _ = made("qwen3_5")
+    source = open_model(str(folder))
+    said = []
+
+    def fit(sessions: int) -> int:
+        limits = Limits(max_sessions=sessions, max_cache_tokens=16)
+        config = NodeConfig(start=0, end=6, limits=limits, max_memory_mb=8.0, weights="float32")
+        return blocks_that_fit(config, source, ("float32",), said.append)
+
+    state = State.nbytes(source.config.delta)  # 8.5 KiB a session here
+    assert fit(1) > fit(64)
+    assert f"{64 * state / 2**20:.1f} MiB of cache" in said[-1]

@@ -153,6 +153,8 @@ class Client:
         worth the cache's transfer (swarm.client.routing.pick_prefill); None: on `hop`."""
         if not self.options.disaggregate or tokens < PREFILL_MIN_TOKENS:
             return None
+        if self.config.delta is not None:  # a node hands no Gated DeltaNet state on
+            return None
         weights = self._weights.get(hop.peer)
         exclude = self._leaving_out(exclude)
         records = [
