@@ -84,10 +84,6 @@ class GatedDeltaNet:
     def linears(self) -> tuple[Linear, ...]:
         return tuple(self.proj.linears)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.conv, self.decay, self.dt_bias, self.gated_rms))
-
     def _project(self, x: torch.Tensor):
         d = self.d
         key, value = d.k_heads * d.k_dim, d.v_heads * d.v_dim
