@@ -1,6 +1,7 @@
 """Qwen3.5 gives transformers' own tokens: tiny random ones, dense and MoE (swarm.model.tiny: 6
 layers, Gated DeltaNet but for layers 2 and 5, full attention with an output gate and partial
-rotary; the MoE's 8 experts top 3 beside a gated shared expert) from their safetensors folders,
+rotary; the MoE's 8 experts top 3 beside a gated shared expert) from their safetensors folders
+and from GGUF files as llama.cpp's converter writes them (qwen35, qwen35moe: value heads tiled),
 split between DeltaNet and full-attention layers, in process and through 3 nodes; batched
 sessions keep their states apart; what a fixed-size state cannot do is refused by name."""
 
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from devtools import gguf_check
+from devtools.hf_to_gguf import write_gguf
 from swarm.errors import SpeculationRefused
 from swarm.model.blocks import Block, KVCache, Span
 from swarm.model.deltanet import DeltaNetNoRewind, State
@@ -31,7 +34,8 @@ LONG_PROMPT = [(11 * i + 5) % 500 + 5 for i in range(70)]  # past one chunk of 6
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """family -> (reference model, safetensors folder, its greedy tokens after PROMPT)."""
+    """family -> (reference model, safetensors folder, its greedy tokens after PROMPT, F32 GGUF
+    written as llama.cpp writes it)."""
     cache = {}
 
     def get(family: str):
@@ -39,30 +43,34 @@ def made(tmp_path_factory):
             folder = tmp_path_factory.mktemp(family)
             model = save_tiny(family, folder)
             save_tiny_tokenizer(folder)
-            cache[family] = model, folder, reference_greedy(model, PROMPT, NEW_TOKENS)
+            path = write_gguf(folder, tmp_path_factory.mktemp("gguf") / f"{family}.gguf")
+            cache[family] = model, folder, reference_greedy(model, PROMPT, NEW_TOKENS), path
         return cache[family]
 
     return get
 
 
 @pytest.mark.parametrize("ways", [1, 2, 3])
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_split_gives_transformers_greedy_tokens(made, family, ways):
-    _, folder, want = made(family)
-    assert split_greedy(folder, SPLITS[ways], [PROMPT], NEW_TOKENS) == [want]
+def test_a_split_gives_transformers_greedy_tokens(made, family, fmt, ways):
+    _, folder, want, path = made(family)
+    got = split_greedy(folder if fmt == "safetensors" else path, SPLITS[ways], [PROMPT], NEW_TOKENS)
+    assert got == [want]
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_four_batched_sessions_each_get_their_own_tokens(made, family):
-    model, folder, _ = made(family)
+def test_four_batched_sessions_each_get_their_own_tokens(made, family, fmt):
+    model, folder, _, path = made(family)
     prompts = [PROMPT, PROMPT[:7], PROMPT[5:26], PROMPT[::-1]]
     want = [reference_greedy(model, p, 24) for p in prompts]
-    assert split_greedy(folder, SPLITS[3], prompts, 24) == want
+    assert split_greedy(folder if fmt == "safetensors" else path, SPLITS[3], prompts, 24) == want
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_prompt_longer_than_a_chunk_gives_transformers_tokens(made, family):
-    model, folder, _ = made(family)
+    model, folder, _, _ = made(family)
     want = reference_greedy(model, LONG_PROMPT, 30)
     assert split_greedy(folder, SPLITS[2], [LONG_PROMPT], 30) == [want]
 
@@ -83,20 +91,20 @@ def _greedy_in_pieces(folder, pieces: list[list[int]], new_tokens: int) -> list[
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_prompt_fed_in_passes_carries_the_state_from_one_to_the_next(made, family):
-    _, folder, want = made(family)
+    _, folder, want, _ = made(family)
     pieces = [PROMPT[:12], PROMPT[12:13], PROMPT[13:]]  # one pass of a single token among them
     assert _greedy_in_pieces(folder, pieces, NEW_TOKENS) == want
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_greedy_tokens_are_varied_and_clear_of_ties(made, family):
-    model, _, want = made(family)
+    model, _, want, _ = made(family)
     assert len(set(want)) >= 20
     assert min_greedy_margin(model, PROMPT, NEW_TOKENS) > 1e-3
 
 
 def test_the_cache_holds_a_fixed_state_for_each_deltanet_layer_and_keys_for_the_others(made):
-    _, folder, _ = made("qwen3_5")
+    _, folder, _, _ = made("qwen3_5")
     c = open_model(str(folder)).config
     cache = KVCache.allocate(c, 1, 6, 100)  # layers 1-5 of the model
     assert sorted(cache.states) == [0, 2, 3]  # model layers 1, 3, 4
@@ -108,7 +116,7 @@ def test_the_cache_holds_a_fixed_state_for_each_deltanet_layer_and_keys_for_the_
 
 
 def test_a_rewind_of_a_deltanet_state_is_refused_by_name(made):
-    _, folder, _ = made("qwen3_5")
+    _, folder, _, _ = made("qwen3_5")
     source = open_model(str(folder))
     head, span = Head.load(source, weights="float32"), Span.load(source, 0, 6, weights="float32")
     cache = span.allocate_cache(0, 6, 64)
@@ -118,10 +126,11 @@ def test_a_rewind_of_a_deltanet_state_is_refused_by_name(made):
     assert cache.length == len(PROMPT)
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_tensor_of_every_block_is_consumed(made, family):
-    _, folder, _ = made(family)
-    source = open_model(str(folder))
+def test_every_tensor_of_every_block_is_consumed(made, family, fmt):
+    _, folder, _, path = made(family)
+    source = open_model(str(folder if fmt == "safetensors" else path))
     for block in range(6):
         raw = source.block_raw(block)
         Block.load(source.config, block, raw, "float32", None)
@@ -130,7 +139,7 @@ def test_every_tensor_of_every_block_is_consumed(made, family):
 
 def test_the_attention_gate_changes_what_the_model_computes(made, tmp_path):
     """q_proj's gate rows are read: zeroed, the gate is sigmoid(0) = 1/2 everywhere."""
-    _, folder, want = made("qwen3_5")
+    _, folder, want, _ = made("qwen3_5")
 
     def no_gate(state):
         for name in [n for n in state if n.endswith("self_attn.q_proj.weight")]:
@@ -148,7 +157,7 @@ def test_a_multimodal_folder_serves_its_text_model_skipping_vision_and_mtp(made,
     """As transformers saves Qwen3_5ForConditionalGeneration (and the Hub's checkpoints are):
     the text model under model.language_model., the vision tower under model.visual., the
     multi-token-prediction weights under mtp.; config.json's text_config."""
-    _, folder, want = made(family)
+    _, folder, want, _ = made(family)
     text = json.loads((folder / "config.json").read_text())
     whole = {"model_type": family, "text_config": text, "vision_config": {"depth": 1}}
     whole["tie_word_embeddings"] = False
@@ -165,8 +174,32 @@ def test_a_multimodal_folder_serves_its_text_model_skipping_vision_and_mtp(made,
     assert split_greedy(other, SPLITS[2], [PROMPT], NEW_TOKENS) == [want]
 
 
-@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next"])
-def test_a_qwen3_5_gguf_is_refused_by_its_architecture(tmp_path, arch):
+def test_the_file_has_llama_cpp_s_keys_names_and_tiled_value_heads(made):
+    model, folder, _, path = made("qwen3_5")
+    fields = gguf.GGUFReader(str(path)).fields
+    expected = {
+        "qwen35.ssm.conv_kernel": 4,
+        "qwen35.ssm.state_size": 16,
+        "qwen35.ssm.group_count": 2,
+        "qwen35.ssm.time_step_rank": 4,
+        "qwen35.ssm.inner_size": 96,
+        "qwen35.full_attention_interval": 3,
+        "qwen35.rope.dimension_count": 8,
+    }
+    for key, value in expected.items():
+        assert fields[key].contents() == value, key
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, 6)
+    tensors = gguf_check.dequantized(path)
+    hf = [n.replace("dt_bias", "dt_proj.bias") for n in model.state_dict()]  # as it renames
+    theirs = {names.get_name(n, try_suffixes=(".weight", ".bias")) for n in hf}
+    assert set(tensors) == theirs
+    a_log = model.state_dict()["model.layers.0.linear_attn.A_log"].numpy()
+    tiled = -np.exp(a_log.reshape(2, 2).T.reshape(-1))  # [k0v0 k0v1 k1v0 k1v1] -> v0s, then v1s
+    np.testing.assert_array_equal(tensors["blk.0.ssm_a"], tiled)
+
+
+@pytest.mark.parametrize("arch", ["qwen3next"])
+def test_a_qwen3_next_gguf_is_refused_by_its_architecture(tmp_path, arch):
     writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), arch)
     writer.add_block_count(4)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
@@ -179,18 +212,20 @@ def test_a_qwen3_5_gguf_is_refused_by_its_architecture(tmp_path, arch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_three_nodes_split_between_deltanet_and_attention_layers_give_transformers_tokens(
-    made, family
+    made, family, fmt
 ):
-    _, folder, want = made(family)
-    assert nodes_greedy(str(folder), SPLITS[3], PROMPT, NEW_TOKENS) == want
+    _, folder, want, path = made(family)
+    got = nodes_greedy(str(folder if fmt == "safetensors" else path), SPLITS[3], PROMPT, NEW_TOKENS)
+    assert got == want
 
 
 def test_speculative_decoding_is_refused_by_name_and_off_by_default(made, dht_peers):
     from swarm.client.client import Client
 
-    _, folder, _ = made("qwen3_5")
+    _, folder, _, _ = made("qwen3_5")
     client = Client(dht_peers, model=str(folder), wire_dtype="float32")
     try:
         assert client.drafter() is None  # the client's default, lookup, does not apply
@@ -202,7 +237,7 @@ def test_speculative_decoding_is_refused_by_name_and_off_by_default(made, dht_pe
 
 def test_a_state_is_the_same_whether_its_session_decodes_alone_or_batched(made):
     """Up to float32 rounding: a matmul over two rows may sum in another order than over one."""
-    _, folder, _ = made("qwen3_5_moe")
+    _, folder, _, _ = made("qwen3_5_moe")
     source = open_model(str(folder))
     head, span = Head.load(source, weights="float32"), Span.load(source, 0, 6, weights="float32")
     alone, batched, other = (span.allocate_cache(0, 6, 64) for _ in range(3))
@@ -225,7 +260,7 @@ def test_a_leaving_node_hands_no_deltanet_session_over_and_replay_finishes_each(
     from tests.helpers.handover import start_full_node
     from tests.test_handover import NEW, client_of, generate_across_a_leave
 
-    model, folder, _ = made("qwen3_5")
+    model, folder, _, _ = made("qwen3_5")
     prompts = [PROMPT, PROMPT[:7], PROMPT[5:26], PROMPT[::-1]]
     leaving = start_full_node(folder, dht_peers, "--grace", "1")
     client = client_of(dht_peers, folder)
@@ -251,7 +286,7 @@ def test_a_node_s_memory_budget_counts_a_state_for_each_session_a_deltanet_block
     from swarm.node.config import Limits, NodeConfig
     from swarm.node.measure import blocks_that_fit
 
-    _, folder, _ = made("qwen3_5")
+    _, folder, _, _ = made("qwen3_5")
     source = open_model(str(folder))
     said = []
 

@@ -71,6 +71,7 @@ class Delta:
     k_dim: int
     v_dim: int
     kernel: int
+    llama_cpp: bool = False  # a GGUF file's: value heads tiled, A_log held as -exp(A_log)
 
 
 ROUTERS = ("softmax", "sigmoid", "topk_softmax")

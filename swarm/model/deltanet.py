@@ -61,12 +61,12 @@ class GatedDeltaNet:
     """One layer's linear attention: x [rows, hidden] (normed) -> [rows, v_heads * v_dim],
     before out_proj (the block's `o`)."""
 
-    def __init__(self, config: ModelConfig, proj: Fused, conv, a_log, dt_bias, gated_rms):
+    def __init__(self, config: ModelConfig, proj: Fused, conv, decay, dt_bias, gated_rms):
         self.d: Delta = config.delta
         self.eps = config.rms_eps
         self.proj = proj  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a: one pass over x
         self.conv = conv  # [conv_dim, kernel]
-        self.decay = -a_log.exp()  # g = decay * softplus(a + dt_bias)
+        self.decay = decay  # -exp(A_log) a value head: g = decay * softplus(a + dt_bias)
         self.dt_bias, self.gated_rms = dt_bias, gated_rms
 
     @classmethod
@@ -78,7 +78,8 @@ class GatedDeltaNet:
         release_freed_memory()
         conv = raw["conv"].float32().reshape(2 * key + value, d.kernel)
         vec = {n: raw[n].float32().reshape(-1) for n in ("A_log", "dt_bias", "gated_rms")}
-        return cls(config, proj, conv, vec["A_log"], vec["dt_bias"], vec["gated_rms"])
+        decay = vec["A_log"] if d.llama_cpp else -vec["A_log"].exp()
+        return cls(config, proj, conv, decay, vec["dt_bias"], vec["gated_rms"])
 
     @property
     def linears(self) -> tuple[Linear, ...]:
@@ -118,7 +119,9 @@ class GatedDeltaNet:
         q = mixed[:, :key].reshape(n, d.k_heads, d.k_dim)
         k = mixed[:, key : 2 * key].reshape(n, d.k_heads, d.k_dim)
         v = mixed[:, 2 * key :].reshape(n, d.v_heads, d.v_dim)
-        if d.v_heads != d.k_heads:
+        if d.v_heads != d.k_heads and d.llama_cpp:  # value heads tiled: v0 of every k, v1 ...
+            q, k = (t.repeat(1, d.v_heads // d.k_heads, 1) for t in (q, k))
+        elif d.v_heads != d.k_heads:  # grouped: every v of k0, then of k1 ...
             q = q.repeat_interleave(d.v_heads // d.k_heads, dim=1)
             k = k.repeat_interleave(d.v_heads // d.k_heads, dim=1)
         return _l2norm(q), _l2norm(k), v

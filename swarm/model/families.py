@@ -63,7 +63,7 @@ _GEMMA = dict(
     wire_dtype="bfloat16",
 )
 
-_QWEN35 = dict(qk_norm=True, gemma_norms=True, delta=True)  # Qwen3.5: no GGUF read yet
+_QWEN35 = dict(qk_norm=True, gemma_norms=True, delta=True)  # Qwen3.5: x * (1 + w) norms
 
 FAMILIES = {
     f.name: f
@@ -118,8 +118,8 @@ FAMILIES = {
             window_period=6,
             local_theta=10_000.0,
         ),
-        Family("qwen3_5", ("qwen3_5_text",), (), **_QWEN35),
-        Family("qwen3_5_moe", ("qwen3_5_moe_text",), (), **_QWEN35, moe=True),
+        Family("qwen3_5", ("qwen3_5_text",), ("qwen35",), **_QWEN35),
+        Family("qwen3_5_moe", ("qwen3_5_moe_text",), ("qwen35moe",), **_QWEN35, moe=True),
     )
 }
 
@@ -156,8 +156,8 @@ _NAMES = {
 def file_name(name: str) -> str:
     """A block tensor's full name in its file: name + ".weight", but for names that carry their
     own ending (DeepSeek's e_score_correction_bias, exp_probs_b.bias; gpt-oss's sinks and
-    stacked experts in config.json; Qwen3.5's A_log)."""
-    return name if name.endswith(("bias", "A_log", *gptoss.OWN_ENDINGS)) else f"{name}.weight"
+    stacked experts in config.json; Qwen3.5's A_log, ssm_a)."""
+    return name if name.endswith(("bias", *qwen35.OWN, *gptoss.OWN_ENDINGS)) else f"{name}.weight"
 
 
 def _attention_tensors(c: ModelConfig) -> list[str]:
@@ -185,7 +185,7 @@ def block_names(c: ModelConfig, gguf: bool, layer: int) -> dict[str, str]:
     and ".weight" left out)."""
     out = {}
     for name in block_tensors(c, layer):
-        hf, gg = (qwen35.NAMES if c.is_delta(layer) else _NAMES).get(name) or _NAMES[name]
+        hf, gg = qwen35.names(c, layer).get(name) or _NAMES[name]
         if name == "mlp_norm" and c.post_norms:
             hf = "pre_feedforward_layernorm"  # Gemma: post_attention_layernorm is another norm
         if name == "mlp_norm" and gguf and c.sinks:
@@ -429,7 +429,7 @@ def config_from_gguf(
     elif f.moe:
         fields = gptoss.gguf_fields(f, field, arch)
         config = replace(config, **_gguf_experts(f, field, arch, tensors, layers), **fields)
-    return config, f
+    return replace(config, **qwen35.gguf_fields(f, field, arch, layers)), f
 
 
 def _gguf_experts(f: Family, field, arch: str, tensors, layers: int) -> dict:

@@ -15,8 +15,9 @@ multi-token-prediction weights (`mtp.*`, outside the decoder's layers) are.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
-from swarm.model.config import Delta
+from swarm.model.config import Delta, ModelConfig
 from swarm.model.weights import RawTensor
 
 log = logging.getLogger("swarm.model")
@@ -32,7 +33,10 @@ NAMES = {
     "dt_bias": ("linear_attn.dt_bias", "ssm_dt.bias"),
     "gated_rms": ("linear_attn.norm", "ssm_norm"),  # not "...norm": weight used as is, not 1 + w
     "o": ("linear_attn.out_proj", "ssm_out"),
+    "mlp_norm": ("post_attention_layernorm", "post_attention_norm"),
 }
+
+OWN = ("A_log", "ssm_a")  # names without ".weight": config.json's A_log, GGUF's -exp(A_log)
 # a multimodal folder's model_type -> its text model's
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
@@ -51,7 +55,15 @@ def text_part(cfg: dict, where: str) -> tuple[dict, str]:
 
 def block_tensors(moe: bool) -> tuple[str, ...]:
     """A linear-attention block's tensors (blocks.py's names), a mixture's experts aside."""
-    return ("attn_norm", *NAMES, "mlp_norm", *(() if moe else ("gate", "up", "down")))
+    return ("attn_norm", *NAMES, *(() if moe else ("gate", "up", "down")))
+
+
+def names(c: ModelConfig, layer: int) -> dict[str, tuple[str, str]]:
+    """Block `layer`'s names (blocks.py's -> config.json's, GGUF's) that are Qwen3.5's own: a
+    linear-attention layer's, and the MLP's norm as llama.cpp names it in every layer."""
+    if c.delta is None:
+        return {}
+    return NAMES if c.is_delta(layer) else {"mlp_norm": NAMES["mlp_norm"]}
 
 
 def hf_fields(family, cfg: dict, where: str) -> dict:
@@ -79,6 +91,28 @@ def hf_fields(family, cfg: dict, where: str) -> dict:
     if delta.v_heads % delta.k_heads:
         raise ValueError(f"{where}: {delta.v_heads} value heads for {delta.k_heads} key heads")
     return dict(delta=delta, attn_gate=True)
+
+
+def gguf_fields(family, field, arch: str, layers: int) -> dict:
+    """ModelConfig fields of a qwen35 / qwen35moe GGUF file (the keys llama.cpp's converter
+    writes; its value heads tiled, its A_log as -exp(A_log)); none for another family."""
+    if not family.delta:
+        return {}
+    every = int(field(f"{arch}.full_attention_interval", 4))
+    v_heads = int(field(f"{arch}.ssm.time_step_rank"))
+    delta = Delta(
+        layers=tuple(i for i in range(layers) if (i + 1) % every),
+        k_heads=int(field(f"{arch}.ssm.group_count")),
+        v_heads=v_heads,
+        k_dim=int(field(f"{arch}.ssm.state_size")),
+        v_dim=int(field(f"{arch}.ssm.inner_size")) // v_heads,
+        kernel=int(field(f"{arch}.ssm.conv_kernel")),
+        llama_cpp=True,
+    )
+    mtp = int(field(f"{arch}.nextn_predict_layers", 0))
+    if mtp:  # llama.cpp counts them in block_count, after the decoder's own
+        delta = replace(delta, layers=tuple(i for i in delta.layers if i < layers - mtp))
+    return dict(delta=delta, attn_gate=True, mtp_layers=mtp, num_layers=layers - mtp)
 
 
 def split_gate(raw, heads: int) -> tuple[RawTensor, ...]:
