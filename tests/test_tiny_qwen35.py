@@ -298,3 +298,42 @@ def test_a_node_s_memory_budget_counts_a_state_for_each_session_a_deltanet_block
     state = State.nbytes(source.config.delta)  # 8.5 KiB a session here
     assert fit(1) > fit(64)
     assert f"{64 * state / 2**20:.1f} MiB of cache" in said[-1]
+
+
+def _with_mtp_block(path, to):
+    """The GGUF file at `path` as llama.cpp's converter writes a checkpoint with one
+    multi-token-prediction layer: block_count one more, nextn_predict_layers 1, and the extra
+    block (a full-attention block's tensors and the nextn ones) after the last."""
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(to), "qwen35")
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = f.contents()
+        value = value + 1 if key == "qwen35.block_count" else value
+        kind = f.types[0] if f.types else None
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, kind)
+    writer.add_uint32("qwen35.nextn_predict_layers", 1)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+        if t.name.startswith("blk.5."):  # a full-attention block
+            copy = t.name.replace("blk.5.", "blk.6.")
+            writer.add_tensor(copy, np.asarray(t.data).copy(), raw_dtype=t.tensor_type)
+    writer.add_tensor("blk.6.nextn.eh_proj.weight", np.zeros((64, 128), dtype=np.float32))
+    writer.add_tensor("blk.6.nextn.enorm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return to
+
+
+def test_a_gguf_s_multi_token_prediction_layer_is_skipped_by_name(made, tmp_path):
+    _, _, want, path = made("qwen3_5")
+    other = _with_mtp_block(path, tmp_path / "mtp.gguf")
+    config = open_model(str(other)).config
+    assert (config.num_layers, config.mtp_layers) == (6, 1)
+    assert split_greedy(other, SPLITS[2], [PROMPT], NEW_TOKENS) == [want]
