@@ -74,6 +74,20 @@ _DEEPSEEK = {
     "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
+# Qwen3.5 (llama.cpp's qwen35, qwen35moe): Gated DeltaNet layers beside gated attention, its
+# MLP's norm named as Gemma's; devtools.gguf_qwen35 changes the tensors first
+_QWEN35 = {
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_proj": "ssm_dt",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+    "post_attention_layernorm": "post_attention_norm",
+}
 # llama.cpp keeps these F32 whatever the file's type (as llama-quantize does)
 ALWAYS_F32 = frozenset({"ffn_gate_inp", "ffn_gate_inp_shexp"})
 
@@ -116,6 +130,7 @@ class Family:
     # but fixes it per architecture, so a checkpoint that differs is refused
     renormalises: bool | None = None
     latent: bool = False  # DeepSeek's latent attention: kv_b_proj split, its own keys
+    delta: bool = False  # Qwen3.5's Gated DeltaNet: devtools.gguf_qwen35's keys and tensors
 
 
 FAMILIES = {
@@ -179,6 +194,15 @@ FAMILIES = {
     "deepseek_v3": Family(
         "deepseek2", _DEEPSEEK | _MLP, fields=frozenset(), experts=_QWEN_EXPERTS, latent=True
     ),
+    "qwen3_5": Family("qwen35", _ATTENTION | _QK_NORMS | _MLP | _QWEN35, delta=True),
+    "qwen3_5_moe": Family(
+        "qwen35moe",
+        _ATTENTION | _QK_NORMS | _QWEN35 | _QWEN_ROUTER | _SHARED_EXPERT,
+        fields=frozenset({"expert_widths"}),
+        experts=_QWEN_EXPERTS,
+        renormalises=True,
+        delta=True,
+    ),
 }
 
 # a checkpoint's config.json `architectures[0]` -> family
@@ -194,6 +218,8 @@ HF_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 
 # llama.cpp fixes these and stores none of them; a checkpoint that differs is refused
@@ -206,13 +232,15 @@ def gguf_name(family: Family, hf_name: str) -> str:
     """The GGUF name of a Hugging Face tensor; KeyError for one llama.cpp does not convert."""
     hf_name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
     stem, _, suffix = hf_name.rpartition(".")
+    if suffix == "A_log":  # Qwen3.5's, llama.cpp's blk.N.ssm_a: no suffix either
+        stem, suffix = hf_name, ""
     if stem in TOP_NAMES:
         return f"{TOP_NAMES[stem]}.{suffix}"
     prefix, _, rest = stem.partition(".layers.")
     block, _, local = rest.partition(".")
     if prefix != "model" or not block.isdigit() or local not in family.block_names:
         raise KeyError(f"{hf_name}: no GGUF name for it in family {family.arch!r}")
-    return f"blk.{block}.{family.block_names[local]}.{suffix}"
+    return f"blk.{block}.{family.block_names[local]}" + (f".{suffix}" if suffix else "")
 
 
 def expert_slot(family: Family, hf_name: str) -> tuple[int, int, str] | None:

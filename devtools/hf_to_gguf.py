@@ -27,6 +27,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from devtools import gguf_qwen35
 from devtools.gguf_latent import latent_fields, latent_unwritten, split_kv_b
 from devtools.gguf_tables import (
     ALWAYS_F32,
@@ -110,6 +111,11 @@ def check_convertible(name: str, config: dict) -> None:
         if unwritten := latent_unwritten(config):
             raise UnsupportedCheckpoint(f"{name}: {', '.join(unwritten)}: llama.cpp writes none")
         return
+    if FAMILIES[name].delta:
+        try:
+            gguf_qwen35.interval(config)
+        except gguf_qwen35.QwenUnconvertible as exc:
+            raise UnsupportedCheckpoint(f"{name}: {exc}") from exc
     rope_type = _rope(config).get("rope_type", "default")
     allowed = {"default", "llama3"} if name == "llama" else {"default"}
     if rope_type not in allowed | ({"yarn"} if name in YARN_FAMILIES else set()):
@@ -155,7 +161,8 @@ def check_experts_convertible(name: str, config: dict) -> None:
     family = FAMILIES[name]
     if name == "mixtral":
         return  # Mixtral always renormalises, has no dense layers; its window: see above
-    if bool(config.get("norm_topk_prob")) != family.renormalises:
+    top_k_norm = config.get("norm_topk_prob", name == "qwen3_5_moe")  # Qwen3.5's always does
+    if bool(top_k_norm) != family.renormalises:
         said = "renormalises" if family.renormalises else "does not renormalise"
         raise UnsupportedCheckpoint(f"{name}: llama.cpp {said} the top-k router weights")
     step, dense = config.get("decoder_sparse_step") or 1, config.get("mlp_only_layers") or []
@@ -209,6 +216,7 @@ def family_fields(name: str, config: dict) -> dict[str, int | float]:
     if "rope_orig_ctx" in wanted:
         fields[_K.Rope.SCALING_ORIG_CTX_LEN] = config["original_max_position_embeddings"]
     fields |= latent_fields(config) if family.latent else expert_fields(name, config)
+    fields |= gguf_qwen35.fields(config) if family.delta else {}
     return {keys(key): value for key, value in fields.items()}
 
 
@@ -329,6 +337,8 @@ def gguf_tensors(family: Family, config: dict, state: dict[str, np.ndarray]):
             yield f"blk.{block}.attn_k_b.weight", k_b
             yield f"blk.{block}.attn_v_b.weight", v_b
             continue
+        if family.delta:
+            hf_name, array = gguf_qwen35.tensor(hf_name, array, config)
         name = gguf_name(family, hf_name)
         if family.permute_qk and ".attn_q." in name:
             array = interleave_rope_rows(array, heads)

@@ -128,6 +128,13 @@ class MissingShards(SwarmError, FileNotFoundError):
         self.files = files
 
 
+class SpeculationRefused(SwarmError, ValueError):
+    """Speculative decoding asked of a model whose caches cannot rewind a round's rejected
+    drafts (Gated DeltaNet's fixed-size state: Qwen3.5)."""
+
+    code = "speculation_refused"
+
+
 class HandoverRefused(SwarmError):
     """A session's cache handed over by a leaving node was refused: malformed, incomplete, for
     other weights or blocks, or not proven to come from an announced node of this model. The

@@ -32,6 +32,7 @@ from swarm.client.verify import Reports
 from swarm.dht import read_nodes, start_dht
 from swarm.errors import (
     NoChatTemplate,
+    SpeculationRefused,
 )
 from swarm.model.blocks import KVCache
 from swarm.model.head import Head
@@ -154,6 +155,8 @@ class Client:
         worth the cache's transfer (swarm.client.routing.pick_prefill); None: on `hop`."""
         if not self.options.disaggregate or tokens < PREFILL_MIN_TOKENS:
             return None
+        if self.config.delta is not None:  # a node hands no Gated DeltaNet state on
+            return None
         weights = self._weights.get(hop.peer)
         exclude = self._leaving_out(exclude)
         records = [
@@ -232,7 +235,15 @@ class Client:
 
     def drafter(self, speculative: str | None = None) -> Drafter | None:
         """None for "off"; prompt lookup for "lookup"; else the draft model at that path,
-        loaded once (DraftRefused if its vocabulary is not the served model's)."""
+        loaded once (DraftRefused if its vocabulary is not the served model's). A model with
+        Gated DeltaNet layers decodes a token a step: SpeculationRefused if asked by name."""
+        if self.config.delta is not None:  # its states keep no earlier position to rewind to
+            if speculative not in (None, "off"):
+                raise SpeculationRefused(
+                    f"{self.config.name} ({self.config.family}): speculative decoding needs"
+                    " caches that rewind; its Gated DeltaNet states do not"
+                )
+            return None
         speculative = speculative or self.options.speculative
         if speculative == "off":
             return None

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from swarm.errors import ProtocolError, RewindRefused
-from swarm.model import kernels
+from swarm.model import kernels, qwen35
 from swarm.model.config import ModelConfig
+from swarm.model.deltanet import NO_REWIND, DeltaNetNoRewind, GatedDeltaNet, State
 from swarm.model.eager import eager_attention
 from swarm.model.experts import MLP, Experts
 from swarm.model.families import block_tensors
@@ -54,6 +55,11 @@ class KVCache:
     overwritten: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = field(
         default_factory=dict
     )
+    states: dict[int, State] = field(default_factory=dict)  # Gated DeltaNet layers' (by layer)
+
+    def layer(self, i: int) -> tuple:
+        """What block i of the cache's layers reads: its keys and values, or its state."""
+        return (self.states[i], None) if i in self.states else (self.keys[i], self.values[i])
 
     def keep_for_rewind(self, pos: int, tokens: int, depth: int) -> None:
         """Before positions [pos, pos + tokens) are written: keep what they overwrite in ring
@@ -80,6 +86,8 @@ class KVCache:
         Raises RewindRefused, changing nothing, where a ring no longer holds what it needs."""
         if pos >= self.length:
             return
+        if self.states:  # speculative decoding is refused for such a model (DeltaNetNoRewind)
+            raise DeltaNetNoRewind(f"cannot rewind to position {pos}: {NO_REWIND}")
         capacity = min(k.shape[2] for k in self.keys) if self.keys else self.length
         lost = [q for q in range(max(pos, capacity), self.length) if q not in self.overwritten]
         if lost:
@@ -104,14 +112,17 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
     ) -> KVCache:
         """For layers [start, end) of the model, sessions of up to max_length tokens."""
-        keys, values = [], []
+        keys, values, states = [], [], {}
         (k_heads, k_width), (v_heads, v_width) = config.cache_widths
         for layer in range(start, end):
             window = config.window(layer)
             length = min(max_length, window) if window else max_length
-            keys.append(torch.zeros((1, k_heads, length, k_width), dtype=dtype))
-            values.append(torch.zeros((1, v_heads, length, v_width), dtype=dtype))
-        return cls(keys, values)
+            heads = (0, 0) if config.is_delta(layer) else (k_heads, v_heads)  # a State instead
+            keys.append(torch.zeros((1, heads[0], length, k_width), dtype=dtype))
+            values.append(torch.zeros((1, heads[1], length, v_width), dtype=dtype))
+            if config.is_delta(layer):
+                states[layer - start] = State.allocate(config.delta)
+        return cls(keys, values, states=states)
 
     @staticmethod
     def bytes_per_token(
@@ -134,7 +145,7 @@ class Block:
         self,
         config: ModelConfig,
         norms: dict[str, torch.Tensor],
-        qkv: Fused | LatentAttention,
+        qkv: Fused | LatentAttention | GatedDeltaNet,
         o: Linear,
         mlp: MLP | Experts,
         sinks: torch.Tensor | None = None,
@@ -143,7 +154,7 @@ class Block:
         self.sinks = sinks  # gpt-oss: [heads], a softmax column each (swarm.model.eager)
         self.norms = norms  # attn_norm, mlp_norm [, q_norm, k_norm, attn_post_norm, ...]
         self.qkv, self.o, self.mlp = qkv, o, mlp
-        if config.qk_norm:  # one weight row per head of q and of k, normed in one go
+        if "q_norm" in norms:  # one weight row per head of q and of k, normed in one go
             c = config
             self.qk_norm = torch.cat(
                 (norms["q_norm"].expand(c.heads, -1), norms["k_norm"].expand(c.kv_heads, -1))
@@ -182,8 +193,12 @@ class Block:
             if n.endswith("norm")
         }
         q, kv, ff = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.intermediate
-        if c.latent is not None:
+        if c.is_delta(layer):
+            qkv = GatedDeltaNet.load(c, raw, weights, usable, terms)
+        elif c.latent is not None:
             qkv = LatentAttention.load(c, raw, norms, weights, usable, terms)
+        elif c.attn_gate:  # q_proj's rows: each head's query, then its gate: gates go last
+            qkv = Fused.load([*qwen35.split_gate(raw, c.heads)], weights, [None] * 4, usable, terms)
         else:
             qkv = fused(("qkv",) if c.fused else ("q", "k", "v"), [q, kv, kv])
         o = linear("o")
@@ -218,13 +233,15 @@ class Block:
         if c.qk_norm:
             qk = rms_norm(qk, self.qk_norm, c.rms_eps)
         qk = rotate(qk, cos, sin)
-        v = qkv[:, qk_heads * c.head_dim :].reshape(rows, c.kv_heads, c.head_dim)
-        return qk[:, : c.heads], qk[:, c.heads :], v
+        v_end = (qk_heads + c.kv_heads) * c.head_dim
+        v = qkv[:, qk_heads * c.head_dim : v_end].reshape(rows, c.kv_heads, c.head_dim)
+        return qk[:, : c.heads], qk[:, c.heads :], v, qkv[:, v_end:] if c.attn_gate else None
 
-    def _finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The attention output [rows, heads * head_dim] through o, then the MLP."""
+    def _finish(self, h: torch.Tensor, attn: torch.Tensor, gate=None) -> torch.Tensor:
+        """The attention output [rows, heads * head_dim] (times sigmoid(gate) where the family
+        gates it) through o, then the MLP."""
         c, norms = self.c, self.norms
-        out = self.o(attn).float()
+        out = self.o(attn if gate is None else attn * torch.sigmoid(gate)).float()
         if c.post_norms:
             out = rms_norm(out, norms["attn_post_norm"], c.rms_eps)
         h = h + out
@@ -248,17 +265,17 @@ class Block:
         the layer's sliding window (its cache then a ring of that many slots), or None."""
         c = self.c
         n = h.shape[0]
-        if c.latent is not None:
+        if not isinstance(self.qkv, Fused):  # latent attention, Gated DeltaNet: their own caches
             x = rms_norm(h, self.norms["attn_norm"], c.rms_eps)
             return self._finish(h, self.qkv.forward(x, k_cache, v_cache, pos, cos, sin))
-        q, k, v = self._attention_inputs(h, cos, sin)
+        q, k, v, gate = self._attention_inputs(h, cos, sin)
         if n == 1 and self._kernels_for(k_cache) is not None:
             # a lone session's decode step: attended as Block.decode's are, ring or not (only
             # a ring wraps: a position past a full cache stays an error)
             slots = k_cache.shape[2]
             slot = pos % slots if window is not None else pos
             attn = self._step_attention(q[0], k[0], v[0], k_cache, v_cache, slot, pos)
-            return self._finish(h, attn.view(1, c.heads * c.head_dim))
+            return self._finish(h, attn.view(1, c.heads * c.head_dim), gate)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, tokens, head_dim]
         if window is not None and pos + n > window:
             attn = self._windowed(q, k, v, k_cache, v_cache, pos, window)
@@ -272,7 +289,7 @@ class Block:
                 # token i of this step sees every cached token and tokens <= i of its own
                 mask = torch.ones(n, pos + n, dtype=torch.bool).tril(diagonal=pos)
             attn = self._attend(q, keys, values, mask, causal=n > 1 and pos == 0)
-        return self._finish(h, attn[0].transpose(0, 1).reshape(n, c.heads * c.head_dim))
+        return self._finish(h, attn[0].transpose(0, 1).reshape(n, c.heads * c.head_dim), gate)
 
     def _windowed(self, q, k, v, k_cache, v_cache, pos: int, window: int) -> torch.Tensor:
         """Attention of tokens [pos, pos + n) past the window: each sees the `window` positions
@@ -322,16 +339,16 @@ class Block:
         its own cache: the matmuls run on the stacked rows, attention per session. A ring
         cache (sliding window) holds exactly the positions the token sees, in slot order."""
         c = self.c
-        if c.latent is not None:
+        if not isinstance(self.qkv, Fused):
             x = rms_norm(h, self.norms["attn_norm"], c.rms_eps)
             return self._finish(h, self.qkv.decode(x, caches, positions, cos, sin))
-        q, k, v = self._attention_inputs(h, cos, sin)
+        q, k, v, gate = self._attention_inputs(h, cos, sin)
         out = [
             self._step_attention(q[i], k[i], v[i], k_cache, v_cache, pos % k_cache.shape[2], pos)
             for i, ((k_cache, v_cache), pos) in enumerate(zip(caches, positions))
         ]
         attn = torch.stack(out).view(len(positions), c.heads * c.head_dim)
-        return self._finish(h, attn)
+        return self._finish(h, attn, gate)
 
 
 class Span:
@@ -410,7 +427,7 @@ class Span:
             layer = i - start  # the session's cache holds only the layers it uses
             cos, sin = turns[self.config.rope_of(i)]
             x = self.blocks[i - self.start].forward(
-                x, cache.keys[layer], cache.values[layer], pos, cos, sin, self.config.window(i)
+                x, *cache.layer(layer), pos, cos, sin, self.config.window(i)
             )
         cache.length = pos + n
         return x.view(1, n, -1)
@@ -425,7 +442,7 @@ class Span:
         turns = {rope: r.at(positions) for rope, r in self.rotaries.items()}
         for i in range(start, end):
             layer = i - start
-            kv = [(cache.keys[layer], cache.values[layer]) for cache in caches]
+            kv = [cache.layer(layer) for cache in caches]
             cos, sin = turns[self.config.rope_of(i)]
             x = self.blocks[i - self.start].decode(x, kv, positions, cos, sin)
         for cache, pos in zip(caches, positions):

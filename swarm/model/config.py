@@ -58,6 +58,22 @@ class Latent:
     interleaved: bool = True  # the rotated dims in adjacent pairs (DeepSeek's layout)
 
 
+@dataclass(frozen=True)
+class Delta:
+    """Gated DeltaNet's shape (Qwen3.5, Qwen3-Next): `layers` are linear attention, each with
+    `k_heads` q/k heads of `k_dim` and `v_heads` value heads of `v_dim` (a q/k head serves
+    v_heads / k_heads value heads), after a causal conv1d of `kernel` taps. A session keeps a
+    fixed-size state a layer (swarm.model.deltanet), not a cache growing with positions."""
+
+    layers: tuple[int, ...]
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    kernel: int
+    llama_cpp: bool = False  # a GGUF file's: value heads tiled, A_log held as -exp(A_log)
+
+
 ROUTERS = ("softmax", "sigmoid", "topk_softmax")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
@@ -108,6 +124,8 @@ class ModelConfig:
     sinks: bool = False  # gpt-oss: one learned logit a head, an extra softmax column (no value)
     swiglu_limit: float = 0.0  # gpt-oss's experts: gate, up clamped to it, (up + 1) * glu
     swiglu_alpha: float = 1.702  # glu = gate * sigmoid(alpha * gate) where swiglu_limit is set
+    delta: Delta | None = None  # Gated DeltaNet layers beside the full-attention ones
+    attn_gate: bool = False  # attention's output times sigmoid(a gate q_proj also makes)
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -127,6 +145,9 @@ class ModelConfig:
 
     def moe(self, layer: int) -> bool:
         return self.experts > 0 and layer not in self.dense_layers
+
+    def is_delta(self, layer: int) -> bool:
+        return self.delta is not None and layer in self.delta.layers
 
     def rope_of(self, layer: int) -> Rope:
         if self.local_rope is not None and self.window(layer) is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from swarm.model import deepseek, gptoss
+from swarm.model import deepseek, gptoss, qwen35
 from swarm.model.config import ModelConfig, Rope
 from swarm.model.rope_scaling import gguf_rope, rope_from_hf
 
@@ -42,6 +42,7 @@ class Family:
     gguf_topk_norm: bool | None = None  # llama.cpp's, where it differs (Qwen3-MoE: it does)
     latent: bool = False  # multi-head latent attention, DeepSeek's router (swarm.model.deepseek)
     sinks: bool = False  # gpt-oss's sinks, router and experts (swarm.model.gptoss)
+    delta: bool = False  # Gated DeltaNet layers, gated attention (swarm.model.qwen35)
     # config.json names of a mixture layer's router and expert e's gate, up and down
     hf_experts: tuple[str, ...] = (
         "mlp.gate",
@@ -61,6 +62,8 @@ _GEMMA = dict(
     tied=True,
     wire_dtype="bfloat16",
 )
+
+_QWEN35 = dict(qk_norm=True, gemma_norms=True, delta=True)  # Qwen3.5: x * (1 + w) norms
 
 FAMILIES = {
     f.name: f
@@ -115,6 +118,8 @@ FAMILIES = {
             window_period=6,
             local_theta=10_000.0,
         ),
+        Family("qwen3_5", ("qwen3_5_text",), ("qwen35",), **_QWEN35),
+        Family("qwen3_5_moe", ("qwen3_5_moe_text",), ("qwen35moe",), **_QWEN35, moe=True),
     )
 }
 
@@ -151,8 +156,8 @@ _NAMES = {
 def file_name(name: str) -> str:
     """A block tensor's full name in its file: name + ".weight", but for names that carry their
     own ending (DeepSeek's e_score_correction_bias, exp_probs_b.bias; gpt-oss's sinks and
-    stacked experts in config.json)."""
-    return name if name.endswith(("bias", *gptoss.OWN_ENDINGS)) else f"{name}.weight"
+    stacked experts in config.json; Qwen3.5's A_log, ssm_a)."""
+    return name if name.endswith(("bias", *qwen35.OWN, *gptoss.OWN_ENDINGS)) else f"{name}.weight"
 
 
 def _attention_tensors(c: ModelConfig) -> list[str]:
@@ -165,6 +170,8 @@ def _attention_tensors(c: ModelConfig) -> list[str]:
 def block_tensors(c: ModelConfig, layer: int) -> tuple[str, ...]:
     """The tensors (blocks.py's names) block `layer` of `c` must have, a mixture's experts
     aside (`block_names` adds them); biases are optional."""
+    if c.is_delta(layer):  # Gated DeltaNet's instead of attention's
+        return qwen35.block_tensors(c.moe(layer))
     names = ["attn_norm", *_attention_tensors(c), "o", "mlp_norm"]
     if not c.moe(layer):
         names += ["gate_up", "down"] if c.fused else ["gate", "up", "down"]
@@ -178,7 +185,7 @@ def block_names(c: ModelConfig, gguf: bool, layer: int) -> dict[str, str]:
     and ".weight" left out)."""
     out = {}
     for name in block_tensors(c, layer):
-        hf, gg = _NAMES[name]
+        hf, gg = qwen35.names(c, layer).get(name) or _NAMES[name]
         if name == "mlp_norm" and c.post_norms:
             hf = "pre_feedforward_layernorm"  # Gemma: post_attention_layernorm is another norm
         if name == "mlp_norm" and gguf and c.sinks:
@@ -324,6 +331,7 @@ def config_from_hf(cfg: dict, name: str, where: str) -> tuple[ModelConfig, bool]
         embed_scale=float(hidden) ** 0.5 if f.embed_scaled else None,
         wire_dtype=f.wire_dtype,
     )
+    config = replace(config, **qwen35.hf_fields(f, cfg, where))
     if f.latent:
         config = replace(config, **deepseek.hf_fields(cfg))
     elif f.moe:
@@ -421,7 +429,7 @@ def config_from_gguf(
     elif f.moe:
         fields = gptoss.gguf_fields(f, field, arch)
         config = replace(config, **_gguf_experts(f, field, arch, tensors, layers), **fields)
-    return config, f
+    return replace(config, **qwen35.gguf_fields(f, field, arch, layers)), f
 
 
 def _gguf_experts(f: Family, field, arch: str, tensors, layers: int) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from swarm.errors import MissingShards
+from swarm.model import qwen35
 from swarm.model.families import (
     LINEARS,
     block_names,
@@ -297,6 +298,8 @@ class SafetensorsSource:
     def __init__(self, path: Path):
         self.path = path
         cfg = json.loads((path / "config.json").read_text())
+        # "model." but for a multimodal Qwen3.5's text model (its vision tower left unread)
+        cfg, self.prefix = qwen35.text_part(cfg, str(path))
         self.config, self.tie = config_from_hf(cfg, path.name, str(path))
         self._where: dict[str, Path] = {}
         from safetensors import safe_open
@@ -307,13 +310,13 @@ class SafetensorsSource:
                     self._where[k] = f
         if not self._where:
             raise FileNotFoundError(f"{path} has no *.safetensors files")
-        by_block = _by_block(self._where, "model.layers.", self.config)
+        by_block = _by_block(self._where, f"{self.prefix}layers.", self.config)
         _check_block_tensors(str(path), by_block, self._names)
 
     def block_files(self, start: int, end: int) -> list[Path]:
         """The files holding blocks [start, end) (all here: the tensor check at load proved
         it)."""
-        prefix = "model.layers."
+        prefix = f"{self.prefix}layers."
         names = (
             _block_map(self._names(b), f"{prefix}{b}.", self._where) for b in range(start, end)
         )
@@ -333,18 +336,19 @@ class SafetensorsSource:
             return RawTensor(name, "torch", st.get_tensor(name))
 
     def block_raw(self, block: int) -> OnDemand:
-        names = _block_map(self._names(block), f"model.layers.{block}.", self._where)
+        names = _block_map(self._names(block), f"{self.prefix}layers.{block}.", self._where)
         return OnDemand(names, self.raw)
 
     def _names(self, block: int) -> dict[str, str]:
         return block_names(self.config, False, block)
 
     def head_raw(self) -> dict[str, RawTensor]:
-        embed = self.raw("model.embed_tokens.weight")
+        embed = self.raw(f"{self.prefix}embed_tokens.weight")
         lm_head = (
             embed if self.tie or "lm_head.weight" not in self._where else self.raw("lm_head.weight")
         )
-        return {"embed": embed, "norm": self.raw("model.norm.weight"), "lm_head": lm_head}
+        norm = self.raw(f"{self.prefix}norm.weight")
+        return {"embed": embed, "norm": norm, "lm_head": lm_head}
 
     def tokenizer(self):
         from transformers import AutoTokenizer

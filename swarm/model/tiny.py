@@ -104,6 +104,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 LATENT_FAMILIES = ("deepseek_v3",)
 SINK_FAMILIES = ("gpt_oss",)
+DELTA_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 # Shared by every family: TINY's shape, and the ids of save_tiny_tokenizer's <unk>, <s>, </s>.
 _SHAPE = dict(
@@ -174,7 +175,9 @@ def _family_config(family: str, layers: int) -> dict:
         return _deepseek_config()
     if family == "gpt_oss":
         return _gptoss_config()
-    known = FAMILIES + MOE_FAMILIES + LATENT_FAMILIES + SINK_FAMILIES
+    if family in DELTA_FAMILIES:
+        return _qwen35_config(family)
+    known = FAMILIES + MOE_FAMILIES + LATENT_FAMILIES + SINK_FAMILIES + DELTA_FAMILIES
     raise ValueError(f"unknown family {family!r}; one of {', '.join(known)}")
 
 
@@ -248,6 +251,29 @@ def _gptoss_config() -> dict:
     )
 
 
+def _qwen35_config(family: str) -> dict:
+    """Qwen3.5's switches, small: 6 layers, Gated DeltaNet but for every third (full, gated
+    attention, a quarter of each head turned by RoPE); 2 q/k heads of 16 serving 4 value heads
+    of 24 (every width apart); the MoE's 8 experts top 3 beside a gated shared expert."""
+    out = dict(
+        head_dim=32,
+        full_attention_interval=3,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        rms_norm_eps=1e-6,
+    )
+    if family == "qwen3_5_moe":
+        out |= dict(
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        )
+    return out
+
+
 def _moe_config(family: str) -> dict:
     """Qwen's widths (routed experts, shared expert, dense `intermediate_size` 128) all
     differ, so a reader that takes one for another fails on a shape; Mixtral's experts are
@@ -302,6 +328,8 @@ def _family_classes(family: str):
         "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM),
         "deepseek_v3": (t.DeepseekV3Config, t.DeepseekV3ForCausalLM),
         "gpt_oss": (t.GptOssConfig, t.GptOssForCausalLM),
+        "qwen3_5": (t.Qwen3_5TextConfig, t.Qwen3_5ForCausalLM),
+        "qwen3_5_moe": (t.Qwen3_5MoeTextConfig, t.Qwen3_5MoeForCausalLM),
     }[family]
 
 

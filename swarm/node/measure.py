@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from swarm.model.blocks import KVCache, Span
+from swarm.model.deltanet import State
 from swarm.model.source import GGUFSource, SafetensorsSource
 from swarm.node.config import NodeConfig
 from swarm.node.placement import blocks_for_memory
@@ -39,6 +40,8 @@ def blocks_that_fit(
     block_bytes = probe.nbytes
     cache = KVCache.bytes_per_token(source.config, 1, probe.cache_dtype)
     cache_bytes = cfg.limits.max_cache_tokens * cache
+    if c.delta is not None:  # Gated DeltaNet: a fixed state a session, whatever its length
+        cache_bytes = max(cache_bytes, cfg.limits.max_sessions * State.nbytes(c.delta))
     if cfg.max_memory_mb is not None:
         budget = int(cfg.max_memory_mb * 2**20)
     else:

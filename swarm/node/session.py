@@ -266,6 +266,7 @@ class Session(StepWork):
             self.cache = None
             cache.keys.clear()
             cache.values.clear()
+            cache.states.clear()
 
     def _allocate(self) -> KVCache:
         return self.ctx.span.allocate_cache(self.start, self.end, self.max_length)

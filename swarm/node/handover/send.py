@@ -176,6 +176,9 @@ async def _send_cache(
     when the session paused; None if it failed (logged)."""
     if s.state.closed or s.cache is None or s.cache.length == 0:
         return None
+    if s.cache.states:  # its client's replay rebuilds them, exactly, from the tokens
+        log.warning("session %s... stays: Gated DeltaNet states are not handed over", s.sid[:8])
+        return None
     route = list(s.route)
     route[s.hop] = to
     opening = replace(s.open_msg, route=tuple(route), origin=s.origin, handoff=None)
