@@ -18,9 +18,10 @@ from swarm.protocol import Hop, link_name
 JOINING, ONLINE, OFFLINE = "joining", "online", "offline"
 STATES = (JOINING, ONLINE, OFFLINE)
 # what a node announces itself for: prompts and decoding (BOTH); PREFILL: long prompts, whose
-# sessions it hands on to a decode node once computed; DECODE: not those prompts
-BOTH, PREFILL, DECODE = "both", "prefill", "decode"
-ROLES = (BOTH, PREFILL, DECODE)
+# sessions it hands on to a decode node once computed; DECODE: not those prompts; CACHE: serves
+# no blocks, lends its memory to other nodes' sessions for their KV blocks (swarm.node.lender)
+BOTH, PREFILL, DECODE, CACHE = "both", "prefill", "decode", "cache"
+ROLES = (BOTH, PREFILL, DECODE, CACHE)
 MODELS_KEY = "swarm.models"
 # bounds on what a reader accepts from the DHT, which anyone can write to
 MAX_LAYERS = 4096

@@ -54,6 +54,21 @@ class Limits:
     max_session_tokens: int = option(
         8192, "longest sequence one session may reserve", type=positive_int
     )
+    # KV blocks this node holds for sessions of other nodes short of cache (swarm.node.lender)
+    max_lend_mb: float = option(
+        256.0,
+        "memory for KV blocks lent to other nodes' sessions (0: lend none)",
+        flag="--max-lend",
+        type=non_negative_float,
+        metavar="MB",
+    )
+    max_lend_host_mb: float = option(
+        128.0,
+        "of --max-lend, what one borrowing node may hold",
+        flag="--max-lend-host",
+        type=non_negative_float,
+        metavar="MB",
+    )
     max_frame: int = option(
         DEFAULT_MAX_FRAME, "largest frame accepted, in bytes", type=positive_int
     )

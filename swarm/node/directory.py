@@ -106,6 +106,13 @@ class PeerDirectory:
         self._records = {r.peer: r for r in records}
         self._read_at = time.monotonic()
 
+    async def fresh(self) -> list[NodeRecord]:
+        """The records as the DHT holds them now (read again, unless read within `refresh_s`)."""
+        async with self._lock:
+            if time.monotonic() - self._read_at >= self.refresh_s:
+                await self._refresh()
+        return self.records()
+
     def records(self) -> list[NodeRecord]:
         """The records as last read."""
         return list(self._records.values())
