@@ -20,6 +20,7 @@ the trio thread (`trio.from_thread`), the lane waiting for them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from swarm.node.context import SessionContext
     from swarm.records import NodeRecord
     from swarm.transport import FramedStream
+
+log = logging.getLogger("swarm.node")
 
 BLOCK = 16  # positions a block: what moves to a lender at least, and whole
 DIAL_S = 10.0  # to reach a lender
@@ -169,6 +172,7 @@ class Lender:
                 self.conn = await self._dial(rec)
                 self.peer = rec.peer
                 await self._exchange(frames, Lent)
+                log.info("session %s... lends its oldest KV blocks to %s", self.sid[:8], rec.addr)
                 return
             except (LendRefused, PeerFailed) as exc:
                 tried.append(f"{rec.addr}: {exc}")

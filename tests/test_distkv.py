@@ -1,0 +1,54 @@
+"""Sessions longer than a node's cache (issue #52, DistKV): the hop keeps the newest positions,
+lends the oldest blocks to another node, and merges that node's attention with its own; the
+tokens are the unsplit model's. Real DHT, node processes, TLS."""
+
+from __future__ import annotations
+
+import pytest
+
+from devtools.launch import start_swarm, stop_all
+from swarm.client.client import Client
+from tests.conftest import reference_greedy
+from tests.helpers.flags import exact_flags
+
+PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
+NEW = 40  # 80 tokens in all: more than any node's cache
+SHORT = ["--max-cache-tokens", "64"]
+
+
+@pytest.fixture(scope="module")
+def short_swarm(tiny_model_dir):
+    """Two nodes serving every block, each with a cache of 64 tokens."""
+    nodes = start_swarm(
+        [(0, 6), (0, 6)], model=str(tiny_model_dir), extra=[*exact_flags(ttl=20), *SHORT]
+    )
+    yield nodes
+    stop_all(nodes)
+
+
+def _client(nodes, path, **kw) -> Client:
+    return Client(nodes[0].maddrs[:1], model=str(path), wire_dtype="float32", **kw)
+
+
+def _generate(client: Client, fault=None, at: int = 10):
+    out = []
+    with client.session(len(PROMPT) + NEW) as s:
+        logits = s.feed(PROMPT)
+        for i in range(NEW):
+            if i == at and fault is not None:
+                fault(s)
+            out.append(int(logits.argmax()))
+            logits = s.feed([out[-1]])
+        return out, s
+
+
+def test_a_session_longer_than_every_nodes_cache_gives_the_unsplit_tokens(
+    short_swarm, tiny_model_dir, tiny_reference
+):
+    client = _client(short_swarm, tiny_model_dir)
+    try:
+        out, session = _generate(client)
+    finally:
+        client.close()
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW)
+    assert not session.recoveries
