@@ -41,6 +41,11 @@ def block_key(model: str, block: int) -> str:
     return f"{model}.block.{block}"
 
 
+def lenders_key(model: str) -> str:
+    """Where `--role cache` nodes, serving no blocks, announce themselves."""
+    return f"{model}.lenders"
+
+
 def reports_key(model: str) -> str:
     return f"{model}.reports"
 
@@ -139,7 +144,9 @@ class NodeRecord:
             raise ValueError(f"record role {rec.role[:40]!r} is not one of {ROLES}")
         if rec.state not in STATES:
             raise ValueError(f"record state {rec.state!r} is not one of {STATES}")
-        if not 0 <= rec.start < rec.end <= rec.num_layers:
+        if rec.role == CACHE and rec.start == rec.end == 0:
+            pass  # a lender: no blocks
+        elif rec.role == CACHE or not 0 <= rec.start < rec.end <= rec.num_layers:
             raise ValueError(f"record span {rec.start}:{rec.end} is not inside 0:{rec.num_layers}")
         if not 0 < len(rec.weights) <= MAX_WEIGHTS_NAME:
             raise ValueError(f"record weights {rec.weights[:40]!r} is not a format name")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from devtools.launch import start_swarm, stop_all
+from devtools.launch import start_node, start_swarm, stop_all
 from swarm.client.client import Client
+from swarm.dht import read_lenders
 from tests.conftest import reference_greedy
 from tests.helpers.flags import exact_flags
 
@@ -52,3 +53,51 @@ def test_a_session_longer_than_every_nodes_cache_gives_the_unsplit_tokens(
         client.close()
     assert out == reference_greedy(tiny_reference, PROMPT, NEW)
     assert not session.recoveries
+
+
+@pytest.fixture(scope="module")
+def lending_swarm(tiny_model_dir):
+    """Two nodes serving every block with a cache of 64 tokens each, and a `--role cache` node:
+    the lender their long sessions pick first."""
+    nodes = start_swarm(
+        [(0, 6), (0, 6)], model=str(tiny_model_dir), extra=[*exact_flags(ttl=20), *SHORT]
+    )
+    extra = [*exact_flags(ttl=20), "--role", "cache"]
+    cache = start_node(None, nodes[0].maddrs[:1], model=str(tiny_model_dir), extra=extra)
+    nodes.append(cache)
+    try:
+        cache.wait_serving()
+    except BaseException:
+        stop_all(nodes)
+        raise
+    yield nodes
+    stop_all(nodes)
+
+
+# the next test kills the lending swarm's cache node: this one runs first
+def test_a_cache_node_serves_no_blocks_and_announces_itself_as_a_lender(
+    lending_swarm, tiny_model_dir
+):
+    cache = lending_swarm[-1]
+    client = _client(lending_swarm, tiny_model_dir)
+    try:
+        serving = {r.peer for r in client.nodes()}
+        lenders = read_lenders(client.dht, client.config.name)
+    finally:
+        client.close()
+    assert cache.layers == (0, 0) and cache.peer not in serving
+    assert [(r.peer, r.role) for r in lenders] == [(cache.peer, "cache")]
+    assert lenders[0].free_cache_tokens > 0
+
+
+def test_a_lender_killed_mid_session_replays_to_the_same_tokens(
+    lending_swarm, tiny_model_dir, tiny_reference
+):
+    cache = lending_swarm[-1]
+    client = _client(lending_swarm, tiny_model_dir, step_timeout=5.0)
+    try:
+        out, session = _generate(client, fault=lambda s: cache.proc.kill())
+    finally:
+        client.close()
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW)
+    assert len(session.recoveries) == 1  # the lender held the session's oldest blocks

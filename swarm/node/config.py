@@ -27,7 +27,7 @@ from swarm.options import (
     positive_int,
     read_option,
 )
-from swarm.records import BOTH, MAX_TTL_S, PREFILL, ROLES
+from swarm.records import BOTH, CACHE, MAX_TTL_S, PREFILL, ROLES
 from swarm.wire import DEFAULT_MAX_FRAME
 
 
@@ -241,7 +241,8 @@ class NodeConfig:
         BOTH,
         "prefill: take long prompts and hand each session, cache and all, to a decode node"
         " serving the same blocks once its prompt is in (clients route decoding elsewhere);"
-        " decode: take no such prompts; both: take everything",
+        " decode: take no such prompts; both: take everything; cache: serve no blocks, lend"
+        " memory (--max-lend) to other nodes' sessions for their KV blocks",
         choices=ROLES,
     )
     threads: int = option(1, "torch threads for compute", type=positive_int)
@@ -346,6 +347,8 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         group, _, name = dest.rpartition(".")
         values[group][name] = read_option(f, ns[dest])
     start, end = ns["layers"] or (None, None)
+    if ns["role"] == CACHE and ns["layers"]:
+        build_parser().error("--role cache serves no blocks: it takes no --layers")
     if ns["role"] == PREFILL and ns["limits.handover"] == "off":
         build_parser().error("--role prefill hands every session on: it needs --handover on")
     return NodeConfig(

@@ -59,7 +59,7 @@ def status_of(node: Node) -> Status:
         throttled_hosts=len(throttle.hosts),
         throttled=throttle.recent(time.monotonic()),
         throughput=node.throughput,
-        weights=node.span.format,
+        weights=node.span.format if node.span.blocks else "none",  # a lender (--role cache)
         decode_batch=node.compute.mean_decode_batch,
         decode_passes=node.compute.decode_passes,
         prompt_passes=node.counters.prompt_passes,
