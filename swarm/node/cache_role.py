@@ -10,23 +10,39 @@ from __future__ import annotations
 
 import signal
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import trio
 
+from swarm.dht import NodeKey
 from swarm.model.blocks import KVCache, Span
+from swarm.model.source import GGUFSource, SafetensorsSource
 from swarm.node.announce import Announcer
+from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
 from swarm.node.server import Node
 from swarm.node.status import Status, status_of
 from swarm.records import CACHE, OFFLINE
+from swarm.tls import Identity
 
-if TYPE_CHECKING:
-    from swarm.node.lifecycle import Lifecycle
+ModelSource = GGUFSource | SafetensorsSource
 
 
-async def serve_cache(life: Lifecycle, listeners, say) -> None:
+class Joined(Protocol):
+    """What a started node has before it serves (swarm.node.lifecycle.Lifecycle is one)."""
+
+    cfg: NodeConfig
+    source: ModelSource
+    fingerprint: str
+    dht: object
+    key: NodeKey
+    me: str  # its peer id
+    addr: str
+    identity: Identity | None
+
+
+async def serve_cache(life: Joined, listeners, say) -> None:
     """Lend until SIGINT or SIGTERM, then announce the node offline (what it holds goes with
     its connections: the borrowers' sessions replay)."""
     cfg, config = life.cfg, life.source.config
