@@ -9,6 +9,7 @@ import pytest
 from devtools.launch import start_node, start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.dht import read_lenders
+from swarm.node.config import parse_args
 from tests.conftest import reference_greedy
 from tests.helpers.flags import exact_flags
 
@@ -101,3 +102,9 @@ def test_a_lender_killed_mid_session_replays_to_the_same_tokens(
         client.close()
     assert out == reference_greedy(tiny_reference, PROMPT, NEW)
     assert len(session.recoveries) == 1  # the lender held the session's oldest blocks
+
+
+def test_a_cache_node_takes_no_layers(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--role", "cache", "--layers", "0:2"])
+    assert "--role cache serves no blocks" in capsys.readouterr().err

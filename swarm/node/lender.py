@@ -23,6 +23,8 @@ from swarm.model.partial_attention import partial_attention
 from swarm.protocol import MAX_LENT_ROWS, AttendLent, Lend, Lent, LentPartial
 from swarm.wire import pack_tensor, unpack_tensor
 
+# query rows x lent positions attended on the trio thread; more go to a worker thread
+INLINE_ATTEND = 8192
 MAX_LEND_POSITIONS = 1 << 16  # positions of one layer in one Lend: a frame bounds it anyway
 
 

@@ -37,7 +37,7 @@ from swarm.node.downstream import Downstream
 from swarm.node.handover import receive
 from swarm.node.handover.follow import follow
 from swarm.node.handover.send import hand_off
-from swarm.node.lender import LendTable, attend
+from swarm.node.lender import INLINE_ATTEND, LendTable, attend
 from swarm.node.observer import NoObserver, StepObserver
 from swarm.node.session import Session
 from swarm.node.session_table import SessionTable
@@ -345,7 +345,10 @@ class Node:
 
     async def _attend_lent(self, conn: FramedStream, msg: AttendLent) -> None:
         q, keys, values = self.lends.query(conn, msg)
-        await conn.send(await trio.to_thread.run_sync(attend, msg, q, keys, values))
+        if q.shape[0] * keys.shape[1] <= INLINE_ATTEND:  # a decode step's: a thread costs more
+            await conn.send(attend(msg, q, keys, values))
+        else:
+            await conn.send(await trio.to_thread.run_sync(attend, msg, q, keys, values))
 
     async def _reply_error(self, conn: FramedStream, exc: SwarmError, sid: str = "") -> None:
         self.counters.errors_sent += 1
