@@ -5,11 +5,14 @@ tokens are the unsplit model's. Real DHT, node processes, TLS."""
 from __future__ import annotations
 
 import pytest
+import trio
 
 from devtools.launch import start_node, start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.dht import read_lenders
 from swarm.node.config import parse_args
+from swarm.protocol import Error, Open
+from swarm.transport import connect
 from tests.conftest import reference_greedy
 from tests.helpers.flags import exact_flags
 
@@ -108,3 +111,21 @@ def test_a_cache_node_takes_no_layers(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--role", "cache", "--layers", "0:2"])
     assert "--role cache serves no blocks" in capsys.readouterr().err
+
+
+async def test_a_long_session_with_no_lender_announced_is_refused_naming_both_sizes(
+    tiny_model_dir, fingerprint
+):
+    nodes = start_swarm([(0, 6)], model=str(tiny_model_dir), extra=[*exact_flags(), *SHORT])
+    try:
+        node = nodes[0]
+        conn = await connect(*node.host_port, tls=node.tls)
+        route = (node.hop(),)
+        await conn.send(Open("a" * 32, route, 0, fingerprint, "float32", 80, "t" * 32))
+        with trio.fail_after(30):
+            reply = await conn.receive()
+        await conn.aclose()
+    finally:
+        stop_all(nodes)
+    assert isinstance(reply, Error) and reply.code == "busy", reply
+    assert "80 cache tokens" in reply.message and "whole cache of 64" in reply.message

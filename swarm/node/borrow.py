@@ -182,6 +182,10 @@ class Lender:
             f" lender took its oldest blocks ({'; '.join(tried) or 'none announced'})"
         )
 
+    async def any_announced(self) -> bool:
+        """Some node the session could borrow from is announced (none: refuse it at once)."""
+        return bool(await self._candidates())
+
     async def attend(self, layer: int, upto: int, q: torch.Tensor, block: Block) -> Partial:
         """The lender's piece of `layer`'s attention for rows q [rows, heads, head_dim]."""
         (reply,) = await self._exchange(

@@ -28,6 +28,7 @@ import trio
 
 from swarm.errors import (
     HandoverRefused,
+    NodeBusy,
     PeerFailed,
     ProtocolError,
     SessionNotFound,
@@ -300,6 +301,14 @@ class Session(StepWork):
         False if that failed (the owner has been told why)."""
         if self.state.closed:
             return False  # evicted before its task began
+        if self.lender is not None and not await self.lender.any_announced():
+            err = NodeBusy(
+                f"session wants {self.max_length} cache tokens, more than this node's whole"
+                f" cache of {self.ctx.config.limits.max_cache_tokens}, and no node to borrow"
+                " from is announced"
+            )
+            await self.fail(Error.of(err, self.sid, self.hop))
+            return False
         if self.is_last:
             self.state.handle(Opened(sid=self.sid))
         elif not await self._ask_next_hop(self.route[self.hop + 1]):
