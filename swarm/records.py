@@ -80,6 +80,8 @@ class NodeRecord:
     moved_out: int = 0  # sessions it handed over to replicas
     transfers: int = 0  # caches being handed over, either way, when it wrote the record
     role: str = BOTH  # PREFILL: clients send it long prompts, it hands their caches on
+    lent_mb: float = 0.0  # KV blocks it holds for other nodes' sessions (swarm.node.lender)
+    borrowing: int = 0  # its sessions whose oldest KV blocks are at a lender
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,6 +138,8 @@ class NodeRecord:
                 reach=_typed(raw, "reach", str)[:16] if "reach" in raw else "",
                 arch=_typed(raw, "arch", str)[:MAX_ARCH] if "arch" in raw else "",
                 role=_typed(raw, "role", str) if "role" in raw else BOTH,
+                lent_mb=float(_typed(raw, "lent_mb", (int, float))) if "lent_mb" in raw else 0.0,
+                borrowing=_typed(raw, "borrowing", int) if "borrowing" in raw else 0,
                 **{k: _typed(raw, k, int) for k in HANDOVER_FIGURES if k in raw},
             )
         except KeyError as exc:

@@ -4,6 +4,8 @@ tokens are the unsplit model's. Real DHT, node processes, TLS."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import trio
 
@@ -57,6 +59,24 @@ def test_a_session_longer_than_every_nodes_cache_gives_the_unsplit_tokens(
         client.close()
     assert out == reference_greedy(tiny_reference, PROMPT, NEW)
     assert not recoveries and hops == 2  # both hops borrowed
+
+
+def test_records_say_what_a_node_lends_and_how_many_of_its_sessions_borrow(
+    short_swarm, tiny_model_dir
+):
+    client = _client(short_swarm, tiny_model_dir)
+    try:
+        with client.session(len(PROMPT) + NEW) as s:
+            s.feed(PROMPT)  # 40 positions: each hop keeps 32, lends 16 to the other node
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                records = client.nodes()
+                if all(r.borrowing == 1 and r.lent_mb > 0 for r in records):
+                    break
+                time.sleep(1)
+    finally:
+        client.close()
+    assert [(r.borrowing, r.lent_mb > 0) for r in records] == [(1, True), (1, True)]
 
 
 @pytest.fixture(scope="module")

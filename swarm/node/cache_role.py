@@ -9,7 +9,6 @@ layer of the model: its free lending memory over a token's bytes in all layers.
 from __future__ import annotations
 
 import signal
-from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -22,7 +21,7 @@ from swarm.node.announce import Announcer
 from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
 from swarm.node.server import Node
-from swarm.node.status import Status, status_of
+from swarm.node.status import Status
 from swarm.records import CACHE, OFFLINE
 from swarm.tls import Identity
 
@@ -70,9 +69,10 @@ async def serve_cache(life: Joined, listeners, say) -> None:
     dtype = torch.float32 if cfg.weights == "float32" else torch.bfloat16
     per_token = KVCache.bytes_per_token(config, config.num_layers, dtype)
 
-    def report() -> Status:
-        free = node.lends.max_bytes - node.lends.lent_bytes
-        return replace(status_of(node), free_cache_tokens=max(0, free) // per_token)
+    def report() -> Status:  # no sessions, no weights: what it lends
+        lent = node.lends.lent_bytes
+        free = max(0, node.lends.max_bytes - lent) // per_token
+        return Status(0, free, link=node.uplink.stats(), weights="none", lent_mb=lent / 2**20)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(node.serve, listeners)
