@@ -21,7 +21,8 @@ def test_a_link_not_yet_measured_says_so():
 
 def serving_node() -> SimpleNamespace:
     """The parts of a Node its figures are read from, as a node serving two sessions holds them."""
-    sessions = [SimpleNamespace(lender=None), SimpleNamespace(lender=object())]  # one borrows
+    lending = SimpleNamespace(lending=True)
+    sessions = [SimpleNamespace(lender=None), SimpleNamespace(lender=lending)]  # one borrows
     table = type(
         "Sessions",
         (),

@@ -151,6 +151,11 @@ class Lender:
         self.conn: FramedStream | None = None
         self.peer = ""
 
+    @property
+    def lending(self) -> bool:
+        """Blocks of the session are at the lender."""
+        return self.conn is not None
+
     def lend_sync(self, cache: BorrowedCache, n: int) -> None:
         trio.from_thread.run(self.lend, cache, n, trio_token=self.token)
 
@@ -209,6 +214,8 @@ class Lender:
                     await self.conn.send(f)
                 for f in frames:
                     reply = await self.conn.receive()
+                    if reply is None:
+                        raise trio.BrokenResourceError  # the lender closed the connection
                     if isinstance(reply, Error):
                         raise reply.exception()
                     if not isinstance(reply, kind) or (reply.sid, reply.layer) != (

@@ -71,7 +71,7 @@ def status_of(node: Node) -> Status:
         rounds=node.counters.rounds_done,
         rounds_dropped=node.counters.steps_dropped,
         lent_mb=node.lends.lent_bytes / 2**20,
-        borrowing=sum(1 for s in node.sessions if s.lender is not None),
+        borrowing=sum(1 for s in node.sessions if s.lender is not None and s.lender.lending),
     )
 
 
