@@ -27,19 +27,22 @@ def partial_attention(
     heads a multiple of kv_heads) -> out [rows, heads, head_dim] and lse [rows, heads]; `mask`
     [rows, positions] True where a row sees a position. A row that sees nothing gets out 0 and
     lse -inf: it weighs nothing in a merge."""
-    group = q.shape[1] // keys.shape[0]
-    k = keys.float().repeat_interleave(group, 0)  # [heads, positions, head_dim]
-    v = values.float().repeat_interleave(group, 0)
-    scores = (q.float().transpose(0, 1) @ k.transpose(1, 2)) * scale  # [heads, rows, positions]
+    rows, heads, width = q.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    # the query heads sharing a key head as rows of one matmul: no copy of the keys per head
+    qg = q.float().transpose(0, 1).reshape(kv_heads, group * rows, width)
+    scores = (qg @ keys.float().transpose(1, 2)) * scale  # [kv_heads, group * rows, positions]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [heads, rows]
+        scores = scores.masked_fill(~mask.repeat(group, 1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [kv_heads, group * rows]
     finite = torch.isfinite(lse)
     weights = torch.exp(scores - torch.where(finite, lse, 0.0)[..., None])
-    out = weights @ v  # [heads, rows, head_dim]; a row seeing nothing: all weights 0
-    return out.transpose(0, 1).contiguous(), lse.transpose(0, 1).contiguous()
+    out = weights @ values.float()  # a row seeing nothing: all weights 0
+    out = out.view(heads, rows, width).transpose(0, 1).contiguous()
+    return out, lse.view(heads, rows).transpose(0, 1).contiguous()
 
 
 def sink_partial(sinks: torch.Tensor, rows: int, head_dim: int) -> Partial:
