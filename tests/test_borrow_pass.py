@@ -17,6 +17,7 @@ from swarm.node.borrow import (
     borrowed_pass,
     lend_frames,
     local_tokens,
+    partial_of,
 )
 from swarm.node.lender import LendTable, attend
 
@@ -38,8 +39,6 @@ class InProcessLender:
         self.lends += 1
 
     def attend_sync(self, layer, upto, q, block):
-        from swarm.node.borrow import partial_of
-
         msg = attend_request("s" * 8, layer, upto, q, block)
         reply = attend(msg, *self.table.query(self.conn, msg))
         return partial_of(reply, q.shape[0], block)
