@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from swarm.errors import DhtGone
 from swarm.records import (
+    CACHE,
     MAX_LAYERS,
     MAX_MODELS,
     MAX_TTL_S,
@@ -28,6 +29,7 @@ from swarm.records import (
     Reported,
     ReportRecord,
     block_key,
+    lenders_key,
     reports_key,
 )
 
@@ -190,7 +192,11 @@ def store_request(records: Sequence[NodeRecord], expiration: float, subkey: byte
     crosses into the DHT process once with the keys it goes under (not once per block: 30
     copies of a record with its link figures came to over MAX_REQUEST_BYTES)."""
     groups = [
-        ([block_key(r.model, b) for b in range(r.start, r.end)], r.to_wire()) for r in records
+        (
+            [block_key(r.model, b) for b in range(r.start, r.end)] or [lenders_key(r.model)],
+            r.to_wire(),
+        )
+        for r in records
     ]
     first = records[0]
     index = ModelRecord(first.model, first.num_layers, first.fingerprint, first.arch)
@@ -300,6 +306,27 @@ def read_nodes(dht, model: str, num_layers: int) -> tuple[list[NodeRecord], dict
                 expirations[rec.peer] = exp
         malformed += max(0, len(entries) - MAX_ENTRIES_PER_KEY)
     return list(by_peer.values()), expirations, malformed
+
+
+def read_lenders(dht, model: str) -> list[NodeRecord]:
+    """The `--role cache` nodes of a model (they serve no blocks: read_nodes never lists them),
+    each node's newest record, a record counting only for the node its key proves."""
+    from hivemind.utils import get_dht_time
+
+    key = lenders_key(model)
+    raw = run_in_dht(dht, functools.partial(get_latest, keys=[key])).get(key, {})
+    latest = get_dht_time() + CLOCK_SKEW_S
+    by_peer: dict[str, NodeRecord] = {}
+    for subkey, (value, _exp) in list(raw.items())[:MAX_ENTRIES_PER_KEY]:
+        try:
+            rec = NodeRecord.from_wire(value)
+        except ValueError:
+            continue
+        if rec.role != CACHE or rec.model != model or rec.peer != id_of(subkey):
+            continue
+        if rec.updated <= latest and rec.updated > getattr(by_peer.get(rec.peer), "updated", -1):
+            by_peer[rec.peer] = rec
+    return list(by_peer.values())
 
 
 def publish_reports(

@@ -143,6 +143,20 @@ class HandoverRefused(SwarmError):
     code = "handover_refused"
 
 
+class LendRefused(NodeBusy):
+    """A lender cannot hold the KV blocks offered: its lending memory, or the borrower's share
+    of it, is full. The borrower tries another lender."""
+
+    code = "lend_refused"
+
+
+class BlocksNotHeld(SwarmError):
+    """A query for KV blocks this lender does not hold for that session and layer (never lent
+    on this connection, or fewer positions than the query names)."""
+
+    code = "blocks_not_held"
+
+
 class DhtUnavailable(SwarmError):
     """This process's DHT peer cannot be asked: the swarm's directory cannot be read or
     written until it answers again (a route elsewhere would need it too)."""
@@ -177,6 +191,8 @@ ERRORS_BY_CODE: dict[str, type[SwarmError]] = {
         WrongPeer,
         PlaintextRefused,
         HandoverRefused,
+        LendRefused,
+        BlocksNotHeld,
         DhtUnavailable,
     )
 }

@@ -18,9 +18,10 @@ from swarm.protocol import Hop, link_name
 JOINING, ONLINE, OFFLINE = "joining", "online", "offline"
 STATES = (JOINING, ONLINE, OFFLINE)
 # what a node announces itself for: prompts and decoding (BOTH); PREFILL: long prompts, whose
-# sessions it hands on to a decode node once computed; DECODE: not those prompts
-BOTH, PREFILL, DECODE = "both", "prefill", "decode"
-ROLES = (BOTH, PREFILL, DECODE)
+# sessions it hands on to a decode node once computed; DECODE: not those prompts; CACHE: serves
+# no blocks, lends its memory to other nodes' sessions for their KV blocks (swarm.node.lender)
+BOTH, PREFILL, DECODE, CACHE = "both", "prefill", "decode", "cache"
+ROLES = (BOTH, PREFILL, DECODE, CACHE)
 MODELS_KEY = "swarm.models"
 # bounds on what a reader accepts from the DHT, which anyone can write to
 MAX_LAYERS = 4096
@@ -38,6 +39,11 @@ HANDOVER_FIGURES = ("prompt_passes", "moved_in", "moved_out", "transfers")
 
 def block_key(model: str, block: int) -> str:
     return f"{model}.block.{block}"
+
+
+def lenders_key(model: str) -> str:
+    """Where `--role cache` nodes, serving no blocks, announce themselves."""
+    return f"{model}.lenders"
 
 
 def reports_key(model: str) -> str:
@@ -74,6 +80,8 @@ class NodeRecord:
     moved_out: int = 0  # sessions it handed over to replicas
     transfers: int = 0  # caches being handed over, either way, when it wrote the record
     role: str = BOTH  # PREFILL: clients send it long prompts, it hands their caches on
+    lent_mb: float = 0.0  # KV blocks it holds for other nodes' sessions (swarm.node.lender)
+    borrowing: int = 0  # its sessions whose oldest KV blocks are at a lender
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,6 +138,8 @@ class NodeRecord:
                 reach=_typed(raw, "reach", str)[:16] if "reach" in raw else "",
                 arch=_typed(raw, "arch", str)[:MAX_ARCH] if "arch" in raw else "",
                 role=_typed(raw, "role", str) if "role" in raw else BOTH,
+                lent_mb=float(_typed(raw, "lent_mb", (int, float))) if "lent_mb" in raw else 0.0,
+                borrowing=_typed(raw, "borrowing", int) if "borrowing" in raw else 0,
                 **{k: _typed(raw, k, int) for k in HANDOVER_FIGURES if k in raw},
             )
         except KeyError as exc:
@@ -138,7 +148,9 @@ class NodeRecord:
             raise ValueError(f"record role {rec.role[:40]!r} is not one of {ROLES}")
         if rec.state not in STATES:
             raise ValueError(f"record state {rec.state!r} is not one of {STATES}")
-        if not 0 <= rec.start < rec.end <= rec.num_layers:
+        if rec.role == CACHE and rec.start == rec.end == 0:
+            pass  # a lender: no blocks
+        elif rec.role == CACHE or not 0 <= rec.start < rec.end <= rec.num_layers:
             raise ValueError(f"record span {rec.start}:{rec.end} is not inside 0:{rec.num_layers}")
         if not 0 < len(rec.weights) <= MAX_WEIGHTS_NAME:
             raise ValueError(f"record weights {rec.weights[:40]!r} is not a format name")

@@ -65,6 +65,22 @@ class Integer(_Plain):
 
 
 @dataclass(frozen=True)
+class Number(_Plain):
+    """A finite float (an int is taken too, never a bool) in [lo, hi]."""
+
+    lo: float
+    hi: float
+
+    def read(self, name: str, value: Any, parsed: dict[str, Any]) -> float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not self.lo <= value <= self.hi:  # NaN fails both
+            raise ProtocolError(
+                f"field {name!r} must be a number in [{self.lo:g}, {self.hi:g}], got {value!r}"
+            )
+        return float(value)
+
+
+@dataclass(frozen=True)
 class OneOf(_Plain):
     """One of a fixed set of values; `cut` bounds the error's length (None: whole)."""
 
@@ -194,6 +210,10 @@ def integer(
     lo: int = 0, hi: int | Callable[[dict[str, Any]], int] = 2**31, default: Any = MISSING
 ) -> Any:
     return declare(Integer(lo, hi), default)
+
+
+def number(lo: float, hi: float, default: Any = MISSING) -> Any:
+    return declare(Number(lo, hi), default)
 
 
 def one_of(choices: tuple[Any, ...], cut: int | None = None) -> Any:

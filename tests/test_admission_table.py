@@ -52,6 +52,10 @@ class Held:
         self.state = SessionState(self.sid, self.max_length, last=True, now=self.opened)
         self.state.handle(Opened(sid=self.sid))
 
+    @property
+    def local_tokens(self) -> int:
+        return self.max_length  # it borrows nothing
+
     def step(self, now: float) -> Held:
         pos = self.state.next_pos
         self.state.handle(StepIn("prefill", pos, 1, pos + 1, now))

@@ -21,13 +21,24 @@ def test_a_link_not_yet_measured_says_so():
 
 def serving_node() -> SimpleNamespace:
     """The parts of a Node its figures are read from, as a node serving two sessions holds them."""
-    table = type("Sessions", (), {"__len__": lambda self: 2, "free_cache_tokens": 900})()
+    lending = SimpleNamespace(lending=True)
+    sessions = [SimpleNamespace(lender=None), SimpleNamespace(lender=lending)]  # one borrows
+    table = type(
+        "Sessions",
+        (),
+        {
+            "__len__": lambda self: 2,
+            "__iter__": lambda self: iter(sessions),
+            "free_cache_tokens": 900,
+        },
+    )()
     return SimpleNamespace(
         sessions=table,
         tokens_done=1234,
         uplink=SimpleNamespace(stats=lambda: {"bandwidth_Bps": 1e6}),
         throttle=SimpleNamespace(refused=5, evicted=1, hosts={"a", "b"}, recent=lambda now: 3),
         throughput=41.5,
+        lends=SimpleNamespace(lent_bytes=3 * 2**20),
         span=SimpleNamespace(format="int8"),
         compute=SimpleNamespace(mean_decode_batch=1.75, decode_passes=80),
         counters=SimpleNamespace(
@@ -63,4 +74,11 @@ def test_a_serving_node_reports_every_figure_it_holds():
         transfers=1,
         rounds=40,
         rounds_dropped=6,
+        lent_mb=3.0,
+        borrowing=1,
     )
+
+
+def test_the_status_line_says_what_the_node_lends_and_how_many_sessions_borrow():
+    now = Status(sessions=1, link={}, lent_mb=12.5, borrowing=1)
+    assert status_line(now, now, 30.0).endswith(", KV lent here 12.5 MB, 1 sessions borrowing")

@@ -77,6 +77,8 @@ class Announcer:
             reach=self.reach,
             arch=self.arch,
             role=self.role,
+            lent_mb=round(status.lent_mb, 2),
+            borrowing=status.borrowing,
             updated=get_dht_time(),
         )
 

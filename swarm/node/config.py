@@ -27,7 +27,7 @@ from swarm.options import (
     positive_int,
     read_option,
 )
-from swarm.records import BOTH, MAX_TTL_S, PREFILL, ROLES
+from swarm.records import BOTH, CACHE, MAX_TTL_S, PREFILL, ROLES
 from swarm.wire import DEFAULT_MAX_FRAME
 
 
@@ -53,6 +53,21 @@ class Limits:
     )
     max_session_tokens: int = option(
         8192, "longest sequence one session may reserve", type=positive_int
+    )
+    # KV blocks this node holds for sessions of other nodes short of cache (swarm.node.lender)
+    max_lend_mb: float = option(
+        256.0,
+        "memory for KV blocks lent to other nodes' sessions (0: lend none)",
+        flag="--max-lend",
+        type=non_negative_float,
+        metavar="MB",
+    )
+    max_lend_host_mb: float = option(
+        128.0,
+        "of --max-lend, what one borrowing node may hold",
+        flag="--max-lend-host",
+        type=non_negative_float,
+        metavar="MB",
     )
     max_frame: int = option(
         DEFAULT_MAX_FRAME, "largest frame accepted, in bytes", type=positive_int
@@ -226,7 +241,8 @@ class NodeConfig:
         BOTH,
         "prefill: take long prompts and hand each session, cache and all, to a decode node"
         " serving the same blocks once its prompt is in (clients route decoding elsewhere);"
-        " decode: take no such prompts; both: take everything",
+        " decode: take no such prompts; both: take everything; cache: serve no blocks, lend"
+        " memory (--max-lend) to other nodes' sessions for their KV blocks",
         choices=ROLES,
     )
     threads: int = option(1, "torch threads for compute", type=positive_int)
@@ -331,6 +347,8 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         group, _, name = dest.rpartition(".")
         values[group][name] = read_option(f, ns[dest])
     start, end = ns["layers"] or (None, None)
+    if ns["role"] == CACHE and ns["layers"]:
+        build_parser().error("--role cache serves no blocks: it takes no --layers")
     if ns["role"] == PREFILL and ns["limits.handover"] == "off":
         build_parser().error("--role prefill hands every session on: it needs --handover on")
     return NodeConfig(

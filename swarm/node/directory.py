@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import trio
 
 from swarm.address import parse_host_port
-from swarm.dht import read_nodes
+from swarm.dht import read_lenders, read_nodes
 from swarm.errors import UnannouncedPeer
 from swarm.protocol import Hop
 from swarm.records import ONLINE, NodeRecord
@@ -53,8 +53,8 @@ class PeerDirectory:
     def of_dht(cls, dht, model: str, num_layers: int, plaintext: bool = False) -> PeerDirectory:
         """The directory of `model`'s nodes as `dht` finds them."""
 
-        def read() -> list[NodeRecord]:
-            return read_nodes(dht, model, num_layers)[0]
+        def read() -> list[NodeRecord]:  # lenders too: they serve no blocks, nobody dials them
+            return read_nodes(dht, model, num_layers)[0] + read_lenders(dht, model)
 
         return cls(read, plaintext=plaintext)
 
@@ -105,6 +105,13 @@ class PeerDirectory:
         """Records just read elsewhere: no need to read them again before dialling."""
         self._records = {r.peer: r for r in records}
         self._read_at = time.monotonic()
+
+    async def fresh(self) -> list[NodeRecord]:
+        """The records as the DHT holds them now (read again, unless read within `refresh_s`)."""
+        async with self._lock:
+            if time.monotonic() - self._read_at >= self.refresh_s:
+                await self._refresh()
+        return self.records()
 
     def records(self) -> list[NodeRecord]:
         """The records as last read."""

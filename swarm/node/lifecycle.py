@@ -30,6 +30,7 @@ from swarm.model.blocks import Span
 from swarm.model.source import GGUFSource, SafetensorsSource, open_model
 from swarm.model.usable import usable_formats
 from swarm.node.announce import Announcer
+from swarm.node.cache_role import serve_cache
 from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
 from swarm.node.handover.send import hand_over_all
@@ -38,7 +39,7 @@ from swarm.node.observer import StepObserver
 from swarm.node.placement import better_span, choose_span, coverage, gaps, settled_span
 from swarm.node.server import Node
 from swarm.node.status import Status, log_status, status_of
-from swarm.records import JOINING, OFFLINE, ONLINE, NodeRecord, format_blocks
+from swarm.records import CACHE, JOINING, OFFLINE, ONLINE, NodeRecord, format_blocks
 from swarm.relay import check_reachable, stay_relayed
 from swarm.tls import Identity
 
@@ -87,7 +88,7 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
     """Start a node and serve until SIGINT or SIGTERM; an automatic span may move meanwhile."""
     t0 = time.perf_counter()
     source = open_model(cfg.model)
-    if not cfg.automatic_span:
+    if not cfg.automatic_span and cfg.role != CACHE:
         source.config.check_span(cfg.start, cfg.end)
         source.block_files(cfg.start, cfg.end)  # before joining: name any shard missing
     fingerprint = source.fingerprint()
@@ -105,6 +106,10 @@ async def run(cfg: NodeConfig, observer: StepObserver | None = None) -> None:
         addr = cfg.public_address or join_host_port(cfg.host, port)
         usable = await trio.to_thread.run_sync(usable_formats, say, cfg.input_terms)
         life = Lifecycle(cfg, source, fingerprint, dht, key, addr, usable, observer)
+        if cfg.role == CACHE:  # no blocks: it lends memory
+            await serve_cache(life, listeners, say)
+            say("node stopped")
+            return
         span_range: Blocks | None = await life.first_span()
         settle = cfg.automatic_span  # the first choice may race a node choosing at once
         while span_range is not None:

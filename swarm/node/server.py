@@ -37,6 +37,7 @@ from swarm.node.downstream import Downstream
 from swarm.node.handover import receive
 from swarm.node.handover.follow import follow
 from swarm.node.handover.send import hand_off
+from swarm.node.lender import INLINE_ATTEND, LendTable, attend
 from swarm.node.observer import NoObserver, StepObserver
 from swarm.node.session import Session
 from swarm.node.session_table import SessionTable
@@ -44,6 +45,7 @@ from swarm.node.uplink import Uplink
 from swarm.protocol import (
     Attach,
     Attached,
+    AttendLent,
     Close,
     Error,
     Handover,
@@ -51,6 +53,7 @@ from swarm.protocol import (
     HandoverTail,
     Hop,
     KvChunk,
+    Lend,
     Open,
     Ping,
     Relay,
@@ -96,6 +99,10 @@ class Node:
             config.limits.max_connections, config.limits.max_host_connections
         )
         self.throttle = Throttle()
+        mb = 2**20
+        self.lends = LendTable(
+            int(config.limits.max_lend_mb * mb), int(config.limits.max_lend_host_mb * mb)
+        )
         self.uplink = Uplink(config.link, self._stream_broken)
         self.compute = ComputeQueue(
             config.compute.lanes,
@@ -139,6 +146,8 @@ class Node:
             Release: self._release,
             Attach: self._attach,
             Close: self._close,
+            Lend: self._lend,
+            AttendLent: self._attend_lent,
         }
         self.port: int | None = None
         self._nursery: trio.Nursery | None = None  # the node's own, while it serves
@@ -183,7 +192,7 @@ class Node:
             source or peer_host(conn),
             time.monotonic(),
             scope.cancel,
-            lambda: not any(s.owner is conn or s.sink is conn for s in self.sessions),
+            lambda: not self._holds(conn),
         )
         try:
             victim = self.connections.admit(inbound)
@@ -213,6 +222,7 @@ class Node:
             log.exception("closing connection from %s after an internal error", conn.peer())
         finally:
             self.connections.remove(inbound)
+            self.lends.forget(conn)
             conn.closed = True
             self.uplink.forget_client(conn)
             for s in self.sessions:
@@ -290,7 +300,7 @@ class Node:
                     await self._reply_error(conn, exc)
                     continue
             if idle.cancelled_caught:
-                if any(s.owner is conn or s.sink is conn for s in self.sessions):
+                if self._holds(conn):
                     continue
                 await self._reply_error(
                     conn, ProtocolError("connection idle without a session; closing")
@@ -323,6 +333,22 @@ class Node:
         s = self.sessions.get(msg.sid, conn)
         if s.owner is conn:
             s.close()
+
+    def _holds(self, conn: FramedStream) -> bool:
+        """The connection holds a session here, or KV blocks it lent: never closed as idle."""
+        return self.lends.holds(conn) or any(
+            s.owner is conn or s.sink is conn for s in self.sessions
+        )
+
+    async def _lend(self, conn: FramedStream, msg: Lend) -> None:
+        await conn.send(self.lends.lend(conn, peer_host(conn), msg))
+
+    async def _attend_lent(self, conn: FramedStream, msg: AttendLent) -> None:
+        q, keys, values = self.lends.query(conn, msg)
+        if q.shape[0] * keys.shape[1] <= INLINE_ATTEND:  # a decode step's: a thread costs more
+            await conn.send(attend(msg, q, keys, values))
+        else:
+            await conn.send(await trio.to_thread.run_sync(attend, msg, q, keys, values))
 
     async def _reply_error(self, conn: FramedStream, exc: SwarmError, sid: str = "") -> None:
         self.counters.errors_sent += 1

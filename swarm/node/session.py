@@ -28,13 +28,16 @@ import trio
 
 from swarm.errors import (
     HandoverRefused,
+    NodeBusy,
     PeerFailed,
+    ProtocolError,
     SessionNotFound,
     ShapeMismatch,
     SwarmError,
 )
 from swarm.model.blocks import ring_slots
 from swarm.node.admission import Share, peer_host, share_of
+from swarm.node.borrow import BorrowedCache, Lender, local_tokens
 from swarm.node.context import SessionContext, send_quietly
 from swarm.node.prompt import PromptPieces
 from swarm.node.session_state import (
@@ -82,6 +85,11 @@ class Session(StepWork):
         self.start, self.end = hop.start, hop.end
         self.wire_dtype = msg.wire_dtype or ctx.config.wire_dtype or ctx.span.config.wire_dtype
         self.max_length = msg.max_length
+        # longer than the node's cache: this many positions here, the oldest lent (borrow.py)
+        limits = ctx.config.limits
+        self.borrow_cap = local_tokens(ctx.span.config, limits.max_cache_tokens, msg.max_length)
+        self.local_tokens = self.borrow_cap or msg.max_length
+        self.lender: Lender | None = None
         self.owner = owner  # only it may send steps
         self.count_in(share or share_of(peer_host(owner), msg))
         self.sink: FramedStream | None = None  # the client's connection, on the last hop
@@ -123,6 +131,8 @@ class Session(StepWork):
         )
         n, now = hidden.shape[1], time.monotonic()
         spec = msg.spec is not None
+        if spec and self.borrow_cap:
+            raise ProtocolError("a session borrowing KV blocks takes no verification steps")
         if spec and n > self.round_limit:
             raise ShapeMismatch(
                 f"a verification step of {n} tokens is longer than a sliding window here"
@@ -267,9 +277,16 @@ class Session(StepWork):
             cache.keys.clear()
             cache.values.clear()
             cache.states.clear()
+            if self.lender is not None:
+                await self.lender.aclose()  # the lender forgets the blocks with it
 
-    def _allocate(self) -> KVCache:
-        return self.ctx.span.allocate_cache(self.start, self.end, self.max_length)
+    def _allocate(self) -> KVCache | BorrowedCache:
+        if self.borrow_cap is None:
+            return self.ctx.span.allocate_cache(self.start, self.end, self.max_length)
+        self.lender = Lender(self.ctx, self.sid)
+        return BorrowedCache.allocate(
+            self.ctx.span, self.start, self.end, self.max_length, self.borrow_cap
+        )
 
     async def _await_intake(self) -> bool:
         """A handed-over session waits for its cache; False if it did not come in time."""
@@ -285,6 +302,14 @@ class Session(StepWork):
         False if that failed (the owner has been told why)."""
         if self.state.closed:
             return False  # evicted before its task began
+        if self.lender is not None and not await self.lender.any_announced():
+            err = NodeBusy(
+                f"session wants {self.max_length} cache tokens, more than this node's whole"
+                f" cache of {self.ctx.config.limits.max_cache_tokens}, and no node to borrow"
+                " from is announced"
+            )
+            await self.fail(Error.of(err, self.sid, self.hop))
+            return False
         if self.is_last:
             self.state.handle(Opened(sid=self.sid))
         elif not await self._ask_next_hop(self.route[self.hop + 1]):

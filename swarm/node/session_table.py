@@ -30,7 +30,8 @@ class Seated(Protocol):
     sid: str
     host: str  # whose share it counts in
     via: str  # the node forwarding it here, if one does
-    max_length: int  # the cache tokens it reserves
+    max_length: int  # the tokens it may hold in all
+    local_tokens: int  # the cache tokens it reserves here (fewer than its length if it borrows)
     state: SessionState  # how long it idled, whether anyone used it
     owner: object  # the connections holding it
     sink: object | None
@@ -61,7 +62,7 @@ class SessionTable(Generic[Session]):
 
     @property
     def reserved_tokens(self) -> int:
-        return sum(s.max_length for s in self._sessions.values())
+        return sum(s.local_tokens for s in self._sessions.values())
 
     @property
     def free_cache_tokens(self) -> int:
@@ -73,7 +74,7 @@ class SessionTable(Generic[Session]):
         busy = [s for s in self._sessions.values() if not self._idle(s, now)]
         if len(busy) >= self.limits.max_sessions:
             return 0
-        return max(0, self.limits.max_cache_tokens - sum(s.max_length for s in busy))
+        return max(0, self.limits.max_cache_tokens - sum(s.local_tokens for s in busy))
 
     def prompt_rank(self, session: Session, rank: float, cost: float) -> float:
         """The prompt lane's rank for `session`'s next pass: `rank` as the lane gives it, put
@@ -89,15 +90,15 @@ class SessionTable(Generic[Session]):
         """The sessions that must give their place for `session` to be admitted (none if it
         fits). Raises the NodeBusy or CacheFull the newcomer gets if it cannot be."""
         lim = self.limits
-        host, want = session.host, session.max_length
+        host, want = session.host, session.local_tokens
         if not self.accepting:
             raise NodeBusy("node is shutting down and accepts no new sessions")
         if session.sid in self._sessions:
             raise NodeBusy("session id already in use here")  # never reveal whose
-        if want > lim.max_session_tokens:
+        if session.max_length > lim.max_session_tokens:
             raise CacheFull(
-                f"session wants {want} tokens, this node allows {lim.max_session_tokens}"
-                " per session"
+                f"session wants {session.max_length} tokens, this node allows"
+                f" {lim.max_session_tokens} per session"
             )
         if want > lim.max_cache_tokens:  # no eviction makes room: another node may have it
             raise NodeBusy(
@@ -126,14 +127,14 @@ class SessionTable(Generic[Session]):
             )
         for mine, max_count, max_tokens, who in shares:
             self._fit(left, take, now, want, mine, max_count, max_tokens, who)
-        while len(left) >= lim.max_sessions or sum(s.max_length for s in left) + want > (
+        while len(left) >= lim.max_sessions or sum(s.local_tokens for s in left) + want > (
             lim.max_cache_tokens
         ):
             victim = self._victim(left, host, now)
             if victim is None:
                 if len(left) >= lim.max_sessions:
                     raise NodeBusy(f"node serves its maximum of {lim.max_sessions} sessions")
-                free = lim.max_cache_tokens - sum(s.max_length for s in left)
+                free = lim.max_cache_tokens - sum(s.local_tokens for s in left)
                 raise NodeBusy(f"node has {free} free cache tokens, session wants {want}")
             take(victim)
         return gone
@@ -143,7 +144,7 @@ class SessionTable(Generic[Session]):
         idle first, until the newcomer fits; NodeBusy if it cannot."""
         while True:
             held = [s for s in left if mine(s)]
-            count, tokens = len(held), sum(s.max_length for s in held)
+            count, tokens = len(held), sum(s.local_tokens for s in held)
             if count < max_count and tokens + want <= max_tokens:
                 return
             idle = [s for s in held if self._idle(s, now)]

@@ -44,6 +44,8 @@ class Status:
     transfers: int = 0  # caches being handed over, either way, now
     rounds: int = 0  # verification rounds computed, so far (speculative decoding)
     rounds_dropped: int = 0  # of those sent here, dropped uncomputed: a rejection made them stale
+    lent_mb: float = 0.0  # KV blocks it holds for other nodes' sessions, now
+    borrowing: int = 0  # its sessions whose oldest KV blocks are at a lender, now
 
 
 def status_of(node: Node) -> Status:
@@ -68,6 +70,8 @@ def status_of(node: Node) -> Status:
         transfers=node.counters.transfers,
         rounds=node.counters.rounds_done,
         rounds_dropped=node.counters.steps_dropped,
+        lent_mb=node.lends.lent_bytes / 2**20,
+        borrowing=sum(1 for s in node.sessions if s.lender is not None and s.lender.lending),
     )
 
 
@@ -87,6 +91,8 @@ def status_line(now: Status, before: Status, seconds: float) -> str:
     rounds, dropped = now.rounds - before.rounds, now.rounds_dropped - before.rounds_dropped
     if rounds or dropped:
         line += f", {rounds} verification rounds ({dropped} more dropped stale)"
+    if now.lent_mb or now.borrowing:
+        line += f", KV lent here {now.lent_mb:.1f} MB, {now.borrowing} sessions borrowing"
     refused, evicted = now.refused - before.refused, now.evicted - before.evicted
     if refused or evicted:
         line += (

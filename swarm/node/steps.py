@@ -15,6 +15,7 @@ import torch
 import trio
 
 from swarm.errors import ProtocolError, SessionNotFound, SwarmError
+from swarm.node.borrow import borrowed_pass
 from swarm.node.passes import DecodeItem, decode_pass, forward_pass, verify_pass
 from swarm.node.prompt import PromptPieces
 from swarm.node.session_state import Copy, SessionState
@@ -24,6 +25,7 @@ from swarm.protocol import DECODE, MAX_REWIND, PREFILL, Error, Open, Step
 
 if TYPE_CHECKING:
     from swarm.model.blocks import KVCache
+    from swarm.node.borrow import Lender
     from swarm.node.compute import Done, Ticket
     from swarm.node.context import SessionContext
     from swarm.node.handover.cache import CacheIntake
@@ -48,6 +50,7 @@ class StepWork:
     downstream: str | None
     intake: CacheIntake | None
     cache: KVCache | None
+    lender: Lender | None  # where its oldest KV blocks are, if it borrows
     changed: Signal
     pieces: PromptPieces
     decodes: deque[tuple[Step, torch.Tensor, float]]
@@ -137,7 +140,9 @@ class StepWork:
             if step.spec is not None:  # a verification round: its drafts may be rejected
                 cache.rewind(step.pos)
                 cache.keep_for_rewind(step.pos, hidden.shape[1], MAX_REWIND)
-            if hidden.shape[1] == 1:  # joins other sessions' steps through the same blocks
+            if self.lender is not None:  # alone: each layer waits for the lender's piece
+                done = await compute.run(DECODE, self._pass(cache, step.pos, hidden), 1)
+            elif hidden.shape[1] == 1:  # joins other sessions' steps through the same blocks
                 run = functools.partial(decode_pass, span, self.start, self.end)
                 item = DecodeItem(cache, step.pos, hidden)
                 done = await compute.decode((self.start, self.end), item, run)
@@ -176,11 +181,8 @@ class StepWork:
         self.prompt_end = step.end
         if self.pieces:  # more than one pass waits: queue the next, behind any decode step
             self._tickets.append(compute.reserve(PREFILL, self._rank()))
-        fn = functools.partial(
-            forward_pass, self.ctx.span, cache, self.start, self.end, step.pos, hidden
-        )
         try:
-            done = await ticket.run(fn, hidden.shape[1])
+            done = await ticket.run(self._pass(cache, step.pos, hidden), hidden.shape[1])
         except Exception as exc:
             await self._compute_failed(exc)
             return
@@ -202,13 +204,22 @@ class StepWork:
                 done.usage,
             )
 
+    def _pass(self, cache, pos: int, hidden: torch.Tensor):
+        """The compute of one forward pass from `pos`, for a lane."""
+        if self.lender is not None:
+            args = (self.ctx.span, cache, self.lender, self.start, self.end, pos, hidden)
+            return functools.partial(borrowed_pass, *args)
+        return functools.partial(
+            forward_pass, self.ctx.span, cache, self.start, self.end, pos, hidden
+        )
+
     def _prompt_computed(self, done_all: bool) -> None:
         """Opened with a handoff (this node computes prompts for a decode node): the session
         goes to that node, its cache streaming there from the prompt's first pass on (the
         rest follows as passes finish), decoding here until it has all arrived. A layer with a
         sliding window shorter than the session waits for the whole prompt: the next pass
         would overwrite positions of its ring while they are copied out."""
-        if self.open_msg.handoff is None or self.ctx.hand_off is None:
+        if self.open_msg.handoff is None or self.ctx.hand_off is None or self.lender:
             return
         if not self.state.accepts(Copy()):
             return  # moving already

@@ -67,6 +67,11 @@ async def take(
             )
         share = share_of(peer_host(conn), opening, handed=True)
         session = Session(ctx, conn, opening, now, share, coming=True)
+        if session.borrow_cap is not None:  # its cache would have to be lent on arrival
+            raise NodeBusy(
+                f"a handed-over session of {opening.max_length} tokens is longer than this"
+                f" node's cache of {ctx.config.limits.max_cache_tokens}"
+            )
         if ctx.sessions.make_room(session, now):
             raise NodeBusy("no free place for a handed-over session without evicting one")
         cache = ctx.span.allocate_cache(session.start, session.end, session.max_length)

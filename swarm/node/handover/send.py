@@ -65,7 +65,8 @@ def movable(s: Session) -> bool:
     """Sessions this node ends the route of: their owner (the client, or the node before)
     and their sink (the client) follow the move. A session with a next hop finishes here or is
     replayed (the next hop would have to take the replica as the session's owner)."""
-    return s.is_last and not s.state.closed and s.state.used and s.state.move is HERE
+    used = s.state.used and s.lender is None  # a borrowing session's blocks do not move yet
+    return s.is_last and not s.state.closed and used and s.state.move is HERE
 
 
 async def hand_off(ctx: SessionContext, s: Session, say=print) -> None:

@@ -1,0 +1,325 @@
+"""A session longer than this node's cache, its oldest KV blocks lent to another node (DistKV's
+rBlocks, issue #52; the lender's side is swarm/node/lender.py).
+
+A session opened for more tokens than `--max-cache-tokens` keeps `local_tokens` positions here
+(half the node's cache): per layer attending over the whole session, the newest `cap` positions
+[offset, offset + cap); a layer with a sliding window shorter than the session keeps its ring
+and borrows nothing (it attends to nothing older). When a pass would write past the local
+positions, the oldest whole blocks go to the lender (`Lend`), layer by layer, and the local ones
+shift down. Each layer's attention is then its local piece merged with the lender's
+(`AttendLent`: the rows' queries go there, their partial attention and log-sum-exp come back;
+swarm.model.partial_attention), which is the attention over every position: a borrowing
+session's greedy tokens are an unborrowed one's.
+
+The lender: the first online node of the DHT, other than this one, that takes the blocks:
+`--role cache` nodes first, then the most free cache tokens. One connection per session; what
+it lent goes with it. A lender that fails fails the session, which the client replays as when
+a node dies. The pass runs in a compute lane as any other; its lender's round trips go through
+the trio thread (`trio.from_thread`), the lane waiting for them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import trio
+
+from swarm.errors import LendRefused, PeerFailed, ProtocolError, SwarmError
+from swarm.model.partial_attention import Partial, merge, partial_attention, sink_partial
+from swarm.node.handover.cache import dtype_name
+from swarm.protocol import AttendLent, Error, Lend, Lent, LentPartial
+from swarm.records import CACHE, ONLINE
+from swarm.transport import dial_hop
+from swarm.wire import pack_tensor, unpack_tensor
+
+if TYPE_CHECKING:
+    from swarm.model.blocks import Block, Span
+    from swarm.model.config import ModelConfig
+    from swarm.node.context import SessionContext
+    from swarm.records import NodeRecord
+    from swarm.transport import FramedStream
+
+log = logging.getLogger("swarm.node")
+
+BLOCK = 16  # positions a block: what moves to a lender at least, and whole
+DIAL_S = 10.0  # to reach a lender
+REPLY_S = 30.0  # for a lender's answer
+
+
+def local_tokens(config: ModelConfig, max_cache_tokens: int, max_length: int) -> int | None:
+    """The positions a session of `max_length` keeps here if it must borrow (half the node's
+    cache, whole blocks); None if it fits, or cannot borrow (latent attention, Gated
+    DeltaNet's state, or a cache too small for two blocks)."""
+    if max_length <= max_cache_tokens or config.latent is not None or config.delta is not None:
+        return None
+    cap = max_cache_tokens // 2 // BLOCK * BLOCK
+    return cap if cap >= 2 * BLOCK else None
+
+
+@dataclass
+class BorrowedCache:
+    """A borrowing session's cache on this hop: `keys`, `values` per layer [1, kv_heads, slots,
+    head_dim], a ring for a windowed layer, else positions [offset, offset + cap)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    lent: list[bool]  # per layer: it borrows (its oldest positions are at the lender)
+    cap: int
+    length: int = 0
+    offset: int = 0  # positions [0, offset) of every lending layer are at the lender
+    overwritten: dict = field(default_factory=dict)  # KVCache's; no rewinds here
+    states: list = field(default_factory=list)  # KVCache's (Gated DeltaNet): none borrow
+
+    @classmethod
+    def allocate(cls, span: Span, start: int, end: int, max_length: int, cap: int):
+        config = span.config
+        (k_heads, k_width), (v_heads, v_width) = config.cache_widths
+        keys, values, lent = [], [], []
+        for layer in range(start, end):
+            window = config.window(layer)
+            ring = window is not None and window < max_length
+            slots = window if ring else cap
+            keys.append(torch.zeros((1, k_heads, slots, k_width), dtype=span.cache_dtype))
+            values.append(torch.zeros((1, v_heads, slots, v_width), dtype=span.cache_dtype))
+            lent.append(not ring)
+        return cls(keys, values, lent, cap)
+
+    def oldest(self, n: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """The `n` oldest local positions of each lending layer, as the wire carries them: [1,
+        n, heads * width]."""
+        return [
+            (layer, _rows(k[0, :, :n]), _rows(v[0, :, :n]))
+            for layer, (k, v, lent) in enumerate(zip(self.keys, self.values, self.lent))
+            if lent
+        ]
+
+    def shift(self, n: int) -> None:
+        """Positions [offset, offset + n) are at the lender now: the rest move down."""
+        for k, v, lent in zip(self.keys, self.values, self.lent):
+            if lent:
+                k[0, :, : self.cap - n] = k[0, :, n:].clone()
+                v[0, :, : self.cap - n] = v[0, :, n:].clone()
+        self.offset += n
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[heads, n, width] -> [1, n, heads * width]."""
+    return t.transpose(0, 1).reshape(1, t.shape[1], -1).contiguous()
+
+
+def lend_frames(sid: str, cache: BorrowedCache, n: int) -> list[Lend]:
+    """The `n` oldest local positions of every lending layer, to lend."""
+    frames = []
+    for layer, k, v in cache.oldest(n):
+        _, heads, _, width = cache.keys[layer].shape
+        kv = (pack_tensor(t, dtype_name(t.dtype)) for t in (k, v))
+        frames.append(Lend(sid, layer, cache.offset, heads, width, *kv))
+    return frames
+
+
+def attend_request(sid: str, layer: int, upto: int, q: torch.Tensor, block: Block) -> AttendLent:
+    """Rows q [rows, heads, head_dim] to attend over the `upto` lent positions of `layer`."""
+    c = block.c
+    return AttendLent(
+        sid=sid,
+        layer=layer,
+        upto=upto,
+        heads=c.heads,
+        scale=c.scale,
+        q=pack_tensor(q.reshape(1, q.shape[0], -1), "float32"),
+        softcap=c.attn_softcap,
+    )
+
+
+def partial_of(reply: LentPartial, rows: int, block: Block) -> Partial:
+    """The lender's piece, checked: out [rows, heads, head_dim], lse [rows, heads]."""
+    c = block.c
+    out = unpack_tensor(reply.out, hidden=c.heads * c.head_dim, max_tokens=rows, tokens=rows)
+    lse = unpack_tensor(reply.lse, hidden=c.heads, max_tokens=rows, tokens=rows)
+    return out[0].view(rows, c.heads, c.head_dim), lse[0]
+
+
+class Lender:
+    """One session's connection to its lender, driven from the trio thread; a compute lane
+    calls the `*_sync` methods."""
+
+    def __init__(self, ctx: SessionContext, sid: str):
+        self.ctx, self.sid = ctx, sid
+        self.token = trio.lowlevel.current_trio_token()
+        self.conn: FramedStream | None = None
+        self.peer = ""
+
+    @property
+    def lending(self) -> bool:
+        """Blocks of the session are at the lender."""
+        return self.conn is not None
+
+    def lend_sync(self, cache: BorrowedCache, n: int) -> None:
+        trio.from_thread.run(self.lend, cache, n, trio_token=self.token)
+
+    def attend_sync(self, layer: int, upto: int, q: torch.Tensor, block: Block) -> Partial:
+        return trio.from_thread.run(self.attend, layer, upto, q, block, trio_token=self.token)
+
+    async def lend(self, cache: BorrowedCache, n: int) -> None:
+        """Send the `n` oldest local positions of every lending layer; the first time, to the
+        first candidate that takes them."""
+        frames = lend_frames(self.sid, cache, n)
+        if not frames:
+            return  # every layer here a ring: nothing to lend
+        if self.conn is not None:
+            await self._exchange(frames, Lent)
+            return
+        tried = []
+        for rec in await self._candidates():
+            try:
+                self.conn = await self._dial(rec)
+                self.peer = rec.peer
+                await self._exchange(frames, Lent)
+                log.info("session %s... lends its oldest KV blocks to %s", self.sid[:8], rec.addr)
+                return
+            except (LendRefused, PeerFailed) as exc:
+                tried.append(f"{rec.addr}: {exc}")
+                await self.aclose()
+        raise LendRefused(
+            f"this node's cache is short for a session of {cache.length + n} tokens and no"
+            f" lender took its oldest blocks ({'; '.join(tried) or 'none announced'})"
+        )
+
+    async def any_announced(self) -> bool:
+        """Some node the session could borrow from is announced (none: refuse it at once)."""
+        return bool(await self._candidates())
+
+    async def attend(self, layer: int, upto: int, q: torch.Tensor, block: Block) -> Partial:
+        """The lender's piece of `layer`'s attention for rows q [rows, heads, head_dim]."""
+        (reply,) = await self._exchange(
+            [attend_request(self.sid, layer, upto, q, block)], LentPartial
+        )
+        return partial_of(reply, q.shape[0], block)
+
+    async def aclose(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            await conn.aclose()
+
+    async def _exchange(self, frames: list, kind: type) -> list:
+        """Send `frames`, then read an answer of type `kind` to each; an Error answer raises
+        its SwarmError, a lost lender PeerFailed."""
+        assert self.conn is not None
+        replies = []
+        try:
+            with trio.fail_after(REPLY_S):
+                for f in frames:
+                    await self.conn.send(f)
+                for f in frames:
+                    reply = await self.conn.receive()
+                    if reply is None:
+                        raise trio.BrokenResourceError  # the lender closed the connection
+                    if isinstance(reply, Error):
+                        raise reply.exception()
+                    if not isinstance(reply, kind) or (reply.sid, reply.layer) != (
+                        f.sid,
+                        f.layer,
+                    ):
+                        raise ProtocolError(f"the lender answered {reply!r:.80} to a {f.t}")
+                    replies.append(reply)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
+            raise PeerFailed(
+                f"the lender {self.peer[:16]} holding this session's oldest KV blocks is gone"
+            ) from None
+        return replies
+
+    async def _candidates(self) -> list[NodeRecord]:
+        ctx = self.ctx
+        records = await ctx.directory.fresh()
+        plaintext = ctx.directory.plaintext
+        ok = [
+            r
+            for r in records
+            if r.state == ONLINE and r.peer != ctx.key.peer and (r.tls or plaintext)
+        ]
+        return sorted(ok, key=lambda r: (r.role != CACHE, -r.free_cache_tokens))
+
+    async def _dial(self, rec: NodeRecord) -> FramedStream:
+        try:
+            with trio.fail_after(DIAL_S):
+                return await dial_hop(rec.hop(), self.ctx.config.limits.max_frame)
+        except (OSError, ValueError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+            raise PeerFailed(f"cannot reach it: {exc or type(exc).__name__}") from None
+        except SwarmError as exc:
+            raise PeerFailed(str(exc)) from None
+
+
+@torch.inference_mode()
+def borrowed_pass(
+    span: Span,
+    cache: BorrowedCache,
+    lender: Lender,
+    start: int,
+    end: int,
+    pos: int,
+    hidden: torch.Tensor,
+) -> torch.Tensor:
+    """h [1, tokens, hidden] at positions [pos, pos + tokens) through blocks [start, end), in a
+    compute thread: in pieces that fit the local positions, lending the oldest blocks first."""
+    if cache.length != pos:
+        raise ProtocolError(
+            f"step at position {pos} ran before the session's earlier positions"
+            f" (cache holds {cache.length}); wait for each result"
+        )
+    piece = cache.cap - BLOCK  # after lending, fewer than a block of older ones stay local
+    outs = []
+    for at in range(0, hidden.shape[1], piece):
+        h = hidden[0, at : at + piece].float()
+        _make_room(cache, lender, pos + at + h.shape[0])
+        outs.append(_through(span, cache, lender, start, end, pos + at, h))
+        cache.length = pos + at + h.shape[0]
+    return torch.cat(outs).unsqueeze(0)
+
+
+def _make_room(cache: BorrowedCache, lender: Lender, upto: int) -> None:
+    short = upto - cache.offset - cache.cap
+    if short <= 0:
+        return
+    n = -(-max(short, cache.cap // 4) // BLOCK) * BLOCK  # whole blocks, a quarter at least
+    n = min(n, (cache.length - cache.offset) // BLOCK * BLOCK)
+    lender.lend_sync(cache, n)
+    cache.shift(n)
+
+
+def _through(span, cache: BorrowedCache, lender: Lender, start, end, pos, x) -> torch.Tensor:
+    """x [tokens, hidden] at positions [pos, pos + tokens) through blocks [start, end)."""
+    config, n = span.config, x.shape[0]
+    turns = {rope: r.cos_sin(pos, n) for rope, r in span.rotaries.items()}
+    for i in range(start, end):
+        layer = i - start
+        cos, sin = turns[config.rope_of(i)]
+        block = span.blocks[i - span.start]
+        k_cache, v_cache = cache.keys[layer], cache.values[layer]
+        if cache.lent[layer]:
+            x = _attend_layer(block, cache, lender, layer, x, pos, cos, sin)
+        else:  # a ring: the block's own
+            x = block.forward(x, k_cache, v_cache, pos, cos, sin, config.window(i))
+    return x
+
+
+def _attend_layer(block, cache: BorrowedCache, lender: Lender, layer, x, pos, cos, sin):
+    c, n = block.c, x.shape[0]
+    q, k, v = block._attention_inputs(x, cos, sin)  # q [n, heads, head_dim], k, v [n, kv, hd]
+    lo = pos - cache.offset
+    k_cache, v_cache = cache.keys[layer], cache.values[layer]
+    k_cache[0, :, lo : lo + n] = k.transpose(0, 1)
+    v_cache[0, :, lo : lo + n] = v.transpose(0, 1)
+    mask = None
+    if n > 1:  # each row sees the positions up to its own
+        mask = torch.arange(cache.offset, pos + n) <= torch.arange(pos, pos + n)[:, None]
+    keys, values = k_cache[0, :, : lo + n], v_cache[0, :, : lo + n]
+    parts = [partial_attention(q, keys, values, c.scale, mask, c.attn_softcap)]
+    if cache.offset:
+        parts.append(lender.attend_sync(layer, cache.offset, q, block))
+    if block.sinks is not None:
+        parts.append(sink_partial(block.sinks, n, c.head_dim))
+    out, _ = merge(parts)
+    return block._finish(x, out.reshape(n, c.heads * c.head_dim))

@@ -1,0 +1,155 @@
+"""Lending KV blocks (DistKV's rBlocks, issue #52): this node holds the oldest positions of other
+nodes' sessions, short of cache, and attends their query rows over them.
+
+A borrower (swarm/node/borrow.py) sends a session's blocks layer by layer (`Lend`), each after
+those already lent, and per layer and pass its rows' queries (`AttendLent`); the answer is their
+attention over the lent positions with its log-sum-exp (`LentPartial`), which the borrower
+merges with its own. What is lent belongs to the connection it came on: another connection
+cannot read or extend it (a forged sid finds nothing), and it is gone when that connection ends.
+Bounded: `max_bytes` in all, `max_host_bytes` per borrowing address; a lend that does not fit
+is refused (LendRefused) before a byte is kept.
+
+`LendTable` is sans IO (messages in, messages out); the node's connections drive it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.errors import BlocksNotHeld, LendRefused, ProtocolError, ShapeMismatch
+from swarm.model.partial_attention import partial_attention
+from swarm.protocol import MAX_LENT_ROWS, AttendLent, Lend, Lent, LentPartial
+from swarm.wire import pack_tensor, unpack_tensor
+
+# query rows x lent positions attended on the trio thread; more go to a worker thread
+INLINE_ATTEND = 8192
+MAX_LEND_POSITIONS = 1 << 16  # positions of one layer in one Lend: a frame bounds it anyway
+
+
+@dataclass
+class Loan:
+    """What one connection lent of one session: per layer, positions [0, n) as [kv_heads, n,
+    head_dim] in the dtype they came in."""
+
+    host: str
+    kv_heads: int
+    head_dim: int
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.keys.values(), *self.values.values()))
+
+    def length(self, layer: int) -> int:
+        k = self.keys.get(layer)
+        return 0 if k is None else k.shape[1]
+
+
+class LendTable:
+    """Every loan this node holds, keyed by (connection, session id)."""
+
+    def __init__(self, max_bytes: int, max_host_bytes: int):
+        self.max_bytes = max_bytes
+        self.max_host_bytes = max_host_bytes
+        self._loans: dict[tuple[object, str], Loan] = {}
+
+    @property
+    def lent_bytes(self) -> int:
+        return sum(loan.nbytes for loan in self._loans.values())
+
+    @property
+    def loans(self) -> int:
+        return len(self._loans)
+
+    def holds(self, conn: object) -> bool:
+        return any(k[0] is conn for k in self._loans)
+
+    def lend(self, conn: object, host: str, msg: Lend) -> Lent:
+        """Keep `msg`'s positions for (`conn`, its sid); raises the SwarmError the borrower
+        gets (LendRefused when full, ProtocolError or ShapeMismatch when malformed)."""
+        loan = self._loans.get((conn, msg.sid))
+        if loan is not None and (loan.kv_heads, loan.head_dim) != (msg.kv_heads, msg.head_dim):
+            raise ShapeMismatch(
+                f"session {msg.sid[:8]}... lent {loan.kv_heads} heads of {loan.head_dim} before,"
+                f" now {msg.kv_heads} of {msg.head_dim}"
+            )
+        held = loan.length(msg.layer) if loan is not None else 0
+        if msg.pos != held:
+            raise ProtocolError(
+                f"lend of layer {msg.layer} at position {msg.pos}: this lender holds {held}"
+                " positions of it; blocks are lent in order"
+            )
+        width = msg.kv_heads * msg.head_dim
+        keys = _kv(msg.keys, width)
+        values = _kv(msg.values, width, keys.shape[1])
+        if keys.dtype != values.dtype:
+            raise ShapeMismatch("lent keys and values differ in dtype")
+        self._check_room(host, 2 * keys.nbytes)
+        if loan is None:
+            loan = self._loans[(conn, msg.sid)] = Loan(host, msg.kv_heads, msg.head_dim)
+        # [1, n, kv_heads * head_dim] -> [kv_heads, n, head_dim], as a cache holds them
+        k, v = (t[0].view(-1, msg.kv_heads, msg.head_dim).transpose(0, 1) for t in (keys, values))
+        old_k, old_v = loan.keys.get(msg.layer), loan.values.get(msg.layer)
+        loan.keys[msg.layer] = k.contiguous() if old_k is None else torch.cat((old_k, k), 1)
+        loan.values[msg.layer] = v.contiguous() if old_v is None else torch.cat((old_v, v), 1)
+        return Lent(sid=msg.sid, layer=msg.layer, length=loan.length(msg.layer))
+
+    def query(
+        self, conn: object, msg: AttendLent
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Check `msg` against what (`conn`, its sid) lent: (q [rows, heads, head_dim], keys,
+        values [kv_heads, upto, head_dim]) to attend; raises BlocksNotHeld or ShapeMismatch."""
+        loan = self._loans.get((conn, msg.sid))
+        held = loan.length(msg.layer) if loan is not None else 0
+        if loan is None or held != msg.upto:
+            raise BlocksNotHeld(
+                f"this lender holds {held} positions of layer {msg.layer} of session"
+                f" {msg.sid[:8]}... for this connection, the query names {msg.upto}"
+            )
+        if msg.heads % loan.kv_heads:
+            raise ShapeMismatch(
+                f"{msg.heads} query heads do not group over {loan.kv_heads} key heads"
+            )
+        q = unpack_tensor(msg.q, hidden=msg.heads * loan.head_dim, max_tokens=MAX_LENT_ROWS)
+        q = q[0].view(-1, msg.heads, loan.head_dim)
+        return q, loan.keys[msg.layer], loan.values[msg.layer]
+
+    def forget(self, conn: object) -> None:
+        """The connection ended: what it lent goes."""
+        for key in [k for k in self._loans if k[0] is conn]:
+            del self._loans[key]
+
+    def _check_room(self, host: str, more: int) -> None:
+        mine = sum(loan.nbytes for loan in self._loans.values() if loan.host == host)
+        if mine + more > self.max_host_bytes:
+            raise LendRefused(
+                f"this lender holds {mine} bytes for {host}, its share is {self.max_host_bytes};"
+                f" {more} more do not fit"
+            )
+        total = self.lent_bytes
+        if total + more > self.max_bytes:
+            raise LendRefused(
+                f"this lender has {max(0, self.max_bytes - total)} bytes free to lend, the"
+                f" blocks take {more}"
+            )
+
+
+def attend(msg: AttendLent, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    """The rows' attention over the lent positions, as the reply (in a worker thread)."""
+    out, lse = partial_attention(q, keys, values, msg.scale, softcap=msg.softcap)
+    rows = q.shape[0]
+    return LentPartial(
+        sid=msg.sid,
+        layer=msg.layer,
+        out=pack_tensor(out.reshape(1, rows, -1), "float32"),
+        lse=pack_tensor(lse.reshape(1, rows, -1), "float32"),
+    )
+
+
+def _kv(obj, width: int, tokens: int | None = None) -> torch.Tensor:
+    return unpack_tensor(
+        obj, hidden=width, max_tokens=MAX_LEND_POSITIONS, tokens=tokens, native=True
+    )

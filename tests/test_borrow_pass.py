@@ -1,0 +1,94 @@
+"""A borrowing session's passes (swarm.node.borrow) through a span: its oldest KV blocks at a
+lender (the lender's own table, swarm.node.lender, reached in process rather than over a
+connection), each layer's attention merged from both; the outputs are the unborrowed ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm.model.blocks import Span
+from swarm.model.source import open_model
+from swarm.model.tiny import save_tiny
+from swarm.node.borrow import (
+    BLOCK,
+    BorrowedCache,
+    attend_request,
+    borrowed_pass,
+    lend_frames,
+    local_tokens,
+    partial_of,
+)
+from swarm.node.lender import LendTable, attend
+
+LENGTH = 96  # prompt 60 in chunks, then decode steps
+CAP = 2 * BLOCK  # positions kept here: the rest lent
+
+
+class InProcessLender:
+    """A lender's table driven with the borrower's own messages, in this thread."""
+
+    def __init__(self):
+        self.table = LendTable(1 << 30, 1 << 30)
+        self.conn = object()
+        self.lends = 0
+
+    def lend_sync(self, cache, n):
+        for frame in lend_frames("s" * 8, cache, n):
+            self.table.lend(self.conn, "borrower", frame)
+        self.lends += 1
+
+    def attend_sync(self, layer, upto, q, block):
+        msg = attend_request("s" * 8, layer, upto, q, block)
+        reply = attend(msg, *self.table.query(self.conn, msg))
+        return partial_of(reply, q.shape[0], block)
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma2", "gpt_oss"])
+def span(request, tmp_path_factory):
+    """Every block of a tiny model of the family, float32: mistral's layers slide a window of
+    16, gemma2's alternate windows and softcap scores, gpt_oss's have sinks."""
+    path = tmp_path_factory.mktemp(request.param)
+    save_tiny(request.param, path)
+    source = open_model(str(path))
+    return Span.load(source, 0, source.config.num_layers, weights="float32")
+
+
+def _run(span, cache, run, chunks):
+    outs, pos = [], 0
+    hidden = torch.randn(1, LENGTH, span.config.hidden, generator=torch.Generator().manual_seed(1))
+    for n in chunks:
+        outs.append(run(cache, pos, hidden[:, pos : pos + n]))
+        pos += n
+    return torch.cat(outs, dim=1)
+
+
+def test_borrowed_passes_equal_unborrowed_ones(span):
+    chunks = [25, 35] + [1] * (LENGTH - 60)
+    end = span.config.num_layers
+    whole = span.allocate_cache(0, end, LENGTH)
+    want = _run(span, whole, lambda c, p, h: span.forward(h, c, p, 0, end), chunks)
+    lender = InProcessLender()
+    cache = BorrowedCache.allocate(span, 0, end, LENGTH, CAP)
+
+    def borrowed(c, p, h):
+        return borrowed_pass(span, c, lender, 0, end, p, h)
+
+    got = _run(span, cache, borrowed, chunks)
+    assert cache.offset >= LENGTH - CAP and lender.lends > 1  # most of it lent, bit by bit
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_a_windowed_layer_lends_nothing(span):
+    end = span.config.num_layers
+    cache = BorrowedCache.allocate(span, 0, end, LENGTH, CAP)
+    lender = InProcessLender()
+    _run(span, cache, lambda c, p, h: borrowed_pass(span, c, lender, 0, end, p, h), [60])
+    windowed = [i for i in range(end) if (span.config.window(i) or LENGTH) < LENGTH]
+    lent = {layer for (_, _), loan in lender.table._loans.items() for layer in loan.keys}
+    assert lent == set(range(end)) - set(windowed)
+
+
+def test_a_session_that_fits_borrows_nothing(span):
+    assert local_tokens(span.config, 4096, 4096) is None
+    assert local_tokens(span.config, 64, 100) == 32  # half the node's cache, whole blocks

@@ -1,0 +1,151 @@
+"""Sessions longer than a node's cache (issue #52, DistKV): the hop keeps the newest positions,
+lends the oldest blocks to another node, and merges that node's attention with its own; the
+tokens are the unsplit model's. Real DHT, node processes, TLS."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+
+from devtools.launch import start_node, start_swarm, stop_all
+from swarm.client.client import Client
+from swarm.dht import read_lenders
+from swarm.node.config import parse_args
+from swarm.protocol import Error, Open
+from swarm.transport import connect
+from tests.conftest import reference_greedy
+from tests.helpers.flags import exact_flags
+
+PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
+NEW = 40  # 80 tokens in all: more than any node's cache
+SHORT = ["--max-cache-tokens", "64"]
+
+
+@pytest.fixture(scope="module")
+def short_swarm(tiny_model_dir):
+    """Two nodes, blocks 0:3 and 3:6, each with a cache of 64 tokens: each lends to the other."""
+    nodes = start_swarm(
+        [(0, 3), (3, 6)], model=str(tiny_model_dir), extra=[*exact_flags(ttl=20), *SHORT]
+    )
+    yield nodes
+    stop_all(nodes)
+
+
+def _client(nodes, path, **kw) -> Client:
+    return Client(nodes[0].maddrs[:1], model=str(path), wire_dtype="float32", **kw)
+
+
+def _generate(client: Client, fault=None, at: int = 10):
+    out = []
+    with client.session(len(PROMPT) + NEW) as s:
+        logits = s.feed(PROMPT)
+        for i in range(NEW):
+            if i == at and fault is not None:
+                fault(s)
+            out.append(int(logits.argmax()))
+            logits = s.feed([out[-1]])
+        return out, s.recoveries, len(s.remote.route)
+
+
+def test_a_session_longer_than_every_nodes_cache_gives_the_unsplit_tokens(
+    short_swarm, tiny_model_dir, tiny_reference
+):
+    client = _client(short_swarm, tiny_model_dir)
+    try:
+        out, recoveries, hops = _generate(client)
+    finally:
+        client.close()
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW)
+    assert not recoveries and hops == 2  # both hops borrowed
+
+
+def test_records_say_what_a_node_lends_and_how_many_of_its_sessions_borrow(
+    short_swarm, tiny_model_dir
+):
+    client = _client(short_swarm, tiny_model_dir)
+    try:
+        with client.session(len(PROMPT) + NEW) as s:
+            s.feed(PROMPT)  # 40 positions: each hop keeps 32, lends 16 to the other node
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                records = client.nodes()
+                if all(r.borrowing == 1 and r.lent_mb > 0 for r in records):
+                    break
+                time.sleep(1)
+    finally:
+        client.close()
+    assert [(r.borrowing, r.lent_mb > 0) for r in records] == [(1, True), (1, True)]
+
+
+@pytest.fixture(scope="module")
+def lending_swarm(tiny_model_dir):
+    """Two nodes serving every block with a cache of 64 tokens each, and a `--role cache` node:
+    the lender their long sessions pick first."""
+    nodes = start_swarm(
+        [(0, 6), (0, 6)], model=str(tiny_model_dir), extra=[*exact_flags(ttl=20), *SHORT]
+    )
+    extra = [*exact_flags(ttl=20), "--role", "cache"]
+    cache = start_node(None, nodes[0].maddrs[:1], model=str(tiny_model_dir), extra=extra)
+    nodes.append(cache)
+    try:
+        cache.wait_serving()
+    except BaseException:
+        stop_all(nodes)
+        raise
+    yield nodes
+    stop_all(nodes)
+
+
+# the next test kills the lending swarm's cache node: this one runs first
+def test_a_cache_node_serves_no_blocks_and_announces_itself_as_a_lender(
+    lending_swarm, tiny_model_dir
+):
+    cache = lending_swarm[-1]
+    client = _client(lending_swarm, tiny_model_dir)
+    try:
+        serving = {r.peer for r in client.nodes()}
+        lenders = read_lenders(client.dht, client.config.name)
+    finally:
+        client.close()
+    assert cache.layers == (0, 0) and cache.peer not in serving
+    assert [(r.peer, r.role) for r in lenders] == [(cache.peer, "cache")]
+    assert lenders[0].free_cache_tokens > 0
+
+
+def test_a_lender_killed_mid_session_replays_to_the_same_tokens(
+    lending_swarm, tiny_model_dir, tiny_reference
+):
+    cache = lending_swarm[-1]
+    client = _client(lending_swarm, tiny_model_dir, step_timeout=5.0)
+    try:
+        out, recoveries, _ = _generate(client, fault=lambda s: cache.proc.kill())
+    finally:
+        client.close()
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW)
+    assert len(recoveries) == 1  # the lender held the session's oldest blocks
+
+
+def test_a_cache_node_takes_no_layers(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--role", "cache", "--layers", "0:2"])
+    assert "--role cache serves no blocks" in capsys.readouterr().err
+
+
+async def test_a_long_session_with_no_lender_announced_is_refused_naming_both_sizes(
+    tiny_model_dir, fingerprint
+):
+    nodes = start_swarm([(0, 6)], model=str(tiny_model_dir), extra=[*exact_flags(), *SHORT])
+    try:
+        node = nodes[0]
+        conn = await connect(*node.host_port, tls=node.tls)
+        route = (node.hop(),)
+        await conn.send(Open("a" * 32, route, 0, fingerprint, "float32", 80, "t" * 32))
+        with trio.fail_after(30):
+            reply = await conn.receive()
+        await conn.aclose()
+    finally:
+        stop_all(nodes)
+    assert isinstance(reply, Error) and reply.code == "busy", reply
+    assert "80 cache tokens" in reply.message and "whole cache of 64" in reply.message
