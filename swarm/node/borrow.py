@@ -307,7 +307,7 @@ def _through(span, cache: BorrowedCache, lender: Lender, start, end, pos, x) -> 
 
 def _attend_layer(block, cache: BorrowedCache, lender: Lender, layer, x, pos, cos, sin):
     c, n = block.c, x.shape[0]
-    q, k, v = block._attention_inputs(x, cos, sin)  # q [n, heads, head_dim], k, v [n, kv, hd]
+    q, k, v, gate = block._attention_inputs(x, cos, sin)  # q [n, heads, hd], k, v [n, kv, hd]
     lo = pos - cache.offset
     k_cache, v_cache = cache.keys[layer], cache.values[layer]
     k_cache[0, :, lo : lo + n] = k.transpose(0, 1)
@@ -322,4 +322,4 @@ def _attend_layer(block, cache: BorrowedCache, lender: Lender, layer, x, pos, co
     if block.sinks is not None:
         parts.append(sink_partial(block.sinks, n, c.head_dim))
     out, _ = merge(parts)
-    return block._finish(x, out.reshape(n, c.heads * c.head_dim))
+    return block._finish(x, out.reshape(n, c.heads * c.head_dim), gate)
