@@ -25,14 +25,13 @@ class Tuner:
     beats it (speculation off, tried again every PROBE_EVERY tokens)."""
 
     PROBE_EVERY = 32
-    DECAY = 0.8  # weight of the past in the acceptance, a round at a time
-    FIT_DECAY = 0.95  # and in the fit of a round's cost: the route's, slower to change
-    NOISE = 0.1  # a round's time is known to within this share of it, before any is measured
+    DECAY = 0.8  # weight of the past in the averages, a round at a time
+    SHRINK = 2.0  # tokens^2 of spread at no cost a token, in the fit of a round's cost
 
     def __init__(self, acceptance: float = 0.6):
         self.prior = acceptance  # of a kind of draft not seen yet
         self._accepted: dict[int, tuple[float, float]] = {}  # kind: decayed (hits, checks)
-        self._fit = [0.0] * 6  # decayed sums of 1, n, T, n*n, n*T, T*T over (tokens n, seconds T)
+        self._fit = [0.0] * 5  # decayed sums of 1, n, T, n*n, n*T over (tokens n, seconds T)
         self.latency = 0.0  # seconds of a round that do not grow with its tokens
         self.per_token = 0.0  # seconds each token adds to a round
         # whether per_token was measured: until then one round at a time (a round sent behind
@@ -70,22 +69,19 @@ class Tuner:
             if not self.fitted:
                 self.latency = self.step_s
             return
-        f = [self.FIT_DECAY * x for x in self._fit]
-        for i, x in enumerate((1, tokens, seconds, tokens * tokens, tokens * seconds, seconds**2)):
+        f = [self.DECAY * x for x in self._fit]
+        for i, x in enumerate((1, tokens, seconds, tokens * tokens, tokens * seconds)):
             f[i] += x
         self._fit = f
-        one, n, t, nn, nt, tt = f
+        one, n, t, nn, nt = f
         sxx = nn - n * n / one  # the spread of the sizes, times the rounds
-        if sxx > 0.25 * one:  # rounds of several sizes: a line through them
-            slope = (nt - n * t / one) / sxx
-            # the slope less its standard error: a few noisy rounds (a round trip's jitter is
-            # as big as several tokens' cost) must not pin rounds short, where no round of
-            # another size would come to correct it; the noise's prior is NOISE of a round
-            residual = max(0.0, tt - t * t / one - slope * (nt - n * t / one))
-            prior = 2 * (self.NOISE * t / one) ** 2
-            noise = (residual + prior) / (max(0.0, one - 2) + 2)
-            self.per_token = max(0.0, slope - math.sqrt(noise / sxx))
-            self.fitted = True
+        self.fitted = self.fitted or sxx > 0.25 * one  # rounds of several sizes were timed
+        if self.fitted:
+            # a line through them, its slope shrunk towards 0 as if SHRINK more were flat: a
+            # cost fitted from a few noisy rounds (a round trip's jitter is worth several
+            # tokens' cost at 40 ms a hop) fades while rounds of one size follow it, where a
+            # plain fit would stay as it was and keep rounds at that size
+            self.per_token = max(0.0, (nt - n * t / one) / (sxx + self.SHRINK))
         self.latency = max(1e-4, t / one - self.per_token * (n / one - 1))
 
     def produced(self, speculating: bool, tokens: int, seconds: float) -> None:
