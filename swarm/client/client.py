@@ -211,6 +211,7 @@ class Client:
             prefill_chunk=self.options.prefill_chunk,
             own_dtype=self.config.wire_dtype,
             handoff=handoff,
+            with_ids=bool(self.config.per_layer),
         )
 
     def head(self, route: list[Hop]) -> Head:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from swarm.model import deepseek, gptoss
+from swarm.model import deepseek, gemma4, gptoss
 from swarm.model.config import ModelConfig, Rope
 from swarm.model.rope_scaling import gguf_rope, rope_from_hf
 
@@ -106,6 +106,7 @@ FAMILIES = {
         Family(
             "gemma2", ("gemma2",), ("gemma2",), **_GEMMA, window_period=2, softcaps=(50.0, 30.0)
         ),
+        Family("gemma4", ("gemma4_text",), (), **gemma4.FAMILY),
         Family(
             "gemma3",
             ("gemma3_text",),
@@ -152,7 +153,8 @@ def file_name(name: str) -> str:
     """A block tensor's full name in its file: name + ".weight", but for names that carry their
     own ending (DeepSeek's e_score_correction_bias, exp_probs_b.bias; gpt-oss's sinks and
     stacked experts in config.json)."""
-    return name if name.endswith(("bias", *gptoss.OWN_ENDINGS)) else f"{name}.weight"
+    own = ("bias", *gptoss.OWN_ENDINGS, *gemma4.OWN_ENDINGS)
+    return name if name.endswith(own) else f"{name}.weight"
 
 
 def _attention_tensors(c: ModelConfig) -> list[str]:
@@ -165,6 +167,8 @@ def _attention_tensors(c: ModelConfig) -> list[str]:
 def block_tensors(c: ModelConfig, layer: int) -> tuple[str, ...]:
     """The tensors (blocks.py's names) block `layer` of `c` must have, a mixture's experts
     aside (`block_names` adds them); biases are optional."""
+    if c.layer_scalars:
+        return gemma4.block_tensors(c, layer)
     names = ["attn_norm", *_attention_tensors(c), "o", "mlp_norm"]
     if not c.moe(layer):
         names += ["gate_up", "down"] if c.fused else ["gate", "up", "down"]
@@ -178,7 +182,7 @@ def block_names(c: ModelConfig, gguf: bool, layer: int) -> dict[str, str]:
     and ".weight" left out)."""
     out = {}
     for name in block_tensors(c, layer):
-        hf, gg = _NAMES[name]
+        hf, gg = _NAMES[name] if name in _NAMES else (gemma4.BLOCK_NAMES[name], "")
         if name == "mlp_norm" and c.post_norms:
             hf = "pre_feedforward_layernorm"  # Gemma: post_attention_layernorm is another norm
         if name == "mlp_norm" and gguf and c.sinks:
@@ -328,6 +332,8 @@ def config_from_hf(cfg: dict, name: str, where: str) -> tuple[ModelConfig, bool]
         config = replace(config, **deepseek.hf_fields(cfg))
     elif f.moe:
         config = replace(config, **_hf_experts(f, cfg), **gptoss.hf_fields(f, cfg, where))
+    elif f.name == "gemma4":
+        config = replace(config, **gemma4.hf_fields(cfg, where))
     return config, bool(cfg.get("tie_word_embeddings", f.tied))
 
 

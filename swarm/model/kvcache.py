@@ -82,9 +82,14 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
     ) -> KVCache:
         """For layers [start, end) of the model, sessions of up to max_length tokens."""
+        config.check_span(start, end)
         keys, values = [], []
-        (k_heads, k_width), (v_heads, v_width) = config.cache_widths
         for layer in range(start, end):
+            if (source := config.kv_source(layer)) is not None:  # Gemma 4: that layer's KV
+                keys.append(keys[source - start])
+                values.append(values[source - start])
+                continue
+            (k_heads, k_width), (v_heads, v_width) = config.at(layer).cache_widths
             window = config.window(layer)
             length = min(max_length, window) if window else max_length
             keys.append(torch.zeros((1, k_heads, length, k_width), dtype=dtype))

@@ -139,12 +139,12 @@ class StepWork:
                 cache.keep_for_rewind(step.pos, hidden.shape[1], MAX_REWIND)
             if hidden.shape[1] == 1:  # joins other sessions' steps through the same blocks
                 run = functools.partial(decode_pass, span, self.start, self.end)
-                item = DecodeItem(cache, step.pos, hidden)
+                item = DecodeItem(cache, step.pos, hidden, step.ids)
                 done = await compute.decode((self.start, self.end), item, run)
             else:
                 run_pass = verify_pass if step.spec is not None else forward_pass
                 fn = functools.partial(
-                    run_pass, span, cache, self.start, self.end, step.pos, hidden
+                    run_pass, span, cache, self.start, self.end, step.pos, hidden, step.ids
                 )
                 done = await compute.run(DECODE, fn, hidden.shape[1])
         except Exception as exc:
@@ -177,7 +177,7 @@ class StepWork:
         if self.pieces:  # more than one pass waits: queue the next, behind any decode step
             self._tickets.append(compute.reserve(PREFILL, self._rank()))
         fn = functools.partial(
-            forward_pass, self.ctx.span, cache, self.start, self.end, step.pos, hidden
+            forward_pass, self.ctx.span, cache, self.start, self.end, step.pos, hidden, step.ids
         )
         try:
             done = await ticket.run(fn, hidden.shape[1])
@@ -267,6 +267,7 @@ class StepWork:
             self.wire_dtype,
             result=result,
             spec=step.spec,
+            ids=None if result else step.ids,
         )
         self.ctx.uplink.send_activations(payload)
         return True

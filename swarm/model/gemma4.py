@@ -1,0 +1,160 @@
+"""Gemma 4's text model (transformers `gemma4_text`): what its config.json says beyond Gemma 3's
+fields, and the two pieces a block of it adds.
+
+- Per-layer inputs: one table [vocab, layers x width] looked up by token id, plus a projection
+  of the (scaled) main embeddings, RMS-normed, the two summed and scaled by 1/sqrt(2); each
+  layer gates its slice into the residual stream after its MLP. A node computes its span's
+  slices itself from the token ids each step carries (docs/design.md says why).
+- KV sharing: the last `num_kv_shared_layers` layers have no k/v projections and attend over
+  the keys and values of the last earlier layer of their kind (ModelConfig.kv_source); a span
+  holding such a layer must hold its source (ModelConfig.check_span).
+
+Full layers have their own head width and kv heads, and with `attention_k_eq_v` no v_proj;
+their RoPE is "proportional" (a quarter of the frequencies turn). Scores are not scaled (q and
+k are RMS-normed), values RMS-normed without a weight, norms are x * w (not Gemma 3's 1 + w).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from swarm.model.config import ModelConfig
+from swarm.model.linear import Linear
+from swarm.model.norm import rms_norm
+
+# tensors of a block beyond Gemma 3's (blocks.py's name -> config.json's name)
+BLOCK_NAMES = {
+    "pl_gate": "per_layer_input_gate",
+    "pl_proj": "per_layer_projection",
+    "pl_norm": "post_per_layer_input_norm",
+    "layer_scalar": "layer_scalar",
+}
+# the families table's row: Gemma 3's, but norms x * w (not x * (1 + w))
+FAMILY = dict(
+    post_norms=True,
+    qk_norm=True,
+    embed_scaled=True,
+    activation="gelu_tanh",
+    tied=True,
+    wire_dtype="bfloat16",
+)
+OWN_ENDINGS = ("layer_scalar",)  # a buffer, stored without ".weight"
+# the model's own, beside the embeddings: the per-layer table, the projection and its norm
+TABLE = "model.embed_tokens_per_layer.weight"
+PROJECTION = "model.per_layer_model_projection.weight"
+PROJECTION_NORM = "model.per_layer_projection_norm.weight"
+
+
+def _full_layer_shape(cfg: dict) -> tuple[int, int]:
+    """(head_dim, kv_heads) of the full layers: config.json's per_layer_config (as transformers
+    5.24 saves it) or global_head_dim / num_global_key_value_heads (its defaults: 512, and the
+    kv heads only where attention_k_eq_v)."""
+    per_layer = cfg.get("per_layer_config") or {}
+    types = cfg.get("layer_types") or []
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    own = [per_layer.get(str(i), per_layer.get(i)) for i in full]
+    width, heads = cfg.get("head_dim"), cfg.get("num_key_value_heads")
+    shapes = {(d.get("head_dim", width), d.get("num_key_value_heads", heads)) for d in own if d}
+    if len(shapes) > 1:
+        raise ValueError(f"full layers of differing shapes {sorted(shapes)} are not supported")
+    if shapes:
+        return shapes.pop()
+    kv = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v") else None
+    return int(cfg.get("global_head_dim", 512)), int(kv or cfg["num_key_value_heads"])
+
+
+def refuse_hf(cfg: dict, where: str) -> None:
+    """What this node does not compute of a Gemma 4 config.json, by name."""
+    if cfg.get("enable_moe_block"):
+        raise ValueError(f"{where}: Gemma 4's mixture of experts (enable_moe_block): not yet")
+    types = cfg.get("layer_types") or []
+    shared = cfg.get("num_kv_shared_layers", 0)
+    first = len(types) - shared
+    if shared and set(types[first:]) - set(types[:first]):
+        raise ValueError(f"{where}: a KV-sharing layer has no earlier layer of its kind")
+
+
+def hf_fields(cfg: dict, where: str) -> dict:
+    """ModelConfig's Gemma 4 fields from a config.json."""
+    refuse_hf(cfg, where)
+    head_dim, kv_heads = _full_layer_shape(cfg)
+    return dict(
+        attention_scale=1.0,
+        global_head_dim=head_dim,
+        global_kv_heads=kv_heads,
+        k_eq_v=bool(cfg.get("attention_k_eq_v", False)),
+        v_norm=True,
+        kv_shared=int(cfg.get("num_kv_shared_layers", 0)),
+        wide_shared_mlp=bool(cfg.get("use_double_wide_mlp", False)),
+        per_layer=int(cfg.get("hidden_size_per_layer_input") or 0),
+        layer_scalars=True,
+    )
+
+
+def block_tensors(c: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The tensors (blocks.py's names) of Gemma 4's block `layer`: Gemma 3's, less a KV-sharing
+    layer's k, v and k_norm and a full layer's v under attention_k_eq_v, plus its own."""
+    if c.kv_source(layer) is not None:
+        attention = ["q", "q_norm"]
+    else:
+        attention = ["q", "k", "q_norm", "k_norm"] + ([] if c.at(layer).k_eq_v else ["v"])
+    names = ["attn_norm", *attention, "o", "mlp_norm", "gate", "up", "down"]
+    names += ["attn_post_norm", "mlp_post_norm", "layer_scalar"]
+    return tuple(names + (["pl_gate", "pl_proj", "pl_norm"] if c.per_layer else []))
+
+
+class Tail:
+    """What a Gemma 4 layer does after its MLP: its per-layer input gated in (h + norm(proj(
+    act(gate(h)) * input))), then the layer's scalar on the whole residual stream."""
+
+    def __init__(self, gate: Linear | None, proj: Linear | None, norm, scalar, activate, eps):
+        self.gate, self.proj, self.norm, self.scalar = gate, proj, norm, scalar
+        self.activate, self.eps = activate, eps
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return () if self.gate is None else (self.gate, self.proj)
+
+    def __call__(self, h: torch.Tensor, per_layer: torch.Tensor | None) -> torch.Tensor:
+        """h [rows, hidden], per_layer [rows, width] (this layer's input of each row)."""
+        if self.gate is not None:
+            gated = self.activate(self.gate(h).float()) * per_layer
+            h = h + rms_norm(self.proj(gated).float(), self.norm, self.eps)
+        return h * self.scalar
+
+
+class PerLayerInputs:
+    """A span's per-layer inputs from token ids: its layers' columns of the table, its rows of
+    the projection, the projection's norm, and the main embeddings the projection reads."""
+
+    def __init__(self, config: ModelConfig, start: int, end: int, embed, table, projection, norm):
+        self.c, self.start, self.end = config, start, end
+        self.embed = embed  # RawTensor [vocab, hidden], rows looked up
+        self.table = table  # [vocab, (end - start) x width]
+        self.projection = projection  # [(end - start) x width, hidden]
+        self.norm = norm
+
+    @classmethod
+    def load(cls, source, start: int, end: int, exact: bool) -> PerLayerInputs:
+        """Layers [start, end)'s share of `source`; `exact` keeps float32 tables."""
+        c, width = source.config, source.config.per_layer
+        cols = slice(start * width, end * width)
+        table = source.raw(TABLE).data[:, cols]
+        projection = source.raw(PROJECTION).float32()[cols]
+        embed = source.raw("model.embed_tokens.weight")
+        table = table.float().contiguous() if exact else table.contiguous()
+        norm = source.raw(PROJECTION_NORM).float32()
+        return cls(c, start, end, embed, table, projection.contiguous(), norm)
+
+    @torch.inference_mode()
+    def __call__(self, ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Layers [start, end)'s inputs for tokens `ids`: [tokens, end - start, width]."""
+        c, width = self.c, self.c.per_layer
+        cols = slice((start - self.start) * width, (end - self.start) * width)
+        rows = torch.tensor(ids)
+        main = self.embed.rows(ids).float() * torch.tensor(c.hidden**0.5, dtype=torch.float32)
+        projected = F.linear(main, self.projection[cols]) * c.hidden**-0.5
+        projected = rms_norm(projected.view(len(ids), end - start, width), self.norm, c.rms_eps)
+        own = self.table[rows, cols].float() * torch.tensor(width**0.5, dtype=torch.float32)
+        return (projected + own.view(len(ids), end - start, width)) * 2.0**-0.5

@@ -1,0 +1,183 @@
+"""A tiny random Gemma 4 (sliding and full layers by turns, full layers with their own head width
+and keys as values, proportional RoPE, per-layer inputs from the token ids, the last two layers
+reading earlier layers' KV) gives transformers' greedy tokens at float32, split or not,
+batched, and through real nodes; a span that would cut a KV-sharing layer from its source is
+refused by name; each of its switches changes what it computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm.errors import ProtocolError, SpanError
+from swarm.model.blocks import Span
+from swarm.model.head import Head
+from swarm.model.source import open_model
+from swarm.model.tiny import reference_greedy, save_tiny
+from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, nodes_greedy, split_greedy
+from tests.helpers.tiny import changed_copy
+
+PROMPT, NEW_TOKENS = FAMILY_PROMPT, FAMILY_NEW_TOKENS
+# layers s f s f s f (window 8); layer 4 reads layer 2's KV, layer 5 layer 3's: every split
+# keeps 2:6 whole, and cuts between a sliding and a full layer
+SPLITS = {1: [(0, 6)], 2: [(0, 1), (1, 6)], 3: [(0, 1), (1, 2), (2, 6)]}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """(reference model, safetensors folder, the model's greedy tokens after PROMPT)."""
+    folder = tmp_path_factory.mktemp("gemma4")
+    model = save_tiny("gemma4", folder)
+    return model, folder, reference_greedy(model, PROMPT, NEW_TOKENS)
+
+
+def test_the_config_has_its_layer_kinds_shared_kv_and_per_layer_inputs(made):
+    _, folder, _ = made
+    c = open_model(str(folder)).config
+    assert (c.family, c.windows) == ("gemma4", (8, None, 8, None, 8, None))
+    assert [c.kv_source(i) for i in range(6)] == [None, None, None, None, 2, 3]
+    assert [(c.at(i).head_dim, c.at(i).kv_heads, c.at(i).k_eq_v) for i in (0, 1)] == [
+        (32, 2, False),
+        (48, 1, True),
+    ]
+    assert [c.at(i).intermediate for i in (3, 4)] == [128, 256]  # double wide where shared
+    assert (c.per_layer, c.attention_scale, c.norm_offset, c.final_softcap) == (16, 1.0, 0, 10.0)
+    assert (c.rope.theta, c.rope.proportion, c.local_rope.proportion) == (1e6, 0.25, 1.0)
+
+
+@pytest.mark.parametrize("ways", [1, 2, 3])
+def test_a_split_gives_transformers_greedy_tokens(made, ways):
+    _, folder, want = made
+    assert len(PROMPT) + NEW_TOKENS > 8  # past the window
+    assert split_greedy(folder, SPLITS[ways], [PROMPT], NEW_TOKENS) == [want]
+
+
+def test_four_batched_sessions_each_get_their_own_tokens(made):
+    model, folder, _ = made
+    prompts = [PROMPT, PROMPT[:7], PROMPT[5:26], PROMPT[::-1]]
+    want = [reference_greedy(model, p, 24) for p in prompts]
+    assert split_greedy(folder, SPLITS[3], prompts, 24) == want
+
+
+@pytest.mark.parametrize(
+    "span, reader, source", [((3, 6), 4, 2), ((4, 6), 4, 2), ((5, 6), 5, 3)], ids=str
+)
+def test_a_span_holding_a_kv_sharing_layer_without_its_source_is_refused_by_name(
+    made, span, reader, source
+):
+    _, folder, _ = made
+    said = f"layer {reader} reads the keys and values of layer {source}"
+    with pytest.raises(SpanError, match=said):
+        Span.load(open_model(str(folder)), *span, weights="float32")
+
+
+def test_a_cache_for_a_sub_range_cutting_a_kv_sharing_layer_from_its_source_is_refused(made):
+    _, folder, _ = made
+    span = Span.load(open_model(str(folder)), 2, 6, weights="float32")
+    with pytest.raises(SpanError, match="layer 4 .* layer 2"):
+        span.allocate_cache(3, 6, 64)
+
+
+def test_a_kv_sharing_layer_holds_no_cache_of_its_own(made):
+    _, folder, _ = made
+    cache = Span.load(open_model(str(folder)), 2, 6, weights="float32").allocate_cache(2, 6, 64)
+    assert cache.keys[2] is cache.keys[0] and cache.values[3] is cache.values[1]
+
+
+def test_a_step_without_its_token_ids_is_refused(made):
+    _, folder, _ = made
+    source = open_model(str(folder))
+    span = Span.load(source, 0, 2, weights="float32")
+    h = Head.load(source, weights="float32").embed_tokens(PROMPT[:4])
+    with pytest.raises(ProtocolError, match="token id of each"):
+        span.forward(h, span.allocate_cache(0, 2, 64), 0, 0, 2)
+    with pytest.raises(ProtocolError, match="token id of each"):
+        span.forward(h, span.allocate_cache(0, 2, 64), 0, 0, 2, ids=PROMPT[:3])
+
+
+def test_a_verification_pass_past_the_window_matches_plain_decode_steps(made):
+    """A verification round's rows share one cache: the sliding layer a KV-sharing layer reads
+    is a full ring each row rewrites, so each row must see the ring as its own step left it
+    (a row that saw a later row's keys is off by whole units; stacked rows' float32 matmuls
+    by rounding)."""
+    _, folder, _ = made
+    source = open_model(str(folder))
+    head = Head.load(source, weights="float32")
+    span = Span.load(source, 0, 6, weights="float32")
+    drafts = PROMPT[20:26]
+    outs = []
+    for verify in (False, True):
+        cache = span.allocate_cache(0, 6, 128)
+        span.forward(head.embed_tokens(PROMPT), cache, 0, 0, 6, ids=PROMPT)
+        x = head.embed_tokens(drafts)[0]
+        positions = list(range(len(PROMPT), len(PROMPT) + len(drafts)))
+        if verify:
+            outs.append(span.decode(x, [cache] * len(drafts), positions, 0, 6, ids=drafts))
+        else:
+            steps = zip(x, positions, drafts)
+            rows = [span.decode(row[None], [cache], [p], 0, 6, ids=[t]) for row, p, t in steps]
+            outs.append(torch.cat(rows))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-3)
+
+
+def _scale_table(state):
+    return {k: v * 0.5 if "embed_tokens_per_layer" in k else v for k, v in state.items()}
+
+
+def _unit_scalars(state):
+    return {k: torch.ones_like(v) if k.endswith("layer_scalar") else v for k, v in state.items()}
+
+
+def _rope(full: dict) -> dict:
+    return {
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(state_change=_scale_table),
+        dict(state_change=_unit_scalars),
+        dict(config_change=_rope({"rope_type": "default", "rope_theta": 1e6})),
+    ],
+    ids=["per-layer-table", "layer-scalars", "proportional-rope"],
+)
+def test_each_switch_changes_what_the_tiny_model_computes(made, tmp_path, change):
+    _, folder, want = made
+    other = changed_copy(folder, tmp_path, **change)
+    assert split_greedy(other, SPLITS[2], [PROMPT], NEW_TOKENS) != [want]
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"enable_moe_block": True}, "enable_moe_block"),
+        ({"text_config": {"model_type": "gemma4_text"}}, "multimodal"),
+    ],
+    ids=["moe", "multimodal"],
+)
+def test_what_is_not_computed_is_refused_by_name(made, tmp_path, change, named):
+    _, folder, _ = made
+    with pytest.raises(ValueError, match=named):
+        open_model(str(changed_copy(folder, tmp_path, config_change=change)))
+
+
+def test_every_tensor_of_every_block_is_consumed(made):
+    from swarm.model.blocks import Block
+
+    _, folder, _ = made
+    source = open_model(str(folder))
+    for i in range(source.config.num_layers):
+        raw = source.block_raw(i)
+        Block.load(source.config, i, raw, "float32", None)
+        assert not raw.unread()
+
+
+@pytest.mark.slow
+def test_three_nodes_split_between_layer_kinds_give_transformers_tokens(made):
+    _, folder, want = made
+    assert nodes_greedy(str(folder), SPLITS[3], PROMPT, NEW_TOKENS) == want
