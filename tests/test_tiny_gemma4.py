@@ -1,20 +1,24 @@
 """A tiny random Gemma 4 (sliding and full layers by turns, full layers with their own head width
 and keys as values, proportional RoPE, per-layer inputs from the token ids, the last two layers
 reading earlier layers' KV) gives transformers' greedy tokens at float32, split or not,
-batched, and through real nodes; a span that would cut a KV-sharing layer from its source is
-refused by name; each of its switches changes what it computes."""
+batched, and through real nodes (replays and verification rounds too); a span that would cut
+a KV-sharing layer from its source is refused by name; each switch changes what it computes."""
 
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 import torch
 
+from devtools.launch import start_node, start_swarm, stop_all
 from swarm.errors import ProtocolError, SpanError
 from swarm.model.blocks import Span
 from swarm.model.head import Head
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny
-from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, nodes_greedy, split_greedy
+from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, split_greedy, swarm_greedy
+from tests.helpers.flags import exact_flags
 from tests.helpers.tiny import changed_copy
 
 PROMPT, NEW_TOKENS = FAMILY_PROMPT, FAMILY_NEW_TOKENS
@@ -177,7 +181,62 @@ def test_every_tensor_of_every_block_is_consumed(made):
         assert not raw.unread()
 
 
+@pytest.fixture(scope="module")
+def served(made):
+    """A client of 3 real nodes serving the tiny Gemma 4 at float32, split SPLITS[3]."""
+    from swarm.client.client import Client
+
+    _, folder, _ = made
+    nodes = start_swarm(SPLITS[3], model=str(folder), extra=exact_flags(ttl=30))
+    client = Client(nodes[0].maddrs[:1], model=str(folder), wire_dtype="float32")
+    yield client
+    client.close()
+    stop_all(nodes)
+
+
 @pytest.mark.slow
-def test_three_nodes_split_between_layer_kinds_give_transformers_tokens(made):
-    _, folder, want = made
-    assert nodes_greedy(str(folder), SPLITS[3], PROMPT, NEW_TOKENS) == want
+def test_three_nodes_split_between_layer_kinds_give_transformers_tokens(made, served):
+    _, _, want = made
+    assert swarm_greedy(served, PROMPT, NEW_TOKENS) == want
+
+
+@pytest.mark.slow
+def test_a_session_on_a_new_route_mid_reply_replays_its_ids_and_goes_on_alike(made, served):
+    _, _, want = made
+    out = []
+    with served.session(len(PROMPT) + NEW_TOKENS) as s:
+        logits = s.feed(PROMPT)
+        for i in range(NEW_TOKENS):
+            out.append(int(logits.argmax()))
+            if i == NEW_TOKENS // 2:
+                s.close()  # the next step opens a route anew and replays the history
+            logits = s.feed([out[-1]])
+    assert out == want
+
+
+@pytest.mark.slow
+def test_verification_rounds_through_nodes_give_plain_greedy_tokens(made, served):
+    """Prompt lookup drafts from a prompt that repeats itself: rounds of several tokens, each
+    carrying its ids, past the window of the rings the KV-sharing layers read."""
+    from swarm.client.decoding import Decoding
+    from swarm.client.options import Sampling
+    from swarm.client.reply import Sampler
+
+    model, _, _ = made
+    prompt = PROMPT[:10] * 3
+    with served.session(len(prompt) + NEW_TOKENS, "lookup") as session:
+        decoding = Decoding(session, prompt, NEW_TOKENS, Sampler(Sampling()), session.drafter)
+        out = list(decoding)
+    assert decoding.stats.rounds > 0
+    assert out == reference_greedy(model, prompt, NEW_TOKENS)
+
+
+@pytest.mark.slow
+def test_a_node_asked_for_a_sharing_layer_without_its_source_refuses_by_name(made):
+    _, folder, _ = made
+    node = start_node((3, 6), model=str(folder), extra=exact_flags(), stderr=subprocess.STDOUT)
+    try:
+        with pytest.raises(RuntimeError, match="layer 4 reads the keys and values of layer 2"):
+            node.wait_serving(timeout=120)
+    finally:
+        stop_all([node])

@@ -141,7 +141,8 @@ class Client:
         name = self.config.name
         plaintext = self.options.plaintext
         return self.router.route(
-            records, self.config.num_layers, self.fingerprint, exclude, name, plaintext, hold
+            *(records, self.config.num_layers, self.fingerprint, exclude, name, plaintext, hold),
+            span_ok=self.config.span_ok,
         )
 
     def prefill_hop(

@@ -194,10 +194,21 @@ class ModelConfig:
                 f"layers {start}:{end} are not a non-empty range inside 0:{self.num_layers}"
                 f" of {self.name}"
             )
+        if cut := self._kv_cut(start, end):
+            raise SpanError(
+                f"layers {start}:{end} of {self.name}: layer {cut[0]} reads the keys and"
+                f" values of layer {cut[1]}, so a span holding layer {cut[0]} must hold"
+                f" layer {cut[1]} too"
+            )
+
+    def span_ok(self, start: int, end: int) -> bool:
+        """Whether one node may compute layers [start, end) of a session alone (check_span's
+        rule, for placement and routing to choose among)."""
+        return 0 <= start < end <= self.num_layers and self._kv_cut(start, end) is None
+
+    def _kv_cut(self, start: int, end: int) -> tuple[int, int] | None:
+        """(a layer of [start, end) that reads the KV of a layer before `start`, that layer)."""
         for layer in range(max(start, self.num_layers - self.kv_shared), end):
             if (source := self.kv_source(layer)) is not None and source < start:
-                raise SpanError(
-                    f"layers {start}:{end} of {self.name}: layer {layer} reads the keys and"
-                    f" values of layer {source}, so a span holding layer {layer} must hold"
-                    f" layer {source} too"
-                )
+                return layer, source
+        return None
