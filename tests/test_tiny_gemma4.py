@@ -14,6 +14,7 @@ import torch
 from devtools.launch import start_node, start_swarm, stop_all
 from swarm.errors import ProtocolError, SpanError
 from swarm.model.blocks import Span
+from swarm.model.families import family_of
 from swarm.model.head import Head
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny
@@ -25,6 +26,7 @@ PROMPT, NEW_TOKENS = FAMILY_PROMPT, FAMILY_NEW_TOKENS
 # layers s f s f s f (window 8); layer 4 reads layer 2's KV, layer 5 layer 3's: every split
 # keeps 2:6 whole, and cuts between a sliding and a full layer
 SPLITS = {1: [(0, 6)], 2: [(0, 1), (1, 6)], 3: [(0, 1), (1, 2), (2, 6)]}
+MOE = dict(enable_moe_block=True, num_experts=8, top_k_experts=3, moe_intermediate_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -156,24 +158,66 @@ def test_each_switch_changes_what_the_tiny_model_computes(made, tmp_path, change
     assert split_greedy(other, SPLITS[2], [PROMPT], NEW_TOKENS) != [want]
 
 
-@pytest.mark.parametrize(
-    "change, named",
-    [
-        ({"enable_moe_block": True}, "enable_moe_block"),
-        ({"text_config": {"model_type": "gemma4_text"}}, "multimodal"),
-    ],
-    ids=["moe", "multimodal"],
-)
-def test_what_is_not_computed_is_refused_by_name(made, tmp_path, change, named):
+def test_a_multimodal_folder_is_refused_by_name(made, tmp_path):
     _, folder, _ = made
-    with pytest.raises(ValueError, match=named):
+    change = {"text_config": {"model_type": "gemma4_text"}}
+    with pytest.raises(ValueError, match="multimodal"):
         open_model(str(changed_copy(folder, tmp_path, config_change=change)))
 
 
-def test_every_tensor_of_every_block_is_consumed(made):
+def test_a_gemma4_gguf_is_refused_by_name():
+    with pytest.raises(ValueError, match="'gemma4' is not one this node computes"):
+        family_of("gemma4", gguf=True, where="x.gguf")
+
+
+# ---- the mixture-of-experts variant (26B-A4B's): a dense MLP beside 8 experts, top 3 ----
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """(reference model, safetensors folder, greedy tokens) of the tiny Gemma 4 with experts."""
+    folder = tmp_path_factory.mktemp("gemma4-moe")
+    model = save_tiny("gemma4", folder, **MOE)
+    return model, folder, reference_greedy(model, PROMPT, NEW_TOKENS)
+
+
+def test_the_mixture_config_names_its_experts(moe):
+    c = open_model(str(moe[1])).config
+    assert (c.experts, c.experts_used, c.expert_intermediate, c.arch) == (8, 3, 32, "gemma4 8/3")
+
+
+@pytest.mark.parametrize("ways", [1, 3])
+def test_the_mixture_split_gives_transformers_greedy_tokens(moe, ways):
+    _, folder, want = moe
+    assert split_greedy(folder, SPLITS[ways], [PROMPT], NEW_TOKENS) == [want]
+
+
+def test_the_mixture_batches_four_sessions(moe):
+    model, folder, _ = moe
+    prompts = [PROMPT, PROMPT[:7], PROMPT[5:26], PROMPT[::-1]]
+    want = [reference_greedy(model, p, 24) for p in prompts]
+    assert split_greedy(folder, SPLITS[3], prompts, 24) == want
+
+
+def _ones(ending: str):
+    def change(state):
+        return {k: torch.ones_like(v) if k.endswith(ending) else v for k, v in state.items()}
+
+    return change
+
+
+@pytest.mark.parametrize("ending", ["router.scale", "router.per_expert_scale"])
+def test_each_router_scale_changes_what_the_mixture_computes(moe, tmp_path, ending):
+    _, folder, want = moe
+    other = changed_copy(folder, tmp_path, state_change=_ones(ending))
+    assert split_greedy(other, SPLITS[1], [PROMPT], NEW_TOKENS) != [want]
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_every_tensor_of_every_block_is_consumed(made, moe, variant):
     from swarm.model.blocks import Block
 
-    _, folder, _ = made
+    _, folder, _ = made if variant == "dense" else moe
     source = open_model(str(folder))
     for i in range(source.config.num_layers):
         raw = source.block_raw(i)

@@ -19,6 +19,7 @@ from swarm.model.eager import eager_attention
 from swarm.model.experts import MLP, Experts
 from swarm.model.families import block_tensors
 from swarm.model.gemma4 import PerLayerInputs, Tail
+from swarm.model.gemma4_experts import DenseAndExperts
 from swarm.model.kvcache import KVCache as KVCache
 from swarm.model.kvcache import ring_slots as ring_slots
 from swarm.model.latent import LatentAttention
@@ -107,7 +108,9 @@ class Block:
             names = ("qkv",) if c.fused else tuple(n for n in ("q", "k", "v") if n in raw)
             qkv = fused(names, [q, kv, kv] if c.fused else [q, kv, kv][: len(names)])
         o = linear("o")
-        if c.moe(layer):
+        if c.moe(layer) and c.layer_scalars:  # Gemma 4's: a dense MLP beside the experts
+            mlp = DenseAndExperts.load(c, raw, norms, weights, usable, activate, terms)
+        elif c.moe(layer):
             mlp = Experts.load(c, raw, weights, usable, activate, terms)
         else:
             gate_up = fused(("gate_up",) if c.fused else ("gate", "up"), [ff, ff])
@@ -160,7 +163,8 @@ class Block:
         if c.post_norms:
             out = rms_norm(out, norms["attn_post_norm"], c.rms_eps)
         h = h + out
-        out = self.mlp(rms_norm(h, norms["mlp_norm"], c.rms_eps))
+        residual = getattr(self.mlp, "reads_residual", False)  # Gemma 4's experts norm their own
+        out = self.mlp(h if residual else rms_norm(h, norms["mlp_norm"], c.rms_eps))
         if c.post_norms:
             out = rms_norm(out, norms["mlp_post_norm"], c.rms_eps)
         return h + out if self.tail is None else self.tail(h + out, per_layer)

@@ -191,7 +191,7 @@ def block_names(c: ModelConfig, gguf: bool, layer: int) -> dict[str, str]:
             out |= {"k_b": "attn_k_b", "v_b": "attn_v_b"}
             continue
         out[name] = gg if gguf else hf
-    if c.moe(layer):
+    if c.moe(layer) and not c.layer_scalars:  # Gemma 4's are in block_tensors
         out |= _expert_names(c, gguf)
     return out
 

@@ -29,7 +29,17 @@ BLOCK_NAMES = {
     "pl_proj": "per_layer_projection",
     "pl_norm": "post_per_layer_input_norm",
     "layer_scalar": "layer_scalar",
+    # a mixture layer's (swarm.model.gemma4_experts)
+    "dense_out_norm": "post_feedforward_layernorm_1",
+    "experts_in_norm": "pre_feedforward_layernorm_2",
+    "experts_out_norm": "post_feedforward_layernorm_2",
+    "router": "router.proj",
+    "router_scale": "router.scale",
+    "expert_scales": "router.per_expert_scale",
+    "experts.gate_up": "experts.gate_up_proj",
+    "experts.down": "experts.down_proj",
 }
+EXPERT_TENSORS = tuple(BLOCK_NAMES)[4:]
 # the families table's row: Gemma 3's, but norms x * w (not x * (1 + w))
 FAMILY = dict(
     post_norms=True,
@@ -39,7 +49,9 @@ FAMILY = dict(
     tied=True,
     wire_dtype="bfloat16",
 )
-OWN_ENDINGS = ("layer_scalar",)  # a buffer, stored without ".weight"
+# stored without ".weight": a buffer, the router's parameters, stacked experts
+OWN_ENDINGS = ("layer_scalar", "router.scale", "router.per_expert_scale", "experts.down_proj")
+OWN_ENDINGS += ("experts.gate_up_proj",)
 # the model's own, beside the embeddings: the per-layer table, the projection and its norm
 TABLE = "model.embed_tokens_per_layer.weight"
 PROJECTION = "model.per_layer_model_projection.weight"
@@ -66,8 +78,6 @@ def _full_layer_shape(cfg: dict) -> tuple[int, int]:
 
 def refuse_hf(cfg: dict, where: str) -> None:
     """What this node does not compute of a Gemma 4 config.json, by name."""
-    if cfg.get("enable_moe_block"):
-        raise ValueError(f"{where}: Gemma 4's mixture of experts (enable_moe_block): not yet")
     types = cfg.get("layer_types") or []
     shared = cfg.get("num_kv_shared_layers", 0)
     first = len(types) - shared
@@ -89,6 +99,17 @@ def hf_fields(cfg: dict, where: str) -> dict:
         wide_shared_mlp=bool(cfg.get("use_double_wide_mlp", False)),
         per_layer=int(cfg.get("hidden_size_per_layer_input") or 0),
         layer_scalars=True,
+        **_experts(cfg),
+    )
+
+
+def _experts(cfg: dict) -> dict:
+    if not cfg.get("enable_moe_block"):
+        return {}
+    return dict(
+        experts=int(cfg["num_experts"]),
+        experts_used=int(cfg["top_k_experts"]),
+        expert_intermediate=int(cfg["moe_intermediate_size"]),
     )
 
 
@@ -101,6 +122,7 @@ def block_tensors(c: ModelConfig, layer: int) -> tuple[str, ...]:
         attention = ["q", "k", "q_norm", "k_norm"] + ([] if c.at(layer).k_eq_v else ["v"])
     names = ["attn_norm", *attention, "o", "mlp_norm", "gate", "up", "down"]
     names += ["attn_post_norm", "mlp_post_norm", "layer_scalar"]
+    names += list(EXPERT_TENSORS) if c.moe(layer) else []
     return tuple(names + (["pl_gate", "pl_proj", "pl_norm"] if c.per_layer else []))
 
 

@@ -363,6 +363,8 @@ def save_tiny(family: str, directory: str | PathLike, seed: int = 0, **config):
             elif name.endswith("norm.weight"):
                 mean = _norm_weight(name, gemma) + (family == "gemma4")  # its norms: x * w
                 p.copy_(mean + 0.3 * torch.randn_like(p))
+            elif name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's: ones
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
             elif name.endswith(("bias", ".sinks")):  # gpt-oss's sinks: empty when made
                 p.copy_(0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():
