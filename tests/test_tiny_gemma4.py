@@ -158,11 +158,31 @@ def test_each_switch_changes_what_the_tiny_model_computes(made, tmp_path, change
     assert split_greedy(other, SPLITS[2], [PROMPT], NEW_TOKENS) != [want]
 
 
-def test_a_multimodal_folder_is_refused_by_name(made, tmp_path):
-    _, folder, _ = made
-    change = {"text_config": {"model_type": "gemma4_text"}}
-    with pytest.raises(ValueError, match="multimodal"):
-        open_model(str(changed_copy(folder, tmp_path, config_change=change)))
+@pytest.fixture(scope="module")
+def multimodal(made, tmp_path_factory):
+    """The tiny model as a multimodal checkpoint (Gemma4ForConditionalGeneration, a small
+    vision tower beside it, as the Hub's Gemma 4 folders are): (model, folder)."""
+    import transformers
+
+    model, _, _ = made
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16)
+    vision |= dict(num_attention_heads=2, num_key_value_heads=2)
+    config = transformers.Gemma4Config(text_config=model.config.to_dict(), vision_config=vision)
+    whole = transformers.Gemma4ForConditionalGeneration(config).float().eval()
+    whole.model.language_model.load_state_dict(model.model.state_dict())
+    folder = tmp_path_factory.mktemp("gemma4-multimodal")
+    whole.save_pretrained(folder)
+    return whole, folder
+
+
+def test_a_multimodal_folder_serves_its_text_model_its_towers_skipped(made, multimodal, caplog):
+    _, _, want = made
+    whole, folder = multimodal
+    with caplog.at_level("INFO", logger="swarm.model"):
+        assert open_model(str(folder)).config.family == "gemma4"
+    assert "embed_vision, vision_tower skipped" in caplog.text
+    assert reference_greedy(whole, PROMPT, NEW_TOKENS) == want
+    assert split_greedy(folder, SPLITS[3], [PROMPT], NEW_TOKENS) == [want]
 
 
 def test_a_gemma4_gguf_is_refused_by_name():

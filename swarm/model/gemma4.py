@@ -53,9 +53,25 @@ FAMILY = dict(
 OWN_ENDINGS = ("layer_scalar", "router.scale", "router.per_expert_scale", "experts.down_proj")
 OWN_ENDINGS += ("experts.gate_up_proj",)
 # the model's own, beside the embeddings: the per-layer table, the projection and its norm
-TABLE = "model.embed_tokens_per_layer.weight"
-PROJECTION = "model.per_layer_model_projection.weight"
-PROJECTION_NORM = "model.per_layer_projection_norm.weight"
+# (after the text model's prefix, "model." or a multimodal folder's "model.language_model.")
+TABLE = "embed_tokens_per_layer.weight"
+PROJECTION = "per_layer_model_projection.weight"
+PROJECTION_NORM = "per_layer_projection_norm.weight"
+
+
+def text_model(cfg: dict) -> tuple[dict, str]:
+    """A config.json's text model and the prefix of its tensors: a multimodal Gemma 4's
+    text_config (its towers are not the text model's; tie_word_embeddings is the top level's)
+    under "model.language_model."; any other config as it is, under "model."."""
+    if cfg.get("model_type") != "gemma4" or not isinstance(cfg.get("text_config"), dict):
+        return cfg, "model."
+    text = {**cfg["text_config"], "model_type": "gemma4_text"}
+    if "tie_word_embeddings" in cfg:
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    for key in ("bos_token_id", "eos_token_id"):
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return text, "model.language_model."
 
 
 def _full_layer_shape(cfg: dict) -> tuple[int, int]:
@@ -160,13 +176,13 @@ class PerLayerInputs:
     @classmethod
     def load(cls, source, start: int, end: int, exact: bool) -> PerLayerInputs:
         """Layers [start, end)'s share of `source`; `exact` keeps float32 tables."""
-        c, width = source.config, source.config.per_layer
+        c, width, prefix = source.config, source.config.per_layer, source.prefix
         cols = slice(start * width, end * width)
-        table = source.raw(TABLE).data[:, cols]
-        projection = source.raw(PROJECTION).float32()[cols]
-        embed = source.raw("model.embed_tokens.weight")
+        table = source.raw(prefix + TABLE).data[:, cols]
+        projection = source.raw(prefix + PROJECTION).float32()[cols]
+        embed = source.raw(prefix + "embed_tokens.weight")
         table = table.float().contiguous() if exact else table.contiguous()
-        norm = source.raw(PROJECTION_NORM).float32()
+        norm = source.raw(prefix + PROJECTION_NORM).float32()
         return cls(c, start, end, embed, table, projection.contiguous(), norm)
 
     @torch.inference_mode()

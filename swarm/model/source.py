@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from swarm.errors import MissingShards
+from swarm.model import gemma4
 from swarm.model.families import (
     LINEARS,
     block_names,
@@ -297,6 +298,9 @@ class SafetensorsSource:
     def __init__(self, path: Path):
         self.path = path
         cfg = json.loads((path / "config.json").read_text())
+        # the text model's tensors' prefix ("model.": a causal LM's; a multimodal Gemma 4's
+        # decoder is "model.language_model.", its towers beside it never read)
+        cfg, self.prefix = gemma4.text_model(cfg)
         self.config, self.tie = config_from_hf(cfg, path.name, str(path))
         self._where: dict[str, Path] = {}
         from safetensors import safe_open
@@ -307,13 +311,17 @@ class SafetensorsSource:
                     self._where[k] = f
         if not self._where:
             raise FileNotFoundError(f"{path} has no *.safetensors files")
-        by_block = _by_block(self._where, "model.layers.", self.config)
+        by_block = _by_block(self._where, f"{self.prefix}layers.", self.config)
+        # a multimodal model's other parts (vision, audio towers): not the text model's
+        others = (n for n in self._where if not n.startswith((self.prefix, "lm_head")))
+        if towers := {n.split(".")[:2][-1] for n in others}:
+            log.info("%s: %s skipped", path.name, ", ".join(sorted(towers)))
         _check_block_tensors(str(path), by_block, self._names)
 
     def block_files(self, start: int, end: int) -> list[Path]:
         """The files holding blocks [start, end) (all here: the tensor check at load proved
         it)."""
-        prefix = "model.layers."
+        prefix = f"{self.prefix}layers."
         names = (
             _block_map(self._names(b), f"{prefix}{b}.", self._where) for b in range(start, end)
         )
@@ -333,18 +341,18 @@ class SafetensorsSource:
             return RawTensor(name, "torch", st.get_tensor(name))
 
     def block_raw(self, block: int) -> OnDemand:
-        names = _block_map(self._names(block), f"model.layers.{block}.", self._where)
+        names = _block_map(self._names(block), f"{self.prefix}layers.{block}.", self._where)
         return OnDemand(names, self.raw)
 
     def _names(self, block: int) -> dict[str, str]:
         return block_names(self.config, False, block)
 
     def head_raw(self) -> dict[str, RawTensor]:
-        embed = self.raw("model.embed_tokens.weight")
+        embed = self.raw(f"{self.prefix}embed_tokens.weight")
         lm_head = (
             embed if self.tie or "lm_head.weight" not in self._where else self.raw("lm_head.weight")
         )
-        return {"embed": embed, "norm": self.raw("model.norm.weight"), "lm_head": lm_head}
+        return {"embed": embed, "norm": self.raw(f"{self.prefix}norm.weight"), "lm_head": lm_head}
 
     def tokenizer(self):
         from transformers import AutoTokenizer
