@@ -90,6 +90,19 @@ def test_a_kv_sharing_layer_holds_no_cache_of_its_own(made):
     assert cache.keys[2] is cache.keys[0] and cache.values[3] is cache.values[1]
 
 
+def test_the_cache_bytes_a_token_budgeted_are_what_a_sessions_cache_holds(made):
+    """Full layers wider (1 kv head of 48 against 2 of 32), KV-sharing layers none (a session
+    no longer than the window: the sliding layers' rings hold every position)."""
+    from swarm.model.blocks import KVCache
+
+    _, folder, _ = made
+    c = open_model(str(folder)).config
+    cache = Span.load(open_model(str(folder)), 0, 6, weights="float32").allocate_cache(0, 6, 8)
+    held = {id(t): t.nbytes for t in (*cache.keys, *cache.values)}
+    assert KVCache.bytes_per_token(c, 6) == sum(held.values()) // 8 == (2 * 64 + 2 * 48) * 2 * 4
+    assert KVCache.bytes_per_token(c, 3, start=3) == 48 * 2 * 4
+
+
 def test_a_step_without_its_token_ids_is_refused(made):
     _, folder, _ = made
     source = open_model(str(folder))

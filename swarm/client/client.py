@@ -161,7 +161,7 @@ class Client:
             if r.weights == weights  # the same cache format, or the handoff is refused
         ]
         dtype = torch.float32 if weights == "float32" else torch.bfloat16
-        cache = tokens * KVCache.bytes_per_token(self.config, hop.end - hop.start, dtype)
+        cache = tokens * KVCache.bytes_per_token(self.config, hop.end - hop.start, dtype, hop.start)
         r = pick_prefill(records, hop, cache, max_length, self.router.estimates(records))
         return None if r is None else r.hop(hop.start, hop.end)
 

@@ -98,8 +98,13 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(
-        config: ModelConfig, layers: int, dtype: torch.dtype = torch.float32
+        config: ModelConfig, layers: int, dtype: torch.dtype = torch.float32, start: int = 0
     ) -> int:
-        """At most: layers with a window hold fewer once sessions pass it."""
-        (k_heads, k_width), (v_heads, v_width) = config.cache_widths
-        return layers * (k_heads * k_width + v_heads * v_width) * dtype.itemsize
+        """Of layers [start, start + layers), at most: layers with a window hold fewer once
+        sessions pass it; Gemma 4's full layers are wider, its KV-sharing ones hold none."""
+        total = 0
+        for layer in range(start, min(start + layers, config.num_layers)):
+            if config.kv_source(layer) is None:
+                (k_heads, k_width), (v_heads, v_width) = config.at(layer).cache_widths
+                total += k_heads * k_width + v_heads * v_width
+        return total * dtype.itemsize
