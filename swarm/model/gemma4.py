@@ -178,7 +178,7 @@ class PerLayerInputs:
         """Layers [start, end)'s share of `source`; `exact` keeps float32 tables."""
         c, width, prefix = source.config, source.config.per_layer, source.prefix
         cols = slice(start * width, end * width)
-        table = source.raw(prefix + TABLE).data[:, cols]
+        table = source.columns(prefix + TABLE, cols.start, cols.stop)
         projection = source.raw(prefix + PROJECTION).float32()[cols]
         embed = source.raw(prefix + "embed_tokens.weight")
         table = table.float().contiguous() if exact else table.contiguous()

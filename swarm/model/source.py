@@ -340,6 +340,14 @@ class SafetensorsSource:
         with safe_open(str(self._where[name]), framework="pt") as st:
             return RawTensor(name, "torch", st.get_tensor(name))
 
+    def columns(self, name: str, start: int, stop: int):
+        """Columns [start, stop) of 2-D tensor `name`, read alone (Gemma 4's per-layer table:
+        a node's layers' share of 262,144 rows)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self._where[name]), framework="pt") as st:
+            return st.get_slice(name)[:, start:stop]
+
     def block_raw(self, block: int) -> OnDemand:
         names = _block_map(self._names(block), f"{self.prefix}layers.{block}.", self._where)
         return OnDemand(names, self.raw)
