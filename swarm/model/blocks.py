@@ -342,13 +342,14 @@ class Span:
                 progress(i - start + 1, end - start)
         per_layer = None
         if source.config.per_layer:
-            per_layer = PerLayerInputs.load(source, start, end, exact=weights == "float32")
+            per_layer = PerLayerInputs.load(source, start, end, weights, usable)
         return cls(source.config, start, end, blocks, weights, per_layer)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the span's matrices and norms."""
-        return sum(b.nbytes for b in self.blocks)
+        """Bytes of the span's matrices and norms (and Gemma 4's per-layer tables)."""
+        extra = 0 if self.per_layer is None else self.per_layer.nbytes
+        return sum(b.nbytes for b in self.blocks) + extra
 
     @property
     def formats(self) -> dict[str, int]:

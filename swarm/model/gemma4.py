@@ -17,11 +17,11 @@ k are RMS-normed), values RMS-normed without a weight, norms are x * w (not Gemm
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from swarm.model.config import ModelConfig
 from swarm.model.linear import Linear
 from swarm.model.norm import rms_norm
+from swarm.model.weights import RawTensor, make_linear
 
 # tensors of a block beyond Gemma 3's (blocks.py's name -> config.json's name)
 BLOCK_NAMES = {
@@ -170,20 +170,28 @@ class PerLayerInputs:
         self.c, self.start, self.end = config, start, end
         self.embed = embed  # RawTensor [vocab, hidden], rows looked up
         self.table = table  # [vocab, (end - start) x width]
-        self.projection = projection  # [(end - start) x width, hidden]
+        self.projection = projection  # Linear [(end - start) x width, hidden]
         self.norm = norm
 
     @classmethod
-    def load(cls, source, start: int, end: int, exact: bool) -> PerLayerInputs:
-        """Layers [start, end)'s share of `source`; `exact` keeps float32 tables."""
+    def load(cls, source, start: int, end: int, weights: str, usable=None) -> PerLayerInputs:
+        """Layers [start, end)'s share of `source`: the projection's rows a Linear in format
+        `weights` (as the blocks' matrices are), float32 tables where that is float32."""
         c, width, prefix = source.config, source.config.per_layer, source.prefix
         cols = slice(start * width, end * width)
         table = source.columns(prefix + TABLE, cols.start, cols.stop)
-        projection = source.raw(prefix + PROJECTION).float32()[cols]
+        whole = source.raw(prefix + PROJECTION)
+        rows = RawTensor(whole.name, whole.kind, whole.data[cols].contiguous())
+        projection = make_linear(rows, weights, None, usable)
         embed = source.raw(prefix + "embed_tokens.weight")
-        table = table.float().contiguous() if exact else table.contiguous()
+        table = table.float().contiguous() if weights == "float32" else table.contiguous()
         norm = source.raw(prefix + PROJECTION_NORM).float32()
-        return cls(c, start, end, embed, table, projection.contiguous(), norm)
+        return cls(c, start, end, embed, table, projection, norm)
+
+    @property
+    def nbytes(self) -> int:
+        """What grows with the layers held (the main embeddings, one table, do not)."""
+        return self.table.nbytes + self.projection.nbytes
 
     @torch.inference_mode()
     def __call__(self, ids: list[int], start: int, end: int) -> torch.Tensor:
@@ -192,7 +200,7 @@ class PerLayerInputs:
         cols = slice((start - self.start) * width, (end - self.start) * width)
         rows = torch.tensor(ids)
         main = self.embed.rows(ids).float() * torch.tensor(c.hidden**0.5, dtype=torch.float32)
-        projected = F.linear(main, self.projection[cols]) * c.hidden**-0.5
+        projected = self.projection(main).float()[:, cols] * c.hidden**-0.5
         projected = rms_norm(projected.view(len(ids), end - start, width), self.norm, c.rms_eps)
         own = self.table[rows, cols].float() * torch.tensor(width**0.5, dtype=torch.float32)
         return (projected + own.view(len(ids), end - start, width)) * 2.0**-0.5
