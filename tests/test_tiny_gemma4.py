@@ -6,15 +6,17 @@ a KV-sharing layer from its source is refused by name; each switch changes what 
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
 import torch
+import transformers
 
 from devtools.launch import start_node, start_swarm, stop_all
 from swarm.errors import ProtocolError, SpanError
 from swarm.model.blocks import Span
-from swarm.model.families import family_of
+from swarm.model.families import config_from_hf, family_of
 from swarm.model.head import Head
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny
@@ -171,12 +173,27 @@ def test_each_switch_changes_what_the_tiny_model_computes(made, tmp_path, change
     assert split_greedy(other, SPLITS[2], [PROMPT], NEW_TOKENS) != [want]
 
 
+@pytest.mark.parametrize(
+    "change",
+    [{"layer_types": ["sliding_attention"] * 6}, {"layer_types": None}],
+    ids=["last-forced-full", "default-pattern"],
+)
+def test_layer_kinds_are_transformers_own(made, change):
+    """transformers makes the last layer full whatever the list says, and without a list
+    takes 5 sliding layers then a full one."""
+    _, folder, _ = made
+    config = {**json.loads((folder / "config.json").read_text()), **change}
+    config["num_kv_shared_layers"] = 0  # else layer 5 would share a full layer's KV: none
+    types = transformers.Gemma4TextConfig(**config).layer_types
+    want = tuple(8 if t == "sliding_attention" else None for t in types)
+    assert want == (8, 8, 8, 8, 8, None)
+    assert config_from_hf(config, "g", "g")[0].windows == want
+
+
 @pytest.fixture(scope="module")
 def multimodal(made, tmp_path_factory):
     """The tiny model as a multimodal checkpoint (Gemma4ForConditionalGeneration, a small
     vision tower beside it, as the Hub's Gemma 4 folders are): (model, folder)."""
-    import transformers
-
     model, _, _ = made
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16)
     vision |= dict(num_attention_heads=2, num_key_value_heads=2)

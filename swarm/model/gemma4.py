@@ -79,7 +79,7 @@ def _full_layer_shape(cfg: dict) -> tuple[int, int]:
     5.24 saves it) or global_head_dim / num_global_key_value_heads (its defaults: 512, and the
     kv heads only where attention_k_eq_v)."""
     per_layer = cfg.get("per_layer_config") or {}
-    types = cfg.get("layer_types") or []
+    types = _layer_types(cfg)
     full = [i for i, t in enumerate(types) if t == "full_attention"]
     own = [per_layer.get(str(i), per_layer.get(i)) for i in full]
     width, heads = cfg.get("head_dim"), cfg.get("num_key_value_heads")
@@ -92,9 +92,19 @@ def _full_layer_shape(cfg: dict) -> tuple[int, int]:
     return int(cfg.get("global_head_dim", 512)), int(kv or cfg["num_key_value_heads"])
 
 
+def _layer_types(cfg: dict) -> list[str]:
+    """Each layer's kind as transformers' Gemma4TextConfig makes it: config.json's list, or 5
+    sliding then a full one over and over; the last layer full whatever the list says."""
+    layers = cfg["num_hidden_layers"]
+    default = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
+    types = list(cfg.get("layer_types") or default)
+    types[-1] = "full_attention"
+    return types
+
+
 def refuse_hf(cfg: dict, where: str) -> None:
     """What this node does not compute of a Gemma 4 config.json, by name."""
-    types = cfg.get("layer_types") or []
+    types = _layer_types(cfg)
     shared = cfg.get("num_kv_shared_layers", 0)
     first = len(types) - shared
     if shared and set(types[first:]) - set(types[:first]):
@@ -105,7 +115,9 @@ def hf_fields(cfg: dict, where: str) -> dict:
     """ModelConfig's Gemma 4 fields from a config.json."""
     refuse_hf(cfg, where)
     head_dim, kv_heads = _full_layer_shape(cfg)
+    window = int(cfg.get("sliding_window", 512))
     return dict(
+        windows=tuple(window if t == "sliding_attention" else None for t in _layer_types(cfg)),
         attention_scale=1.0,
         global_head_dim=head_dim,
         global_kv_heads=kv_heads,
