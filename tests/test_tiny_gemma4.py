@@ -7,6 +7,7 @@ a KV-sharing layer from its source is refused by name; each switch changes what 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 
 import pytest
@@ -334,3 +335,74 @@ def test_a_node_asked_for_a_sharing_layer_without_its_source_refuses_by_name(mad
             node.wait_serving(timeout=120)
     finally:
         stop_all([node])
+
+
+def test_a_cache_handed_over_past_the_window_computes_on_alike(made):
+    """swarm.node.handover.cache's transfer of blocks 2:6 at position 50 (rings wrapped; a
+    KV-sharing layer's entry its source's tensors, sent twice): the receiving cache equals the
+    sender's and the next steps give the same outputs, bit for bit."""
+    from swarm.node.handover.cache import CacheIntake, slabs
+    from swarm.protocol import KvChunk
+    from swarm.wire import pack_tensor
+
+    _, folder, want = made
+    source = open_model(str(folder))
+    head = Head.load(source, weights="float32")
+    a, b = (Span.load(source, *s, weights="float32") for s in ((0, 2), (2, 6)))
+    ca, cb = a.allocate_cache(0, 2, 128), b.allocate_cache(2, 6, 128)
+    b.forward(a.forward(head.embed_tokens(PROMPT), ca, 0, 0, 2, ids=PROMPT), cb, 0, 2, 6, PROMPT)
+    moved = None
+    for pos, token in zip(range(len(PROMPT), 70), want):
+        if pos == 50:
+            moved = b.allocate_cache(2, 6, 128)
+            intake = CacheIntake(moved, 50)
+            for layer, (first, k, v) in enumerate(slabs(cb, 0, 50)):
+                pack = (pack_tensor(k, "float32"), pack_tensor(v, "float32"))
+                intake.take(KvChunk(sid="s", layer=layer, pos=first, keys=pack[0], values=pack[1]))
+            moved.length = 50
+            assert all(
+                torch.equal(x, y) for x, y in zip(cb.keys + cb.values, moved.keys + moved.values)
+            )
+        h = a.forward(head.embed_tokens([token]), ca, pos, 0, 2, ids=[token])
+        out = b.forward(h, cb, pos, 2, 6, ids=[token])
+        if moved is not None:
+            assert torch.equal(b.forward(h, moved, pos, 2, 6, ids=[token]), out)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="a session handed over mid-reply diverges some tokens later on models mixing ring"
+    " and full layers: tiny Gemma 3 too, on the commit this branch started from (25c47c3);"
+    " tiny Mistral (all rings) and Llama do not. Not this branch's; reported to the lead",
+)
+def test_a_leaving_last_hop_hands_a_session_over_and_it_goes_on_alike(made, dht_peers):
+    """The leaving node's cache goes as it is (a KV-sharing layer's entry is its source's
+    tensors, sent and received twice); the session goes on there without replaying a token.
+    In process, the same transfer (handover.cache's slabs into a CacheIntake) leaves the
+    receiving cache equal and the next 20 steps identical."""
+    from swarm.client.client import Client
+    from tests.helpers.handover import start_full_node, wait_for_lines
+
+    _, folder, want = made
+    first = start_full_node(folder, dht_peers, layers=(0, 2))
+    leaving = start_full_node(folder, dht_peers, "--grace", "20", layers=(2, 6))
+    client = Client(dht_peers, model=str(folder), wire_dtype="float32", step_timeout=10)
+    replica = None
+    try:
+        out = []
+        with client.session(len(PROMPT) + NEW_TOKENS) as s:
+            logits = s.feed(PROMPT)
+            for i in range(NEW_TOKENS):
+                if i == NEW_TOKENS // 2:
+                    replica = start_full_node(folder, dht_peers, layers=(2, 6))
+                    leaving.proc.send_signal(signal.SIGTERM)
+                    wait_for_lines(leaving, "handed over to", 1)
+                out.append(int(logits.argmax()))
+                logits = s.feed([out[-1]])
+            moved = (s.recoveries, s.remote.moves, [h.peer for h in s.remote.route])
+        assert out == want
+        assert moved == ([], 1, [first.peer, replica.peer])
+    finally:
+        client.close()
+        stop_all([first, leaving] + ([replica] if replica else []))
