@@ -12,6 +12,7 @@ from swarm.errors import SwarmError, error_from_code
 from swarm.schema import (
     AnyTrue,
     Codec,
+    Integer,
     ListOf,
     Nested,
     Row,
@@ -124,6 +125,11 @@ class Step:
     # a wire tensor map: the receiver, which knows the shape expected, decodes and checks it
     hidden: Any = unchecked()
     spec: int | None = integer(1, default=None)
+    # the tokens' ids, one a position, where the model's layers read them (Gemma 4's per-layer
+    # inputs): every hop computes its own from them; otherwise left out
+    ids: tuple[int, ...] | None = declare(
+        ListOf(Integer(0, 2**31 - 1), 1, 1 << 20, "token ids"), default=None
+    )
     t: str = tag("step")
 
 

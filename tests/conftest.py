@@ -106,13 +106,17 @@ def split_greedy(path, spans, prompts: list[list[int]], new_tokens: int) -> list
     caches = [[p.allocate_cache(p.start, p.end, 128) for p in parts] for _ in prompts]
     h = [head.embed_tokens(ids) for ids in prompts]
     for part, i in zip(parts, range(len(parts))):
-        h = [part.forward(x, c[i], 0, part.start, part.end) for x, c in zip(h, caches)]
+        h = [
+            part.forward(x, c[i], 0, part.start, part.end, ids=ids)
+            for x, c, ids in zip(h, caches, prompts)
+        ]
     out = [[int(head.logits(x[0, -1]).argmax())] for x in h]
     for _ in range(new_tokens - 1):
         x = torch.cat([head.embed_tokens([toks[-1]])[0] for toks in out])
         positions = [c[0].length for c in caches]
+        ids = [toks[-1] for toks in out]  # Gemma 4's per-layer inputs read them
         for part, i in zip(parts, range(len(parts))):
-            x = part.decode(x, [c[i] for c in caches], positions, part.start, part.end)
+            x = part.decode(x, [c[i] for c in caches], positions, part.start, part.end, ids=ids)
         for toks, row in zip(out, head.logits_rows(x)):
             toks.append(int(row.argmax()))
     return out

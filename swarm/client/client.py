@@ -144,7 +144,8 @@ class Client:
         name = self.config.name
         plaintext = self.options.plaintext
         return self.router.route(
-            records, self.config.num_layers, self.fingerprint, exclude, name, plaintext, hold
+            *(records, self.config.num_layers, self.fingerprint, exclude, name, plaintext, hold),
+            span_ok=self.config.span_ok,
         )
 
     def prefill_hop(
@@ -165,7 +166,7 @@ class Client:
             if r.weights == weights  # the same cache format, or the handoff is refused
         ]
         dtype = torch.float32 if weights == "float32" else torch.bfloat16
-        cache = tokens * KVCache.bytes_per_token(self.config, hop.end - hop.start, dtype)
+        cache = tokens * KVCache.bytes_per_token(self.config, hop.end - hop.start, dtype, hop.start)
         r = pick_prefill(records, hop, cache, max_length, self.router.estimates(records))
         return None if r is None else r.hop(hop.start, hop.end)
 
@@ -216,6 +217,7 @@ class Client:
             prefill_chunk=self.options.prefill_chunk,
             own_dtype=self.config.wire_dtype,
             handoff=handoff,
+            with_ids=bool(self.config.per_layer),
         )
 
     def head(self, route: list[Hop]) -> Head:

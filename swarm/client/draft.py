@@ -76,6 +76,6 @@ class DraftModel:
             pos, piece = len(self._fed), ids[lo : lo + most]
             self._cache.keep_for_rewind(pos, len(piece), MAX_REWIND)
             embedded = self.head.embed_tokens(piece)
-            h = self.span.forward(embedded, self._cache, pos, 0, self.span.end)
+            h = self.span.forward(embedded, self._cache, pos, 0, self.span.end, ids=piece)
             self._fed += piece
         return h

@@ -172,12 +172,13 @@ class InferenceSession:
         rebuilds its caches from the history. Answered by `round_logits`, in order."""
         if self.remote is None:
             self._open(pos + len(ids))
-            self.client.loop.run(self.remote.step, self._head().embed_tokens(self.history[:pos]))
+            replay = self.history[:pos]
+            self.client.loop.run(self.remote.step, self._head().embed_tokens(replay), replay)
         self._spec += 1
         r = Round(self._spec, pos, tuple(ids))
         self._sent_to = pos + len(ids)
         hidden = self._head().embed_tokens(list(ids))
-        self.client.loop.run(self.remote.send_round, hidden, pos, r.spec)
+        self.client.loop.run(self.remote.send_round, hidden, pos, r.spec, r.ids)
         return r
 
     def round_logits(self, r: Round, first: int = MAX_VERIFY_TOKENS) -> RoundRows:
@@ -223,7 +224,7 @@ class InferenceSession:
         head = self.client.head(self.remote.route)
         hidden = head.embed_tokens(replay + ids)
         started = time.perf_counter()
-        out = self.last_hidden = self.client.loop.run(self.remote.step, hidden)
+        out = self.last_hidden = self.client.loop.run(self.remote.step, hidden, replay + ids)
         if len(replay) + len(ids) == 1:  # a decode step: its time is the route's cost a token
             self.client.observe_step(self.remote.route, time.perf_counter() - started)
         self.history += ids

@@ -55,6 +55,7 @@ class Router:
         model: str,
         plaintext: bool,
         hold: bool = False,
+        span_ok=None,
     ) -> tuple[list[Hop], float]:
         """Ping what the route needs measured (probe.py), then draw it from the nodes that
         answered recently. `hold`: count a session of ours on it at once (the token `closed`
@@ -68,7 +69,8 @@ class Router:
         with self._lock:  # the draw and the hold together: a concurrent route sees this one
             est = self.estimates(reachable)
             route = find_route(
-                reachable, num_layers, fingerprint, est, exclude, model, plaintext, self.rng
+                *(reachable, num_layers, fingerprint, est, exclude, model, plaintext, self.rng),
+                span_ok=span_ok,
             )
             return route, (self.opened(route) if hold else 0.0)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from swarm.errors import RouteUnavailable
@@ -193,16 +193,18 @@ def find_route(
     rng: random.Random | None = None,
     near: float = NEAR_BEST,
     near_s: float = NEAR_BEST_S,
+    span_ok: Callable[[int, int], bool] | None = None,
 ) -> list[Hop]:
     """A chain of hops over block boundaries 0..num_layers costing at most `near` more than
-    the cheapest; a hop may use part of a node's span. Each hop is drawn among the nodes that
+    the cheapest; a hop may use part of a node's span (where `span_ok(start, end)`: Gemma 4's
+    KV-sharing layers go with the layers they read). Each hop is drawn among the nodes that
     keep the route within that bound: of those serving the fewest sessions, one at random."""
     est = est or Estimates()
     nodes = usable(records, fingerprint, exclude, plaintext)
     gaps = missing_blocks(nodes, num_layers)
     if gaps:
         raise RouteUnavailable(f"no online node serves blocks {format_blocks(gaps)} of {model}")
-    hops = _Hops(nodes, num_layers, est)
+    hops = _Hops(nodes, num_layers, est, span_ok)
     togo = hops.cost_to_go()
     budget = togo[0] + max(togo[0] * near, near_s) + 1e-12
     rng = rng or random
@@ -234,8 +236,9 @@ class _Hops:
     boundary inside its span. Only boundaries where some span starts or ends matter (a hop's
     cost is linear in its blocks, so the best place to change nodes is at one of them)."""
 
-    def __init__(self, nodes: list[NodeRecord], num_layers: int, est: Estimates):
+    def __init__(self, nodes: list[NodeRecord], num_layers: int, est: Estimates, span_ok=None):
         self.num_layers = num_layers
+        self.span_ok = span_ok or (lambda start, end: True)
         marks = {0, num_layers}
         for r in nodes:
             marks.update((r.start, r.end))
@@ -246,7 +249,7 @@ class _Hops:
         for r, link, block in self.nodes:
             if r.start <= pos < r.end:
                 for stop in self.marks:
-                    if pos < stop <= r.end:
+                    if pos < stop <= r.end and self.span_ok(pos, stop):
                         yield r, stop, link + (stop - pos) * block
 
     def cost_to_go(self) -> dict[int, float]:

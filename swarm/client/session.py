@@ -49,8 +49,10 @@ class RemoteSession:
         prefill_chunk: int = PREFILL_CHUNK,
         own_dtype: str = DEFAULT_WIRE_DTYPE,
         handoff: Hop | None = None,
+        with_ids: bool = False,
     ):
         self.route = list(route)  # a hop handed over by a leaving node changes here
+        self.with_ids = with_ids  # steps carry their tokens' ids (Gemma 4's per-layer inputs)
         self.own_dtype = own_dtype  # what the client sends where it asks nodes for none
         self.prefill_chunk = max(1, prefill_chunk)
         self.fingerprint = fingerprint
@@ -135,8 +137,9 @@ class RemoteSession:
                     return msg
         raise self._failed(hop, f"no {kind.__name__.lower()} within {timeout:.0f} s")
 
-    async def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Activations [1, tokens, hidden] in; the last token's final hidden [1, hidden] out."""
+    async def step(self, hidden: torch.Tensor, ids=None) -> torch.Tensor:
+        """Activations [1, tokens, hidden] in; the last token's final hidden [1, hidden] out.
+        `ids`: the tokens' ids, sent along where the model's layers read them (Gemma 4)."""
         n = hidden.shape[1]
         if self.position + n > self.max_length:
             raise ProtocolError(
@@ -156,6 +159,7 @@ class RemoteSession:
                     pos=self.position + lo,
                     end=end,
                     hidden=pack_tensor(piece, self.wire_dtype or self.own_dtype),
+                    ids=self._ids(ids, lo, lo + piece.shape[1]),
                 )
             )
         timeout = self.step_timeout + 0.05 * n
@@ -171,7 +175,14 @@ class RemoteSession:
         out = unpack_tensor(result.hidden, hidden=self.hidden, max_tokens=1)
         return out[:, -1]
 
-    async def send_round(self, hidden: torch.Tensor, pos: int, spec: int) -> None:
+    def _ids(self, ids, lo: int, hi: int) -> tuple[int, ...] | None:
+        """ids[lo:hi] where the model's layers read them (Gemma 4's per-layer inputs), else
+        None: other models' steps travel without them."""
+        if ids is None or not self.with_ids:
+            return None
+        return tuple(int(i) for i in ids[lo:hi])
+
+    async def send_round(self, hidden: torch.Tensor, pos: int, spec: int, ids=None) -> None:
         """Send verification round `spec`: tokens [1, n, hidden] at positions [pos, pos + n),
         drafts after a token the client has decided; rounds before it need not be answered
         yet, and a round at a position before the last one's end rewinds the route there."""
@@ -179,7 +190,8 @@ class RemoteSession:
         if end > self.max_length:
             raise ProtocolError(f"session holds {self.max_length} tokens; {end} requested")
         packed = pack_tensor(hidden, self.wire_dtype or self.own_dtype)
-        await self._send_first(Step(self.sid, DECODE, pos, end, packed, spec=spec))
+        ids = self._ids(ids, 0, hidden.shape[1])
+        await self._send_first(Step(self.sid, DECODE, pos, end, packed, spec=spec, ids=ids))
         self.position = end
 
     async def round_result(self, spec: int, pos: int, tokens: int) -> torch.Tensor:

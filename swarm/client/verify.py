@@ -97,7 +97,7 @@ def recompute(
     try:
         client.loop.run(remote.open)
         hidden = client.head(route).embed_tokens(history)
-        return route, client.loop.run(remote.step, hidden)
+        return route, client.loop.run(remote.step, hidden, history)
     except SwarmError as exc:
         log.info("a check's route failed (%s); the check is left undecided", exc)
         return None

@@ -9,18 +9,20 @@ transformers model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
-from swarm.errors import ProtocolError, RewindRefused
+from swarm.errors import ProtocolError
 from swarm.model import kernels, qwen35
 from swarm.model.config import ModelConfig
-from swarm.model.deltanet import NO_REWIND, DeltaNetNoRewind, GatedDeltaNet, State
+from swarm.model.deltanet import GatedDeltaNet
 from swarm.model.eager import eager_attention
 from swarm.model.experts import MLP, Experts
 from swarm.model.families import block_tensors
+from swarm.model.gemma4 import PerLayerInputs, Tail
+from swarm.model.gemma4_experts import DenseAndExperts
+from swarm.model.kvcache import KVCache as KVCache
+from swarm.model.kvcache import ring_slots as ring_slots
 from swarm.model.latent import LatentAttention
 from swarm.model.linear import WEIGHT_FORMATS, Linear
 from swarm.model.norm import rms_norm
@@ -32,105 +34,6 @@ ACTIVATE = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
-
-
-def ring_slots(config: ModelConfig, start: int, end: int, max_length: int) -> int:
-    """The fewest slots of a sliding window's ring among layers [start, end) of a session of
-    `max_length` tokens (max_length where none is a ring): the most positions one pass may
-    write where it may be rewound (KVCache.keep_for_rewind)."""
-    windows = (config.window(i) for i in range(start, end))
-    return min((w for w in windows if w and w < max_length), default=max_length)
-
-
-@dataclass
-class KVCache:
-    """Keys and values for every layer of a span, preallocated: a layer with a sliding window
-    shorter than the session keeps only the window, as a ring (position p in slot p % window)."""
-
-    keys: list[torch.Tensor]  # per layer [1, kv_heads, capacity, head_dim]
-    values: list[torch.Tensor]
-    length: int = 0
-    # position -> [(layer, keys, values)] a ring's slot held before that position took it: what
-    # a rewind (speculative decoding's rejected drafts) puts back
-    overwritten: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = field(
-        default_factory=dict
-    )
-    states: dict[int, State] = field(default_factory=dict)  # Gated DeltaNet layers' (by layer)
-
-    def layer(self, i: int) -> tuple:
-        """What block i of the cache's layers reads: its keys and values, or its state."""
-        return (self.states[i], None) if i in self.states else (self.keys[i], self.values[i])
-
-    def keep_for_rewind(self, pos: int, tokens: int, depth: int) -> None:
-        """Before positions [pos, pos + tokens) are written: keep what they overwrite in ring
-        layers, so that `rewind` can go back up to `depth` positions from their end. More
-        positions than a ring's slots in one pass would leave some in no slot: refused."""
-        if rings := [k.shape[2] for k in self.keys if pos + tokens > k.shape[2] < tokens]:
-            raise ProtocolError(
-                f"a pass of {tokens} tokens that may be rewound is longer than a sliding"
-                f" window's {min(rings)}"
-            )
-        for q in range(pos, pos + tokens):
-            kept = [
-                (layer, k[0, :, q % k.shape[2]].clone(), v[0, :, q % k.shape[2]].clone())
-                for layer, (k, v) in enumerate(zip(self.keys, self.values))
-                if q >= k.shape[2]  # a ring that wraps here: position q - capacity goes
-            ]
-            if kept:
-                self.overwritten[q] = kept
-        for q in [q for q in self.overwritten if q < pos + tokens - depth]:
-            del self.overwritten[q]
-
-    def rewind(self, pos: int) -> None:
-        """Forget positions [pos, length): every ring slot they took gets back what it held.
-        Raises RewindRefused, changing nothing, where a ring no longer holds what it needs."""
-        if pos >= self.length:
-            return
-        if self.states:  # speculative decoding is refused for such a model (DeltaNetNoRewind)
-            raise DeltaNetNoRewind(f"cannot rewind to position {pos}: {NO_REWIND}")
-        capacity = min(k.shape[2] for k in self.keys) if self.keys else self.length
-        lost = [q for q in range(max(pos, capacity), self.length) if q not in self.overwritten]
-        if lost:
-            raise RewindRefused(
-                f"cannot rewind to position {pos}: a sliding window's cache no longer holds"
-                f" what position {lost[0]} overwrote"
-            )
-        for q in range(self.length - 1, pos - 1, -1):
-            for layer, k, v in self.overwritten.pop(q, ()):
-                slot = q % self.keys[layer].shape[2]
-                self.keys[layer][0, :, slot] = k
-                self.values[layer][0, :, slot] = v
-        self.length = pos
-
-    @classmethod
-    def allocate(
-        cls,
-        config: ModelConfig,
-        start: int,
-        end: int,
-        max_length: int,
-        dtype: torch.dtype = torch.float32,
-    ) -> KVCache:
-        """For layers [start, end) of the model, sessions of up to max_length tokens."""
-        keys, values, states = [], [], {}
-        (k_heads, k_width), (v_heads, v_width) = config.cache_widths
-        for layer in range(start, end):
-            window = config.window(layer)
-            length = min(max_length, window) if window else max_length
-            heads = (0, 0) if config.is_delta(layer) else (k_heads, v_heads)  # a State instead
-            keys.append(torch.zeros((1, heads[0], length, k_width), dtype=dtype))
-            values.append(torch.zeros((1, heads[1], length, v_width), dtype=dtype))
-            if config.is_delta(layer):
-                states[layer - start] = State.allocate(config.delta)
-        return cls(keys, values, states=states)
-
-    @staticmethod
-    def bytes_per_token(
-        config: ModelConfig, layers: int, dtype: torch.dtype = torch.float32
-    ) -> int:
-        """At most: layers with a window hold fewer once sessions pass it."""
-        (k_heads, k_width), (v_heads, v_width) = config.cache_widths
-        return layers * (k_heads * k_width + v_heads * v_width) * dtype.itemsize
 
 
 class Block:
@@ -149,16 +52,23 @@ class Block:
         o: Linear,
         mlp: MLP | Experts,
         sinks: torch.Tensor | None = None,
+        tail: Tail | None = None,
+        layer: int = 0,
+        source: int | None = None,
     ):
-        self.c = config
+        self.c = config  # as this layer computes (ModelConfig.at)
         self.sinks = sinks  # gpt-oss: [heads], a softmax column each (swarm.model.eager)
         self.norms = norms  # attn_norm, mlp_norm [, q_norm, k_norm, attn_post_norm, ...]
         self.qkv, self.o, self.mlp = qkv, o, mlp
+        self.tail = tail  # Gemma 4: per-layer input and layer scalar (swarm.model.gemma4)
+        # Gemma 4's KV sharing: the layer whose keys and values this one attends over (None:
+        # its own); a layer other layers read stores what it attended over in a pass's `shared`
+        self.layer, self.source = layer, source
+        self.kv_heads = 0 if source is not None else config.kv_heads  # k, v computed here
         if "q_norm" in norms:  # one weight row per head of q and of k, normed in one go
-            c = config
-            self.qk_norm = torch.cat(
-                (norms["q_norm"].expand(c.heads, -1), norms["k_norm"].expand(c.kv_heads, -1))
-            )
+            rows = [norms["q_norm"].expand(config.heads, -1)]
+            rows += [norms["k_norm"].expand(self.kv_heads, -1)] if self.kv_heads else []
+            self.qk_norm = torch.cat(rows)
 
     @classmethod
     def load(
@@ -166,7 +76,7 @@ class Block:
     ) -> Block:
         """Block `layer` from its tensors (blocks.py's names), each held as make_linear holds
         it (`weights`, `usable`, `terms`); a tensor left unused is an error."""
-        c = config
+        c = config.at(layer)
         activate = ACTIVATE[c.activation]
 
         def bias(name: str) -> torch.Tensor | None:
@@ -189,7 +99,7 @@ class Block:
 
         norms = {
             n: raw[n].float32() + c.norm_offset
-            for n in block_tensors(c, layer)
+            for n in block_tensors(config, layer)
             if n.endswith("norm")
         }
         q, kv, ff = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.intermediate
@@ -200,14 +110,23 @@ class Block:
         elif c.attn_gate:  # q_proj's rows: each head's query, then its gate: gates go last
             qkv = Fused.load([*qwen35.split_gate(raw, c.heads)], weights, [None] * 4, usable, terms)
         else:
-            qkv = fused(("qkv",) if c.fused else ("q", "k", "v"), [q, kv, kv])
+            names = ("qkv",) if c.fused else tuple(n for n in ("q", "k", "v") if n in raw)
+            qkv = fused(names, [q, kv, kv] if c.fused else [q, kv, kv][: len(names)])
         o = linear("o")
-        if c.moe(layer):
+        if c.moe(layer) and c.layer_scalars:  # Gemma 4's: a dense MLP beside the experts
+            mlp = DenseAndExperts.load(c, raw, norms, weights, usable, activate, terms)
+        elif c.moe(layer):
             mlp = Experts.load(c, raw, weights, usable, activate, terms)
         else:
             gate_up = fused(("gate_up",) if c.fused else ("gate", "up"), [ff, ff])
             mlp = MLP(gate_up, linear("down"), activate)
-        block = cls(c, norms, qkv, o, mlp, raw["sinks"].float32() if c.sinks else None)
+        tail = None
+        if c.layer_scalars:
+            pl = [linear(n) for n in ("pl_gate", "pl_proj")] if c.per_layer else [None, None]
+            scalar = raw["layer_scalar"].float32()
+            tail = Tail(*pl, norms.get("pl_norm"), scalar, activate, c.rms_eps)
+        sinks = raw["sinks"].float32() if c.sinks else None
+        block = cls(c, norms, qkv, o, mlp, sinks, tail, layer, config.kv_source(layer))
         if unread := raw.unread():
             raise ValueError(f"{c.name}: tensors {sorted(unread)} were not used; refused")
         return block
@@ -215,7 +134,8 @@ class Block:
     @property
     def linears(self) -> tuple[Linear, ...]:
         """The matrices as held (fused ones count once; `Linear.matrices` says how many)."""
-        return (*self.qkv.linears, self.o, *self.mlp.linears)
+        tail = () if self.tail is None else self.tail.linears
+        return (*self.qkv.linears, self.o, *self.mlp.linears, *tail)
 
     @property
     def nbytes(self) -> int:
@@ -228,27 +148,34 @@ class Block:
         c = self.c
         rows = h.shape[0]
         qkv = self.qkv(rms_norm(h, self.norms["attn_norm"], c.rms_eps))
-        qk_heads = c.heads + c.kv_heads
+        qk_heads = c.heads + self.kv_heads
         qk = qkv[:, : qk_heads * c.head_dim].float().reshape(rows, qk_heads, c.head_dim)
         if c.qk_norm:
             qk = rms_norm(qk, self.qk_norm, c.rms_eps)
         qk = rotate(qk, cos, sin)
-        v_end = (qk_heads + c.kv_heads) * c.head_dim
-        v = qkv[:, qk_heads * c.head_dim : v_end].reshape(rows, c.kv_heads, c.head_dim)
-        return qk[:, : c.heads], qk[:, c.heads :], v, qkv[:, v_end:] if c.attn_gate else None
+        # Gemma 4's attention_k_eq_v: the values are the keys as projected
+        v_start = (c.heads if c.k_eq_v else qk_heads) * c.head_dim
+        v_end = v_start + self.kv_heads * c.head_dim
+        v = qkv[:, v_start:v_end].reshape(rows, self.kv_heads, c.head_dim)
+        if c.v_norm:
+            v = rms_norm(v.float(), 1.0, c.rms_eps)
+        gate = qkv[:, v_end:] if c.attn_gate else None  # Qwen3.5's output gate
+        return qk[:, : c.heads], qk[:, c.heads :], v, gate
 
-    def _finish(self, h: torch.Tensor, attn: torch.Tensor, gate=None) -> torch.Tensor:
+    def _finish(self, h: torch.Tensor, attn: torch.Tensor, gate=None, per_layer=None):
         """The attention output [rows, heads * head_dim] (times sigmoid(gate) where the family
-        gates it) through o, then the MLP."""
+        gates it) through o, then the MLP (then Gemma 4's tail, with `per_layer` [rows, width]
+        its per-layer input)."""
         c, norms = self.c, self.norms
         out = self.o(attn if gate is None else attn * torch.sigmoid(gate)).float()
         if c.post_norms:
             out = rms_norm(out, norms["attn_post_norm"], c.rms_eps)
         h = h + out
-        out = self.mlp(rms_norm(h, norms["mlp_norm"], c.rms_eps))
+        residual = getattr(self.mlp, "reads_residual", False)  # Gemma 4's experts norm their own
+        out = self.mlp(h if residual else rms_norm(h, norms["mlp_norm"], c.rms_eps))
         if c.post_norms:
             out = rms_norm(out, norms["mlp_post_norm"], c.rms_eps)
-        return h + out
+        return h + out if self.tail is None else self.tail(h + out, per_layer)
 
     def _attend(self, q, keys, values, mask=None, causal=False) -> torch.Tensor:
         """q [1, heads, n, head_dim] over keys, values [1, kv_heads, m, head_dim]; `mask`
@@ -260,9 +187,11 @@ class Block:
             )
         return eager_attention(q, keys, values, c.scale, mask, causal, c.attn_softcap, self.sinks)
 
-    def forward(self, h, k_cache, v_cache, pos: int, cos, sin, window: int | None):
+    def forward(self, h, k_cache, v_cache, pos: int, cos, sin, window, per_layer=None, shared=None):
         """One session's tokens h [tokens, hidden] at positions [pos, pos + tokens); `window`:
-        the layer's sliding window (its cache then a ring of that many slots), or None."""
+        the layer's sliding window (its cache then a ring of that many slots), or None;
+        `per_layer` [tokens, width] Gemma 4's per-layer inputs; `shared` the pass's layer ->
+        (keys, values, mask, causal) a layer attended over, for the layers reading its KV."""
         c = self.c
         n = h.shape[0]
         if not isinstance(self.qkv, Fused):  # latent attention, Gated DeltaNet: their own caches
@@ -275,10 +204,12 @@ class Block:
             slots = k_cache.shape[2]
             slot = pos % slots if window is not None else pos
             attn = self._step_attention(q[0], k[0], v[0], k_cache, v_cache, slot, pos)
-            return self._finish(h, attn.view(1, c.heads * c.head_dim), gate)
+            return self._finish(h, attn.view(1, c.heads * c.head_dim), gate, per_layer)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, tokens, head_dim]
-        if window is not None and pos + n > window:
-            attn = self._windowed(q, k, v, k_cache, v_cache, pos, window)
+        if self.source is not None:  # the source layer ran earlier in this pass
+            attn = self._attend(q, *shared[self.source])
+        elif window is not None and pos + n > window:
+            attn = self._windowed(q, k, v, k_cache, v_cache, pos, window, shared)
         else:  # every position so far fits the window: slot = position, nothing masked off
             k_cache[0, :, pos : pos + n] = k.transpose(0, 1)
             v_cache[0, :, pos : pos + n] = v.transpose(0, 1)
@@ -288,10 +219,14 @@ class Block:
             if n > 1 and pos > 0:
                 # token i of this step sees every cached token and tokens <= i of its own
                 mask = torch.ones(n, pos + n, dtype=torch.bool).tril(diagonal=pos)
-            attn = self._attend(q, keys, values, mask, causal=n > 1 and pos == 0)
-        return self._finish(h, attn[0].transpose(0, 1).reshape(n, c.heads * c.head_dim), gate)
+            seen = (keys, values, mask, n > 1 and pos == 0)
+            if shared is not None:
+                shared[self.layer] = seen
+            attn = self._attend(q, *seen)
+        attn = attn[0].transpose(0, 1).reshape(n, c.heads * c.head_dim)
+        return self._finish(h, attn, gate, per_layer)
 
-    def _windowed(self, q, k, v, k_cache, v_cache, pos: int, window: int) -> torch.Tensor:
+    def _windowed(self, q, k, v, k_cache, v_cache, pos: int, window: int, shared=None):
         """Attention of tokens [pos, pos + n) past the window: each sees the `window` positions
         ending at its own, from the ring's older keys (read before this step's overwrite them)
         and this step's; then the last `window` of this step's keys go into the ring."""
@@ -303,7 +238,10 @@ class Block:
         key_pos = torch.arange(pos - older, pos + n)
         query_pos = torch.arange(pos, pos + n)[:, None]
         mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
-        attn = self._attend(q, keys[None].float(), values[None].float(), mask)
+        seen = (keys[None].float(), values[None].float(), mask, False)
+        if shared is not None:
+            shared[self.layer] = seen
+        attn = self._attend(q, *seen)
         kept = min(n, window)
         slots = torch.arange(pos + n - kept, pos + n) % window
         k_cache[0][:, slots] = k[n - kept :].transpose(0, 1).to(k_cache.dtype)
@@ -321,9 +259,11 @@ class Block:
 
     def _step_attention(self, q, k, v, k_cache, v_cache, slot: int, pos: int) -> torch.Tensor:
         """One token at `pos`: its k, v [kv_heads, head_dim] into cache slot `slot`, then its
-        q [heads, head_dim] over the positions the cache holds for it -> [heads, head_dim]."""
-        k_cache[0, :, slot] = k
-        v_cache[0, :, slot] = v
+        q [heads, head_dim] over the positions the cache holds for it -> [heads, head_dim].
+        A layer reading another's KV writes nothing: that layer wrote the slot."""
+        if self.source is None:
+            k_cache[0, :, slot] = k
+            v_cache[0, :, slot] = v
         seen = min(pos + 1, k_cache.shape[2])
         if (lib := self._kernels_for(k_cache)) is not None:
             return lib.attend(q, k_cache, v_cache, seen, self.c.scale)
@@ -334,34 +274,53 @@ class Block:
         )
         return attn[0, :, 0]
 
-    def decode(self, h, caches, positions: list[int], cos, sin) -> torch.Tensor:
+    def decode(
+        self, h, caches, positions: list[int], cos, sin, per_layer=None, shared=None
+    ) -> torch.Tensor:
         """One token for each of several sessions, h [rows, hidden], row i at positions[i] in
         its own cache: the matmuls run on the stacked rows, attention per session. A ring
-        cache (sliding window) holds exactly the positions the token sees, in slot order."""
+        cache (sliding window) holds exactly the positions the token sees, in slot order.
+        `per_layer`, `shared`: as `forward`'s (`shared` keeps, per row, a full ring that a
+        later row of the pass rewrites: a verification round's rows share one cache)."""
         c = self.c
         if not isinstance(self.qkv, Fused):
             x = rms_norm(h, self.norms["attn_norm"], c.rms_eps)
             return self._finish(h, self.qkv.decode(x, caches, positions, cos, sin))
         q, k, v, gate = self._attention_inputs(h, cos, sin)
-        out = [
-            self._step_attention(q[i], k[i], v[i], k_cache, v_cache, pos % k_cache.shape[2], pos)
-            for i, ((k_cache, v_cache), pos) in enumerate(zip(caches, positions))
-        ]
+        kept = shared.get(self.source) if shared is not None and self.source is not None else None
+        repeats = len({id(kc) for kc, _ in caches}) < len(caches)
+        out, rings = [], []
+        for i, ((k_cache, v_cache), pos) in enumerate(zip(caches, positions)):
+            if kept is not None and kept[i] is not None:
+                out.append(self._attend(q[i][:, None].unsqueeze(0), *kept[i])[0, :, 0])
+                continue
+            slot = pos % k_cache.shape[2]
+            out.append(self._step_attention(q[i], k[i], v[i], k_cache, v_cache, slot, pos))
+            full = repeats and pos + 1 >= k_cache.shape[2]
+            rings.append((k_cache.float().clone(), v_cache.float().clone()) if full else None)
+        if shared is not None and self.source is None:
+            shared[self.layer] = rings
         attn = torch.stack(out).view(len(positions), c.heads * c.head_dim)
-        return self._finish(h, attn, gate)
+        return self._finish(h, attn, gate, per_layer)
 
 
 class Span:
     """Blocks [start, end) of a model. `forward` runs a contiguous sub-range of them."""
 
     def __init__(
-        self, config: ModelConfig, start: int, end: int, blocks: list[Block], weights: str
+        self,
+        config: ModelConfig,
+        start: int,
+        end: int,
+        blocks: list[Block],
+        weights: str,
+        per_layer: PerLayerInputs | None = None,
     ):
         self.config, self.start, self.end, self.blocks = config, start, end, blocks
         self.weights = weights  # as asked for: "auto" keeps each tensor's own format
-        dim = config.rotary_dim or config.head_dim
-        ropes = {config.rope_of(i) for i in range(start, end)}
-        self.rotaries = {rope: Rotary(rope, dim) for rope in ropes}
+        ropes = {config.rotary_of(i) for i in range(start, end)}  # (rope, dims turned)
+        self.rotaries = {rope: Rotary(*rope) for rope in ropes}
+        self.per_layer = per_layer  # Gemma 4's per-layer inputs of these layers
         # float32 weights are the exact mode: its cache stays float32 too
         self.cache_dtype = torch.float32 if weights == "float32" else torch.bfloat16
 
@@ -389,12 +348,16 @@ class Span:
             blocks.append(Block.load(source.config, i, raw, weights, usable, terms))
             if progress is not None:
                 progress(i - start + 1, end - start)
-        return cls(source.config, start, end, blocks, weights)
+        per_layer = None
+        if source.config.per_layer:
+            per_layer = PerLayerInputs.load(source, start, end, weights, usable)
+        return cls(source.config, start, end, blocks, weights, per_layer)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the span's matrices and norms."""
-        return sum(b.nbytes for b in self.blocks)
+        """Bytes of the span's matrices and norms (and Gemma 4's per-layer tables)."""
+        extra = 0 if self.per_layer is None else self.per_layer.nbytes
+        return sum(b.nbytes for b in self.blocks) + extra
 
     @property
     def formats(self) -> dict[str, int]:
@@ -411,40 +374,68 @@ class Span:
         counts = self.formats
         return max(counts, key=counts.get)
 
+    def _per_layer_inputs(self, ids, n: int, start: int, end: int) -> torch.Tensor | None:
+        """Layers [start, end)'s inputs from the token ids [n, end - start, width], or None
+        where the model has none; ProtocolError where a step did not carry every id."""
+        if self.per_layer is None:
+            return None
+        if ids is None or len(ids) != n:
+            raise ProtocolError(
+                f"{self.config.name} needs the token id of each of a step's {n} positions"
+                f" (its layers have per-layer inputs); the step carried {len(ids or ())}"
+            )
+        return self.per_layer(list(ids), start, end)
+
     def allocate_cache(self, start: int, end: int, max_length: int) -> KVCache:
         """A session's cache for blocks [start, end) of this span."""
         return KVCache.allocate(self.config, start, end, max_length, self.cache_dtype)
 
     @torch.inference_mode()
     def forward(
-        self, h: torch.Tensor, cache: KVCache, pos: int, start: int, end: int
+        self, h: torch.Tensor, cache: KVCache, pos: int, start: int, end: int, ids=None
     ) -> torch.Tensor:
-        """h [1, tokens, hidden] at positions [pos, pos + tokens) through blocks [start, end)."""
+        """h [1, tokens, hidden] at positions [pos, pos + tokens) through blocks [start, end);
+        `ids`: the tokens' ids, where the model has per-layer inputs (Gemma 4)."""
         n = h.shape[1]
         x = h.reshape(n, -1).float()
         turns = {rope: r.cos_sin(pos, n) for rope, r in self.rotaries.items()}
+        inputs = self._per_layer_inputs(ids, n, start, end)
+        shared: dict | None = {} if self.config.kv_shared else None
         for i in range(start, end):
             layer = i - start  # the session's cache holds only the layers it uses
-            cos, sin = turns[self.config.rope_of(i)]
+            cos, sin = turns[self.config.rotary_of(i)]
             x = self.blocks[i - self.start].forward(
-                x, *cache.layer(layer), pos, cos, sin, self.config.window(i)
+                *(x, *cache.layer(layer), pos, cos, sin),
+                self.config.window(i),
+                None if inputs is None else inputs[:, layer],
+                shared,
             )
         cache.length = pos + n
         return x.view(1, n, -1)
 
     @torch.inference_mode()
     def decode(
-        self, h: torch.Tensor, caches: list[KVCache], positions: list[int], start: int, end: int
+        self,
+        h: torch.Tensor,
+        caches: list[KVCache],
+        positions: list[int],
+        start: int,
+        end: int,
+        ids=None,
     ) -> torch.Tensor:
         """One token for each of several sessions, h [sessions, hidden], session i's at
-        positions[i] in caches[i], through blocks [start, end): one pass for all of them."""
+        positions[i] in caches[i], through blocks [start, end): one pass for all of them;
+        `ids`: each row's token id, where the model has per-layer inputs (Gemma 4)."""
         x = h.float()
         turns = {rope: r.at(positions) for rope, r in self.rotaries.items()}
+        inputs = self._per_layer_inputs(ids, len(positions), start, end)
+        shared: dict | None = {} if self.config.kv_shared else None
         for i in range(start, end):
             layer = i - start
             kv = [cache.layer(layer) for cache in caches]
-            cos, sin = turns[self.config.rope_of(i)]
-            x = self.blocks[i - self.start].decode(x, kv, positions, cos, sin)
+            cos, sin = turns[self.config.rotary_of(i)]
+            pl = None if inputs is None else inputs[:, layer]
+            x = self.blocks[i - self.start].decode(x, kv, positions, cos, sin, pl, shared)
         for cache, pos in zip(caches, positions):
             cache.length = pos + 1
         return x

@@ -3,7 +3,7 @@ every variant of the decoder's math it uses (swarm.model.families fills it from 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,9 @@ class Rope:
     llama3: Llama3Rope | None = None
     freq_factors: tuple[float, ...] = ()  # divisors of each frequency (GGUF rope_freqs)
     yarn: YarnRope | None = None
+    # Gemma 4's "proportional" RoPE: only this share of a head's frequencies turn (the others
+    # are 0), each as it would over the whole head
+    proportion: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,15 @@ class ModelConfig:
     swiglu_alpha: float = 1.702  # glu = gate * sigmoid(alpha * gate) where swiglu_limit is set
     delta: Delta | None = None  # Gated DeltaNet layers beside the full-attention ones
     attn_gate: bool = False  # attention's output times sigmoid(a gate q_proj also makes)
+    # Gemma 4 (swarm.model.gemma4): full layers' own head width and kv heads (0: as the others)
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    k_eq_v: bool = False  # full layers have no v_proj: the values are the keys before k_norm
+    v_norm: bool = False  # values RMS-normed, without a weight
+    kv_shared: int = 0  # the last n layers read the KV of the last earlier layer of their kind
+    wide_shared_mlp: bool = False  # those layers' MLP twice intermediate wide
+    per_layer: int = 0  # width of each layer's input from the token ids (0: none)
+    layer_scalars: bool = False  # each layer's output times its own stored scalar
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -137,6 +149,33 @@ class ModelConfig:
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
+
+    def at(self, layer: int) -> ModelConfig:
+        """The config as block `layer` computes: Gemma 4's full layers with their own head
+        width, kv heads and keys as values, its KV-sharing layers' MLP maybe wider."""
+        changes: dict = {}
+        if self.window(layer) is None and (self.global_head_dim or self.global_kv_heads):
+            changes["head_dim"] = self.global_head_dim or self.head_dim
+            changes["kv_heads"] = self.global_kv_heads or self.kv_heads
+        if self.k_eq_v and self.window(layer) is not None:
+            changes["k_eq_v"] = False  # sliding layers keep their v_proj
+        if self.wide_shared_mlp and self.kv_source(layer) is not None:
+            changes["intermediate"] = 2 * self.intermediate
+        return replace(self, **changes) if changes else self
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values layer `layer` attends over, where not its own:
+        the last layer before the shared ones with the same window (None: its own)."""
+        first = self.num_layers - self.kv_shared
+        if layer < first:
+            return None
+        kind = self.window(layer)
+        return max(i for i in range(first) if self.window(i) == kind)
+
+    def rotary_of(self, layer: int) -> tuple[Rope, int]:
+        """Layer `layer`'s RoPE and how many leading dims of a head it turns."""
+        c = self.at(layer)
+        return self.rope_of(layer), c.rotary_dim or c.head_dim
 
     @property
     def arch(self) -> str:
@@ -167,6 +206,8 @@ class ModelConfig:
         return self.attention_scale or self.head_dim**-0.5
 
     def check_span(self, start: int, end: int) -> None:
+        """Raises SpanError where layers [start, end) are not a span a node can compute: out
+        of range, or holding a layer that reads the KV of a layer before `start`."""
         from swarm.errors import SpanError
 
         if not 0 <= start < end <= self.num_layers:
@@ -174,3 +215,21 @@ class ModelConfig:
                 f"layers {start}:{end} are not a non-empty range inside 0:{self.num_layers}"
                 f" of {self.name}"
             )
+        if cut := self._kv_cut(start, end):
+            raise SpanError(
+                f"layers {start}:{end} of {self.name}: layer {cut[0]} reads the keys and"
+                f" values of layer {cut[1]}, so a span holding layer {cut[0]} must hold"
+                f" layer {cut[1]} too"
+            )
+
+    def span_ok(self, start: int, end: int) -> bool:
+        """Whether one node may compute layers [start, end) of a session alone (check_span's
+        rule, for placement and routing to choose among)."""
+        return 0 <= start < end <= self.num_layers and self._kv_cut(start, end) is None
+
+    def _kv_cut(self, start: int, end: int) -> tuple[int, int] | None:
+        """(a layer of [start, end) that reads the KV of a layer before `start`, that layer)."""
+        for layer in range(max(start, self.num_layers - self.kv_shared), end):
+            if (source := self.kv_source(layer)) is not None and source < start:
+                return layer, source
+        return None

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from swarm.model import deepseek, gptoss, qwen35
+from swarm.model import deepseek, gemma4, gptoss, qwen35
 from swarm.model.config import ModelConfig, Rope
+from swarm.model.expert_fields import gguf_experts, hf_experts
 from swarm.model.rope_scaling import gguf_rope, rope_from_hf
 
 
@@ -109,6 +110,7 @@ FAMILIES = {
         Family(
             "gemma2", ("gemma2",), ("gemma2",), **_GEMMA, window_period=2, softcaps=(50.0, 30.0)
         ),
+        Family("gemma4", ("gemma4_text",), (), **gemma4.FAMILY),
         Family(
             "gemma3",
             ("gemma3_text",),
@@ -157,7 +159,8 @@ def file_name(name: str) -> str:
     """A block tensor's full name in its file: name + ".weight", but for names that carry their
     own ending (DeepSeek's e_score_correction_bias, exp_probs_b.bias; gpt-oss's sinks and
     stacked experts in config.json; Qwen3.5's A_log, ssm_a)."""
-    return name if name.endswith(("bias", *qwen35.OWN, *gptoss.OWN_ENDINGS)) else f"{name}.weight"
+    own = ("bias", *qwen35.OWN, *gptoss.OWN_ENDINGS, *gemma4.OWN_ENDINGS)
+    return name if name.endswith(own) else f"{name}.weight"
 
 
 def _attention_tensors(c: ModelConfig) -> list[str]:
@@ -172,6 +175,8 @@ def block_tensors(c: ModelConfig, layer: int) -> tuple[str, ...]:
     aside (`block_names` adds them); biases are optional."""
     if c.is_delta(layer):  # Gated DeltaNet's instead of attention's
         return qwen35.block_tensors(c.moe(layer))
+    if c.layer_scalars:
+        return gemma4.block_tensors(c, layer)
     names = ["attn_norm", *_attention_tensors(c), "o", "mlp_norm"]
     if not c.moe(layer):
         names += ["gate_up", "down"] if c.fused else ["gate", "up", "down"]
@@ -185,7 +190,9 @@ def block_names(c: ModelConfig, gguf: bool, layer: int) -> dict[str, str]:
     and ".weight" left out)."""
     out = {}
     for name in block_tensors(c, layer):
-        hf, gg = qwen35.names(c, layer).get(name) or _NAMES[name]
+        hf, gg = qwen35.names(c, layer).get(name) or (
+            _NAMES[name] if name in _NAMES else (gemma4.BLOCK_NAMES[name], "")
+        )
         if name == "mlp_norm" and c.post_norms:
             hf = "pre_feedforward_layernorm"  # Gemma: post_attention_layernorm is another norm
         if name == "mlp_norm" and gguf and c.sinks:
@@ -194,7 +201,7 @@ def block_names(c: ModelConfig, gguf: bool, layer: int) -> dict[str, str]:
             out |= {"k_b": "attn_k_b", "v_b": "attn_v_b"}
             continue
         out[name] = gg if gguf else hf
-    if c.moe(layer):
+    if c.moe(layer) and not c.layer_scalars:  # Gemma 4's are in block_tensors
         out |= _expert_names(c, gguf)
     return out
 
@@ -335,22 +342,10 @@ def config_from_hf(cfg: dict, name: str, where: str) -> tuple[ModelConfig, bool]
     if f.latent:
         config = replace(config, **deepseek.hf_fields(cfg))
     elif f.moe:
-        config = replace(config, **_hf_experts(f, cfg), **gptoss.hf_fields(f, cfg, where))
+        config = replace(config, **hf_experts(cfg, f.topk_norm), **gptoss.hf_fields(f, cfg, where))
+    elif f.name == "gemma4":
+        config = replace(config, **gemma4.hf_fields(cfg, where))
     return config, bool(cfg.get("tie_word_embeddings", f.tied))
-
-
-def _hf_experts(f: Family, cfg: dict) -> dict:
-    """A mixture's fields from config.json (transformers' names and defaults)."""
-    layers, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1)
-    only = set(cfg.get("mlp_only_layers") or ())
-    return dict(
-        experts=cfg.get("num_local_experts") or cfg["num_experts"],
-        experts_used=cfg["num_experts_per_tok"],
-        expert_intermediate=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
-        shared_intermediate=cfg.get("shared_expert_intermediate_size") or 0,
-        topk_norm=bool(cfg.get("norm_topk_prob", f.topk_norm)),
-        dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step),
-    )
 
 
 # ---- GGUF metadata ---------------------------------------------------------------------------
@@ -428,23 +423,6 @@ def config_from_gguf(
         )
     elif f.moe:
         fields = gptoss.gguf_fields(f, field, arch)
-        config = replace(config, **_gguf_experts(f, field, arch, tensors, layers), **fields)
+        norm = f.topk_norm if f.gguf_topk_norm is None else f.gguf_topk_norm
+        config = replace(config, **gguf_experts(field, arch, tensors, layers, norm), **fields)
     return replace(config, **qwen35.gguf_fields(f, field, arch, layers)), f
-
-
-def _gguf_experts(f: Family, field, arch: str, tensors, layers: int) -> dict:
-    """A mixture's fields from GGUF metadata; which layers are dense from their tensors."""
-    norm = f.topk_norm if f.gguf_topk_norm is None else f.gguf_topk_norm
-    width = field(f"{arch}.expert_feed_forward_length", None)
-    shared = 0
-    if "blk.0.ffn_up_shexp.weight" in tensors:
-        shared = int(field(f"{arch}.expert_shared_feed_forward_length"))
-    routed = {i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors}
-    return dict(
-        experts=int(field(f"{arch}.expert_count")),
-        experts_used=int(field(f"{arch}.expert_used_count")),
-        expert_intermediate=int(width or field(f"{arch}.feed_forward_length")),
-        shared_intermediate=shared,
-        topk_norm=bool(field(f"{arch}.expert_weights_norm", norm)),
-        dense_layers=tuple(i for i in range(layers) if i not in routed),
-    )

@@ -32,10 +32,11 @@ def span_logits(span, head, ids: list[int], step: int | None = None) -> torch.Te
     `step` tokens at a time (1: every position as a decode step, through the decode kernels)."""
     cache = span.allocate_cache(span.start, span.end, len(ids))
     step = step or len(ids)
+    pieces = [ids[i : i + step] for i in range(0, len(ids), step)]
     hidden = torch.cat(
         [
-            span.forward(head.embed_tokens(ids[i : i + step]), cache, i, span.start, span.end)
-            for i in range(0, len(ids), step)
+            span.forward(head.embed_tokens(p), cache, i * step, span.start, span.end, ids=p)
+            for i, p in enumerate(pieces)
         ],
         dim=1,
     )

@@ -60,6 +60,8 @@ class Rotary:
         if rope.yarn is not None:
             self.inv_freq = yarn_frequencies(rope.theta, dim, rope.yarn)
             self.scale = rope.yarn.attention
+        if rope.proportion != 1.0:  # transformers' own rounding of the share turned
+            self.inv_freq[int(rope.proportion * dim // 2) :] = 0.0
         if rope.freq_factors:
             if len(rope.freq_factors) != len(self.inv_freq):
                 raise ValueError(

@@ -1,6 +1,6 @@
 """A model's RoPE scaling, read from a Hugging Face config or a GGUF file's keys: linear,
-Llama 3.1's (in GGUF, its rope_freqs table) and YaRN. Any other is refused by name: a model
-computed without it would be silently wrong past its original context."""
+Llama 3.1's (in GGUF, its rope_freqs table), YaRN, Gemma 4's proportional one. Any other is
+refused by name: a model computed without it would be silently wrong past its original context."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ def rope_from_hf(where: str, params: dict, theta: float, max_position: int = 0) 
         return Rope(theta)
     if kind == "linear":
         return Rope(theta, linear=float(params["factor"]))
+    if kind == "proportional":  # Gemma 4's full layers
+        share = float(params.get("partial_rotary_factor", 1.0))
+        return Rope(theta, linear=float(params.get("factor", 1.0)), proportion=share)
     if kind == "llama3":
         llama3 = Llama3Rope(
             float(params["factor"]),

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from swarm.errors import MissingShards
-from swarm.model import qwen35
+from swarm.model import gemma4, qwen35
 from swarm.model.families import (
     LINEARS,
     block_names,
@@ -298,8 +298,11 @@ class SafetensorsSource:
     def __init__(self, path: Path):
         self.path = path
         cfg = json.loads((path / "config.json").read_text())
-        # "model." but for a multimodal Qwen3.5's text model (its vision tower left unread)
+        # the text model's tensors' prefix: "model." for a causal LM's; a multimodal Qwen3.5's
+        # or Gemma 4's decoder is under "model.language_model.", their towers never read
         cfg, self.prefix = qwen35.text_part(cfg, str(path))
+        if self.prefix == "model.":
+            cfg, self.prefix = gemma4.text_model(cfg)
         self.config, self.tie = config_from_hf(cfg, path.name, str(path))
         self._where: dict[str, Path] = {}
         from safetensors import safe_open
@@ -311,6 +314,10 @@ class SafetensorsSource:
         if not self._where:
             raise FileNotFoundError(f"{path} has no *.safetensors files")
         by_block = _by_block(self._where, f"{self.prefix}layers.", self.config)
+        # a multimodal model's other parts (vision, audio towers): not the text model's
+        others = (n for n in self._where if not n.startswith((self.prefix, "lm_head")))
+        if towers := {n.split(".")[:2][-1] for n in others}:
+            log.info("%s: %s skipped", path.name, ", ".join(sorted(towers)))
         _check_block_tensors(str(path), by_block, self._names)
 
     def block_files(self, start: int, end: int) -> list[Path]:
@@ -334,6 +341,14 @@ class SafetensorsSource:
 
         with safe_open(str(self._where[name]), framework="pt") as st:
             return RawTensor(name, "torch", st.get_tensor(name))
+
+    def columns(self, name: str, start: int, stop: int):
+        """Columns [start, stop) of 2-D tensor `name`, read alone (Gemma 4's per-layer table:
+        a node's layers' share of 262,144 rows)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self._where[name]), framework="pt") as st:
+            return st.get_slice(name)[:, start:stop]
 
     def block_raw(self, block: int) -> OnDemand:
         names = _block_map(self._names(block), f"{self.prefix}layers.{block}.", self._where)

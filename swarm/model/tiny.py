@@ -105,6 +105,7 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 LATENT_FAMILIES = ("deepseek_v3",)
 SINK_FAMILIES = ("gpt_oss",)
 DELTA_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+PER_LAYER_FAMILIES = ("gemma4",)
 
 # Shared by every family: TINY's shape, and the ids of save_tiny_tokenizer's <unk>, <s>, </s>.
 _SHAPE = dict(
@@ -134,6 +135,8 @@ def _family_config(family: str, layers: int) -> dict:
     conversion has to carry (or that llama.cpp assumes, as Gemma's attention scale)."""
     if family == "llama":
         return dict(rope_theta=10000.0, rms_norm_eps=1e-5)
+    if family == "gemma4":
+        return _gemma4_config()
     if family == "mistral":
         # head_dim apart from hidden/heads, as Mistral Nemo has; a window short prompts pass
         return dict(head_dim=32, sliding_window=16, rope_theta=10000.0, rms_norm_eps=1e-5)
@@ -178,6 +181,7 @@ def _family_config(family: str, layers: int) -> dict:
     if family in DELTA_FAMILIES:
         return _qwen35_config(family)
     known = FAMILIES + MOE_FAMILIES + LATENT_FAMILIES + SINK_FAMILIES + DELTA_FAMILIES
+    known += PER_LAYER_FAMILIES
     raise ValueError(f"unknown family {family!r}; one of {', '.join(known)}")
 
 
@@ -274,6 +278,30 @@ def _qwen35_config(family: str) -> dict:
     return out
 
 
+def _gemma4_config() -> dict:
+    """Gemma 4's switches, small: 6 layers, sliding (window 8) and full by turns, the full ones
+    with their own head width (48) and one kv head, keys as values; the last 2 layers reading
+    layers 2's and 3's KV, their MLP double wide; per-layer inputs 16 wide; a final softcap
+    low enough to bite; transformers' default RoPE (proportional on the full layers)."""
+    return dict(
+        num_hidden_layers=6,
+        head_dim=32,
+        global_head_dim=48,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=512,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        final_logit_softcapping=10.0,
+        rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    )
+
+
 def _moe_config(family: str) -> dict:
     """Qwen's widths (routed experts, shared expert, dense `intermediate_size` 128) all
     differ, so a reader that takes one for another fails on a shape; Mixtral's experts are
@@ -330,6 +358,7 @@ def _family_classes(family: str):
         "gpt_oss": (t.GptOssConfig, t.GptOssForCausalLM),
         "qwen3_5": (t.Qwen3_5TextConfig, t.Qwen3_5ForCausalLM),
         "qwen3_5_moe": (t.Qwen3_5MoeTextConfig, t.Qwen3_5MoeForCausalLM),
+        "gemma4": (t.Gemma4TextConfig, t.Gemma4ForCausalLM),
     }[family]
 
 
@@ -337,7 +366,7 @@ def tiny_config(family: str, **config):
     """The transformers config `save_tiny` builds: _SHAPE, the family's switches, `config`."""
     layers = config.get("num_hidden_layers", _SHAPE["num_hidden_layers"])
     fields = {**_SHAPE, **_family_config(family, layers), **config}
-    if family.startswith("gemma") and "query_pre_attn_scalar" not in config:
+    if family in ("gemma2", "gemma3") and "query_pre_attn_scalar" not in config:
         fields["query_pre_attn_scalar"] = fields["head_dim"]  # see _family_config
     config_class, _ = _family_classes(family)
     return config_class(**fields)
@@ -361,12 +390,17 @@ def save_tiny(family: str, directory: str | PathLike, seed: int = 0, **config):
             if p.dim() >= 2 and not (gemma and "embed_tokens" in name):
                 p.mul_(8.0)
             elif name.endswith("norm.weight"):
-                p.copy_(_norm_weight(name, gemma) + 0.3 * torch.randn_like(p))
+                mean = _norm_weight(name, gemma) + (family == "gemma4")  # its norms: x * w
+                p.copy_(mean + 0.3 * torch.randn_like(p))
+            elif name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's: ones
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
             elif name.endswith(("bias", ".sinks")):  # gpt-oss's sinks: empty when made
                 p.copy_(0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek's: zero when initialized
                 b.copy_(0.3 * torch.randn_like(b))
+            elif name.endswith("layer_scalar"):  # Gemma 4's: one when initialized
+                b.copy_(1.0 + 0.3 * torch.randn_like(b))
     model.save_pretrained(directory, safe_serialization=True)
     return model.eval()
 

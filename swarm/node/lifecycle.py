@@ -163,7 +163,7 @@ class Lifecycle:
         )
         records = await self.records()
         blocks_now = coverage(records, num_layers)
-        start, end = choose_span(blocks_now, min(blocks, num_layers))
+        start, end = choose_span(blocks_now, min(blocks, num_layers), self.source.config.span_ok)
         said = f"{len(records)} other node{'s' if len(records) != 1 else ''} announced"
         thin = format_blocks(gaps(blocks_now))
         said += f"; blocks nobody serves: {thin}" if thin else "; every block is served"
@@ -261,7 +261,9 @@ class Lifecycle:
         await trio.sleep(SETTLE_S + random.random())
         records = await self.records()
         num_layers = self.source.config.num_layers
-        again, rival = settled_span(records, self.me, span_range, num_layers)
+        again, rival = settled_span(
+            records, self.me, span_range, num_layers, self.source.config.span_ok
+        )
         if again != span_range:
             say(
                 f"choosing again: {rival.peer[-8:]} chose {rival.start}:{rival.end} at the same"
@@ -351,13 +353,14 @@ async def watch_for_move(
     current: Blocks,
     num_layers: int,
     interval: float,
+    span_ok=None,
 ) -> Move:
     """Every `interval` seconds read the records; return once placement says this node (`me`,
     serving `current`) should move (`better_span`)."""
     while True:
         await trio.sleep(interval)
         records = await read()
-        target = better_span(records, me, current, num_layers)
+        target = better_span(records, me, current, num_layers, span_ok)
         if target is not None:
             others = coverage(records, num_layers, frozenset({me}))
             return Move(current, target, tuple(gaps(others)))

@@ -18,15 +18,16 @@ log = logging.getLogger("swarm.node")
 
 
 def forward_pass(
-    span: Span, cache: KVCache, start: int, end: int, pos: int, hidden: torch.Tensor
+    span: Span, cache: KVCache, start: int, end: int, pos: int, hidden: torch.Tensor, ids=None
 ) -> torch.Tensor:
-    """One forward pass through blocks start:end from position `pos`, in a compute thread."""
+    """One forward pass through blocks start:end from position `pos`, in a compute thread;
+    `ids`: the tokens' ids, for a model whose layers read them (Gemma 4)."""
     _check_position(cache, pos)
-    return span.forward(hidden, cache, pos, start, end)
+    return span.forward(hidden, cache, pos, start, end, ids=ids)
 
 
 def verify_pass(
-    span: Span, cache: KVCache, start: int, end: int, pos: int, hidden: torch.Tensor
+    span: Span, cache: KVCache, start: int, end: int, pos: int, hidden: torch.Tensor, ids=None
 ) -> torch.Tensor:
     """A verification round's tokens [1, n, hidden] at positions [pos, pos + n) through blocks
     start:end, in a compute thread: as n one-token decode steps of one pass (the matmuls on
@@ -35,7 +36,7 @@ def verify_pass(
     plain one even where two tokens nearly tie."""
     _check_position(cache, pos)
     n = hidden.shape[1]
-    out = span.decode(hidden[0], [cache] * n, list(range(pos, pos + n)), start, end)
+    out = span.decode(hidden[0], [cache] * n, list(range(pos, pos + n)), start, end, ids=ids)
     return out.unsqueeze(0)
 
 
@@ -46,6 +47,7 @@ class DecodeItem:
     cache: KVCache
     pos: int
     hidden: torch.Tensor  # [1, 1, hidden]
+    ids: tuple[int, ...] | None = None  # its token's, for a model whose layers read it
 
 
 def decode_pass(span: Span, start: int, end: int, items: list[DecodeItem]) -> list[outcome.Outcome]:
@@ -64,7 +66,9 @@ def decode_pass(span: Span, start: int, end: int, items: list[DecodeItem]) -> li
         try:
             hidden = torch.cat([items[i].hidden.reshape(1, -1) for i in ready])  # [rows, hidden]
             caches = [items[i].cache for i in ready]
-            out = span.decode(hidden, caches, [items[i].pos for i in ready], start, end)
+            positions = [items[i].pos for i in ready]
+            ids = None if items[0].ids is None else [i for r in ready for i in items[r].ids]
+            out = span.decode(hidden, caches, positions, start, end, ids=ids)
             for row, i in enumerate(ready):
                 outs[i] = outcome.Value(out[row].view(1, 1, -1))
             return outs
@@ -72,7 +76,9 @@ def decode_pass(span: Span, start: int, end: int, items: list[DecodeItem]) -> li
             log.exception("a decode pass of %d sessions failed; each runs alone", len(ready))
     for i in ready:
         item = items[i]
-        outs[i] = outcome.capture(forward_pass, span, item.cache, start, end, item.pos, item.hidden)
+        outs[i] = outcome.capture(
+            forward_pass, span, item.cache, start, end, item.pos, item.hidden, item.ids
+        )
     return outs
 
 

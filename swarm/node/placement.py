@@ -48,15 +48,17 @@ def _window_key(blocks: tuple[Block, ...], start: int, size: int):
     )
 
 
-def choose_span(blocks: tuple[Block, ...], size: int) -> tuple[int, int]:
-    """The window of `size` blocks where the swarm is thinnest."""
+def choose_span(blocks: tuple[Block, ...], size: int, span_ok=None) -> tuple[int, int]:
+    """The window of `size` blocks where the swarm is thinnest, among those `span_ok(start,
+    end)` allows (Gemma 4: a KV-sharing layer goes with the layer it reads; from 0 always)."""
     size = max(1, min(size, len(blocks)))
-    start = min(range(len(blocks) - size + 1), key=lambda s: _window_key(blocks, s, size))
+    starts = [s for s in range(len(blocks) - size + 1) if span_ok is None or span_ok(s, s + size)]
+    start = min(starts or [0], key=lambda s: _window_key(blocks, s, size))
     return start, start + size
 
 
 def settled_span(
-    records: list[NodeRecord], me: str, chosen: tuple[int, int], num_layers: int
+    records: list[NodeRecord], me: str, chosen: tuple[int, int], num_layers: int, span_ok=None
 ) -> tuple[tuple[int, int], NodeRecord | None]:
     """A span `chosen` a moment ago, looked at again once other nodes' choices had time to
     arrive: where a node with a lower peer id serves or joins on overlapping blocks, it keeps
@@ -72,12 +74,12 @@ def settled_span(
     ]
     if not rivals:
         return chosen, None
-    again = choose_span(coverage(others, num_layers), end - start)
+    again = choose_span(coverage(others, num_layers), end - start, span_ok)
     return again, (rivals[0] if again != chosen else None)
 
 
 def better_span(
-    records: list[NodeRecord], me: str, current: tuple[int, int], num_layers: int
+    records: list[NodeRecord], me: str, current: tuple[int, int], num_layers: int, span_ok=None
 ) -> tuple[int, int] | None:
     """Where this node (`me`, serving `current`) should move, or None to stay."""
     others = coverage(records, num_layers, frozenset({me}))
@@ -86,7 +88,7 @@ def better_span(
     movable = [r.peer for r in records if r.state == ONLINE and _redundant(r, records, num_layers)]
     if me not in movable or min(movable) != me:
         return None  # another redundant node goes first
-    target = choose_span(others, current[1] - current[0])
+    target = choose_span(others, current[1] - current[0], span_ok)
     return None if target == current else target
 
 

@@ -55,7 +55,10 @@ class PromptPieces:
         if not batch:
             return None
         hidden = torch.cat([h for _, h in batch], dim=1) if len(batch) > 1 else batch[0][1]
-        return batch[0][0], hidden
+        first = batch[0][0]
+        if first.ids is not None and len(batch) > 1:
+            first = dataclasses.replace(first, ids=tuple(i for m, _ in batch for i in m.ids))
+        return first, hidden
 
 
 def gather_wait(pending: list, since: float, now: float, min_tokens: int, gather_s: float) -> float:
@@ -88,7 +91,8 @@ def take_tokens(pending: list, limit: int) -> list:
             taken += n
             continue
         k = limit - taken
-        batch.append((msg, hidden[:, :k]))
-        pending[0] = (dataclasses.replace(msg, pos=msg.pos + k), hidden[:, k:])
+        head, rest = (None, None) if msg.ids is None else (msg.ids[:k], msg.ids[k:])
+        batch.append((dataclasses.replace(msg, ids=head), hidden[:, :k]))
+        pending[0] = (dataclasses.replace(msg, pos=msg.pos + k, ids=rest), hidden[:, k:])
         taken += k
     return batch

@@ -141,15 +141,15 @@ class StepWork:
                 cache.rewind(step.pos)
                 cache.keep_for_rewind(step.pos, hidden.shape[1], MAX_REWIND)
             if self.lender is not None:  # alone: each layer waits for the lender's piece
-                done = await compute.run(DECODE, self._pass(cache, step.pos, hidden), 1)
+                done = await compute.run(DECODE, self._pass(cache, step.pos, hidden, step.ids), 1)
             elif hidden.shape[1] == 1:  # joins other sessions' steps through the same blocks
                 run = functools.partial(decode_pass, span, self.start, self.end)
-                item = DecodeItem(cache, step.pos, hidden)
+                item = DecodeItem(cache, step.pos, hidden, step.ids)
                 done = await compute.decode((self.start, self.end), item, run)
             else:
                 run_pass = verify_pass if step.spec is not None else forward_pass
                 fn = functools.partial(
-                    run_pass, span, cache, self.start, self.end, step.pos, hidden
+                    run_pass, span, cache, self.start, self.end, step.pos, hidden, step.ids
                 )
                 done = await compute.run(DECODE, fn, hidden.shape[1])
         except Exception as exc:
@@ -182,7 +182,7 @@ class StepWork:
         if self.pieces:  # more than one pass waits: queue the next, behind any decode step
             self._tickets.append(compute.reserve(PREFILL, self._rank()))
         try:
-            done = await ticket.run(self._pass(cache, step.pos, hidden), hidden.shape[1])
+            done = await ticket.run(self._pass(cache, step.pos, hidden, step.ids), hidden.shape[1])
         except Exception as exc:
             await self._compute_failed(exc)
             return
@@ -204,13 +204,14 @@ class StepWork:
                 done.usage,
             )
 
-    def _pass(self, cache, pos: int, hidden: torch.Tensor):
-        """The compute of one forward pass from `pos`, for a lane."""
+    def _pass(self, cache, pos: int, hidden: torch.Tensor, ids=None):
+        """The compute of one forward pass from `pos`, for a lane; `ids`: its tokens' (a
+        model whose layers read them; such a model's sessions do not borrow)."""
         if self.lender is not None:
             args = (self.ctx.span, cache, self.lender, self.start, self.end, pos, hidden)
             return functools.partial(borrowed_pass, *args)
         return functools.partial(
-            forward_pass, self.ctx.span, cache, self.start, self.end, pos, hidden
+            forward_pass, self.ctx.span, cache, self.start, self.end, pos, hidden, ids
         )
 
     def _prompt_computed(self, done_all: bool) -> None:
@@ -278,6 +279,7 @@ class StepWork:
             self.wire_dtype,
             result=result,
             spec=step.spec,
+            ids=None if result else step.ids,
         )
         self.ctx.uplink.send_activations(payload)
         return True

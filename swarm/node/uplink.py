@@ -69,6 +69,7 @@ class Payload:
     layer: int = -1
     done: trio.Event | None = None  # set once its last byte is written (or it is dropped)
     spec: int | None = None  # a verification round's id (speculative decoding)
+    ids: tuple[int, ...] | None = None  # the tokens' ids, where the next hop's layers read them
 
 
 class Uplink:
@@ -394,6 +395,7 @@ class Uplink:
                 end=p.end,
                 hidden=hidden,
                 spec=p.spec,
+                ids=None if p.ids is None else p.ids[offset : offset + tokens],
             )
         return encode_frame(to_wire(msg))
 

@@ -20,11 +20,11 @@ class Doubling:
     def allocate_cache(self, start: int, end: int, max_length: int) -> KVCache:
         return KVCache(keys=[], values=[])
 
-    def forward(self, h, cache: KVCache, pos: int, start: int, end: int) -> torch.Tensor:
+    def forward(self, h, cache: KVCache, pos: int, start: int, end: int, ids=None) -> torch.Tensor:
         cache.length = pos + h.shape[1]
         return h * 2
 
-    def decode(self, h, caches: list[KVCache], positions: list[int], start: int, end: int):
+    def decode(self, h, caches: list[KVCache], positions: list[int], start, end, ids=None):
         for cache, pos in zip(caches, positions):
             cache.length = pos + 1
         return h * 2

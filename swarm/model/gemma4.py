@@ -1,0 +1,218 @@
+"""Gemma 4's text model (transformers `gemma4_text`): what its config.json says beyond Gemma 3's
+fields, and the two pieces a block of it adds.
+
+- Per-layer inputs: one table [vocab, layers x width] looked up by token id, plus a projection
+  of the (scaled) main embeddings, RMS-normed, the two summed and scaled by 1/sqrt(2); each
+  layer gates its slice into the residual stream after its MLP. A node computes its span's
+  slices itself from the token ids each step carries (docs/design.md says why).
+- KV sharing: the last `num_kv_shared_layers` layers have no k/v projections and attend over
+  the keys and values of the last earlier layer of their kind (ModelConfig.kv_source); a span
+  holding such a layer must hold its source (ModelConfig.check_span).
+
+Full layers have their own head width and kv heads, and with `attention_k_eq_v` no v_proj;
+their RoPE is "proportional" (a quarter of the frequencies turn). Scores are not scaled (q and
+k are RMS-normed), values RMS-normed without a weight, norms are x * w (not Gemma 3's 1 + w).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swarm.model.config import ModelConfig
+from swarm.model.linear import Linear
+from swarm.model.norm import rms_norm
+from swarm.model.weights import RawTensor, make_linear
+
+# tensors of a block beyond Gemma 3's (blocks.py's name -> config.json's name)
+BLOCK_NAMES = {
+    "pl_gate": "per_layer_input_gate",
+    "pl_proj": "per_layer_projection",
+    "pl_norm": "post_per_layer_input_norm",
+    "layer_scalar": "layer_scalar",
+    # a mixture layer's (swarm.model.gemma4_experts)
+    "dense_out_norm": "post_feedforward_layernorm_1",
+    "experts_in_norm": "pre_feedforward_layernorm_2",
+    "experts_out_norm": "post_feedforward_layernorm_2",
+    "router": "router.proj",
+    "router_scale": "router.scale",
+    "expert_scales": "router.per_expert_scale",
+    "experts.gate_up": "experts.gate_up_proj",
+    "experts.down": "experts.down_proj",
+}
+EXPERT_TENSORS = tuple(BLOCK_NAMES)[4:]
+# the families table's row: Gemma 3's, but norms x * w (not x * (1 + w))
+FAMILY = dict(
+    post_norms=True,
+    qk_norm=True,
+    embed_scaled=True,
+    activation="gelu_tanh",
+    tied=True,
+    wire_dtype="bfloat16",
+)
+# stored without ".weight": a buffer, the router's parameters, stacked experts
+OWN_ENDINGS = ("layer_scalar", "router.scale", "router.per_expert_scale", "experts.down_proj")
+OWN_ENDINGS += ("experts.gate_up_proj",)
+# the model's own, beside the embeddings: the per-layer table, the projection and its norm
+# (after the text model's prefix, "model." or a multimodal folder's "model.language_model.")
+TABLE = "embed_tokens_per_layer.weight"
+PROJECTION = "per_layer_model_projection.weight"
+PROJECTION_NORM = "per_layer_projection_norm.weight"
+
+
+def text_model(cfg: dict) -> tuple[dict, str]:
+    """A config.json's text model and the prefix of its tensors: a multimodal Gemma 4's
+    text_config (its towers are not the text model's; tie_word_embeddings is the top level's)
+    under "model.language_model."; any other config as it is, under "model."."""
+    if cfg.get("model_type") != "gemma4" or not isinstance(cfg.get("text_config"), dict):
+        return cfg, "model."
+    text = {**cfg["text_config"], "model_type": "gemma4_text"}
+    if "tie_word_embeddings" in cfg:
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    for key in ("bos_token_id", "eos_token_id"):
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return text, "model.language_model."
+
+
+def _full_layer_shape(cfg: dict) -> tuple[int, int]:
+    """(head_dim, kv_heads) of the full layers: config.json's per_layer_config (as transformers
+    5.24 saves it) or global_head_dim / num_global_key_value_heads (its defaults: 512, and the
+    kv heads only where attention_k_eq_v)."""
+    per_layer = cfg.get("per_layer_config") or {}
+    types = _layer_types(cfg)
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    own = [per_layer.get(str(i), per_layer.get(i)) for i in full]
+    width, heads = cfg.get("head_dim"), cfg.get("num_key_value_heads")
+    shapes = {(d.get("head_dim", width), d.get("num_key_value_heads", heads)) for d in own if d}
+    if len(shapes) > 1:
+        raise ValueError(f"full layers of differing shapes {sorted(shapes)} are not supported")
+    if shapes:
+        return shapes.pop()
+    kv = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v") else None
+    return int(cfg.get("global_head_dim", 512)), int(kv or cfg["num_key_value_heads"])
+
+
+def _layer_types(cfg: dict) -> list[str]:
+    """Each layer's kind as transformers' Gemma4TextConfig makes it: config.json's list, or 5
+    sliding then a full one over and over; the last layer full whatever the list says."""
+    layers = cfg["num_hidden_layers"]
+    default = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
+    types = list(cfg.get("layer_types") or default)
+    types[-1] = "full_attention"
+    return types
+
+
+def refuse_hf(cfg: dict, where: str) -> None:
+    """What this node does not compute of a Gemma 4 config.json, by name."""
+    types = _layer_types(cfg)
+    shared = cfg.get("num_kv_shared_layers", 0)
+    first = len(types) - shared
+    if shared and set(types[first:]) - set(types[:first]):
+        raise ValueError(f"{where}: a KV-sharing layer has no earlier layer of its kind")
+
+
+def hf_fields(cfg: dict, where: str) -> dict:
+    """ModelConfig's Gemma 4 fields from a config.json."""
+    refuse_hf(cfg, where)
+    head_dim, kv_heads = _full_layer_shape(cfg)
+    window = int(cfg.get("sliding_window", 512))
+    return dict(
+        windows=tuple(window if t == "sliding_attention" else None for t in _layer_types(cfg)),
+        attention_scale=1.0,
+        global_head_dim=head_dim,
+        global_kv_heads=kv_heads,
+        k_eq_v=bool(cfg.get("attention_k_eq_v", False)),
+        v_norm=True,
+        kv_shared=int(cfg.get("num_kv_shared_layers", 0)),
+        wide_shared_mlp=bool(cfg.get("use_double_wide_mlp", False)),
+        per_layer=int(cfg.get("hidden_size_per_layer_input") or 0),
+        layer_scalars=True,
+        **_experts(cfg),
+    )
+
+
+def _experts(cfg: dict) -> dict:
+    if not cfg.get("enable_moe_block"):
+        return {}
+    return dict(
+        experts=int(cfg["num_experts"]),
+        experts_used=int(cfg["top_k_experts"]),
+        expert_intermediate=int(cfg["moe_intermediate_size"]),
+    )
+
+
+def block_tensors(c: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The tensors (blocks.py's names) of Gemma 4's block `layer`: Gemma 3's, less a KV-sharing
+    layer's k, v and k_norm and a full layer's v under attention_k_eq_v, plus its own."""
+    if c.kv_source(layer) is not None:
+        attention = ["q", "q_norm"]
+    else:
+        attention = ["q", "k", "q_norm", "k_norm"] + ([] if c.at(layer).k_eq_v else ["v"])
+    names = ["attn_norm", *attention, "o", "mlp_norm", "gate", "up", "down"]
+    names += ["attn_post_norm", "mlp_post_norm", "layer_scalar"]
+    names += list(EXPERT_TENSORS) if c.moe(layer) else []
+    return tuple(names + (["pl_gate", "pl_proj", "pl_norm"] if c.per_layer else []))
+
+
+class Tail:
+    """What a Gemma 4 layer does after its MLP: its per-layer input gated in (h + norm(proj(
+    act(gate(h)) * input))), then the layer's scalar on the whole residual stream."""
+
+    def __init__(self, gate: Linear | None, proj: Linear | None, norm, scalar, activate, eps):
+        self.gate, self.proj, self.norm, self.scalar = gate, proj, norm, scalar
+        self.activate, self.eps = activate, eps
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return () if self.gate is None else (self.gate, self.proj)
+
+    def __call__(self, h: torch.Tensor, per_layer: torch.Tensor | None) -> torch.Tensor:
+        """h [rows, hidden], per_layer [rows, width] (this layer's input of each row)."""
+        if self.gate is not None:
+            gated = self.activate(self.gate(h).float()) * per_layer
+            h = h + rms_norm(self.proj(gated).float(), self.norm, self.eps)
+        return h * self.scalar
+
+
+class PerLayerInputs:
+    """A span's per-layer inputs from token ids: its layers' columns of the table, its rows of
+    the projection, the projection's norm, and the main embeddings the projection reads."""
+
+    def __init__(self, config: ModelConfig, start: int, end: int, embed, table, projection, norm):
+        self.c, self.start, self.end = config, start, end
+        self.embed = embed  # RawTensor [vocab, hidden], rows looked up
+        self.table = table  # [vocab, (end - start) x width]
+        self.projection = projection  # Linear [(end - start) x width, hidden]
+        self.norm = norm
+
+    @classmethod
+    def load(cls, source, start: int, end: int, weights: str, usable=None) -> PerLayerInputs:
+        """Layers [start, end)'s share of `source`: the projection's rows a Linear in format
+        `weights` (as the blocks' matrices are), float32 tables where that is float32."""
+        c, width, prefix = source.config, source.config.per_layer, source.prefix
+        cols = slice(start * width, end * width)
+        table = source.columns(prefix + TABLE, cols.start, cols.stop)
+        whole = source.raw(prefix + PROJECTION)
+        rows = RawTensor(whole.name, whole.kind, whole.data[cols].contiguous())
+        projection = make_linear(rows, weights, None, usable)
+        embed = source.raw(prefix + "embed_tokens.weight")
+        table = table.float().contiguous() if weights == "float32" else table.contiguous()
+        norm = source.raw(prefix + PROJECTION_NORM).float32()
+        return cls(c, start, end, embed, table, projection, norm)
+
+    @property
+    def nbytes(self) -> int:
+        """What grows with the layers held (the main embeddings, one table, do not)."""
+        return self.table.nbytes + self.projection.nbytes
+
+    @torch.inference_mode()
+    def __call__(self, ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Layers [start, end)'s inputs for tokens `ids`: [tokens, end - start, width]."""
+        c, width = self.c, self.c.per_layer
+        cols = slice((start - self.start) * width, (end - self.start) * width)
+        rows = torch.tensor(ids)
+        main = self.embed.rows(ids).float() * torch.tensor(c.hidden**0.5, dtype=torch.float32)
+        projected = self.projection(main).float()[:, cols] * c.hidden**-0.5
+        projected = rms_norm(projected.view(len(ids), end - start, width), self.norm, c.rms_eps)
+        own = self.table[rows, cols].float() * torch.tensor(width**0.5, dtype=torch.float32)
+        return (projected + own.view(len(ids), end - start, width)) * 2.0**-0.5
