@@ -158,9 +158,11 @@ _NAMES = {
 def file_name(name: str) -> str:
     """A block tensor's full name in its file: name + ".weight", but for names that carry their
     own ending (DeepSeek's e_score_correction_bias, exp_probs_b.bias; gpt-oss's sinks and
-    stacked experts in config.json; Qwen3.5's A_log, ssm_a)."""
-    own = ("bias", *qwen35.OWN, *gptoss.OWN_ENDINGS, *gemma4.OWN_ENDINGS)
-    return name if name.endswith(own) else f"{name}.weight"
+    stacked experts in config.json; Qwen3.5's A_log, ssm_a; Gemma 4's, whole components: its
+    "experts.down_proj" is not DeepSeek's "shared_experts.down_proj")."""
+    own = name.endswith(("bias", *qwen35.OWN, *gptoss.OWN_ENDINGS))
+    own = own or any(name == e or name.endswith("." + e) for e in gemma4.OWN_ENDINGS)
+    return name if own else f"{name}.weight"
 
 
 def _attention_tensors(c: ModelConfig) -> list[str]:

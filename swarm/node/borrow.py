@@ -52,8 +52,10 @@ REPLY_S = 30.0  # for a lender's answer
 def local_tokens(config: ModelConfig, max_cache_tokens: int, max_length: int) -> int | None:
     """The positions a session of `max_length` keeps here if it must borrow (half the node's
     cache, whole blocks); None if it fits, or cannot borrow (latent attention, Gated
-    DeltaNet's state, or a cache too small for two blocks)."""
-    if max_length <= max_cache_tokens or config.latent is not None or config.delta is not None:
+    DeltaNet's state, Gemma 4's per-layer inputs and shared KV, or a cache too small for two
+    blocks)."""
+    own_kinds = config.latent, config.delta, config.per_layer or None, config.kv_shared or None
+    if max_length <= max_cache_tokens or any(k is not None for k in own_kinds):
         return None
     cap = max_cache_tokens // 2 // BLOCK * BLOCK
     return cap if cap >= 2 * BLOCK else None
@@ -295,7 +297,7 @@ def _through(span, cache: BorrowedCache, lender: Lender, start, end, pos, x) -> 
     turns = {rope: r.cos_sin(pos, n) for rope, r in span.rotaries.items()}
     for i in range(start, end):
         layer = i - start
-        cos, sin = turns[config.rope_of(i)]
+        cos, sin = turns[config.rotary_of(i)]
         block = span.blocks[i - span.start]
         k_cache, v_cache = cache.keys[layer], cache.values[layer]
         if cache.lent[layer]:
