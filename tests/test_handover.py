@@ -8,6 +8,8 @@ import socket
 import threading
 from dataclasses import dataclass
 
+import pytest
+import torch
 import trio
 
 from devtools.launch import stop_all
@@ -126,6 +128,40 @@ def test_a_last_hop_hands_its_sessions_over_and_the_node_before_it_follows(
         assert [(s.recoveries, s.moves, s.peers) for s in sessions] == [([], 1, route)] * 4
         assert leaving.proc.wait(60) == 0
         assert left_with(replica) == (0, 4, 0)
+    finally:
+        client.close()
+        stop_all([first, leaving] + ([replica] if replica else []))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found 2026-11-27, not fixed: after a hand-over the replica's second step on is off"
+    " by ~1e-2 in the logits (3e-6 before); tokens stay equal where greedy margins are wide,"
+    " as PROMPTS' are. The replica's first step is right: look at what it keeps of it",
+)
+def test_a_handed_over_session_computes_what_the_unsplit_model_does(
+    dht_peers, tiny_model_dir, tiny_reference
+):
+    prompt = PROMPTS[0]
+    tokens = reference_greedy(tiny_reference, prompt, NEW)
+    with torch.inference_mode():
+        want = tiny_reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 :]
+    first = start_full_node(tiny_model_dir, dht_peers, layers=(0, 3))
+    leaving = start_full_node(tiny_model_dir, dht_peers, "--grace", "20", layers=(3, 6))
+    client = client_of(dht_peers, tiny_model_dir)
+    replica, gaps = None, []
+    try:
+        with client.session(len(prompt) + NEW + 1) as s:
+            logits = s.feed(prompt)
+            for i, token in enumerate(tokens):  # teacher-forced: the reference's own tokens
+                if i == PAUSE_AT:
+                    replica = start_full_node(tiny_model_dir, dht_peers, layers=(3, 6))
+                    leaving.proc.send_signal(signal.SIGTERM)
+                    wait_for_lines(leaving, "handed over to", 1)
+                gaps.append(float((logits.float() - want[i]).abs().max()))
+                logits = s.feed([token])
+            assert s.remote.moves == 1 and s.recoveries == []
+        assert max(gaps) < 1e-4, [f"{g:.1e}" for g in gaps]
     finally:
         client.close()
         stop_all([first, leaving] + ([replica] if replica else []))
