@@ -8,7 +8,6 @@ import socket
 import threading
 from dataclasses import dataclass
 
-import pytest
 import torch
 import trio
 
@@ -133,15 +132,12 @@ def test_a_last_hop_hands_its_sessions_over_and_the_node_before_it_follows(
         stop_all([first, leaving] + ([replica] if replica else []))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found 2026-11-27, not fixed: after a hand-over the replica's second step on is off"
-    " by ~1e-2 in the logits (3e-6 before); tokens stay equal where greedy margins are wide,"
-    " as PROMPTS' are. The replica's first step is right: look at what it keeps of it",
-)
 def test_a_handed_over_session_computes_what_the_unsplit_model_does(
     dht_peers, tiny_model_dir, tiny_reference
 ):
+    """Teacher-forced logits within float noise of transformers' across the hand-over: the
+    replica's weights (float32) were not in the client's records, and its head fell back to
+    the file's formats (~1e-2 off) while every token still matched on wide greedy margins."""
     prompt = PROMPTS[0]
     tokens = reference_greedy(tiny_reference, prompt, NEW)
     with torch.inference_mode():

@@ -16,6 +16,7 @@ import trio
 from devtools.launch import NodeProcess, stop_all
 from swarm.model.source import open_model
 from swarm.node.admission import share_of
+from swarm.node.config import Limits
 from swarm.node.handover.receive import claim, release
 from swarm.node.session import Session
 from swarm.node.session_state import Install
@@ -115,7 +116,7 @@ def test_a_handed_over_session_counts_as_forwarded_then_as_its_owners_once_claim
         sink_token=token,
         origin="127.0.0.9",  # the user's host, as the sender saw it
     )
-    config = SimpleNamespace(wire_dtype="float32")
+    config = SimpleNamespace(wire_dtype="float32", limits=Limits())
     ctx = SimpleNamespace(config=config, span=SimpleNamespace(config=config))
     share = share_of("127.0.0.1", opening, handed=True)
     s = Session(ctx, sender, opening, 0.0, share, coming=True)

@@ -370,13 +370,6 @@ def test_a_cache_handed_over_past_the_window_computes_on_alike(made):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="a session handed over mid-reply diverges some tokens later: tiny Gemma 3 too, on"
-    " the commit this branch started from (25c47c3), at token 31 whether handed over at token"
-    " 5 or 20 (not at 30); tiny Llama, Mistral and Qwen2 with rings do not. Not this"
-    " branch's; reported to the lead",
-)
 def test_a_leaving_last_hop_hands_a_session_over_and_it_goes_on_alike(made, dht_peers):
     """The leaving node's cache goes as it is (a KV-sharing layer's entry is its source's
     tensors, sent and received twice); the session goes on there without replaying a token.

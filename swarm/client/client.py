@@ -223,6 +223,11 @@ class Client:
     def head(self, route: list[Hop]) -> Head:
         """The head for `route`: float32 where every hop computes in float32 (the exact path,
         token-identical to transformers), else the file's own formats, as the nodes keep theirs."""
+        if unknown := [h.peer for h in route if h.peer not in self._weights]:
+            # a hop the route was not drawn with (a session handed over to a replica): its
+            # record says its weights; once, whether it has one or not
+            self._weights.update({r.peer: r.weights for r in self.nodes()})
+            self._weights.update({p: "" for p in unknown if p not in self._weights})
         exact = route and all(self._weights.get(h.peer) == "float32" for h in route)
         weights = "float32" if exact else "auto"
         with self._loading:

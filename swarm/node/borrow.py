@@ -54,8 +54,10 @@ def local_tokens(config: ModelConfig, max_cache_tokens: int, max_length: int) ->
     cache, whole blocks); None if it fits, or cannot borrow (latent attention, Gated
     DeltaNet's state, Gemma 4's per-layer inputs and shared KV, or a cache too small for two
     blocks)."""
+    if max_length <= max_cache_tokens:
+        return None
     own_kinds = config.latent, config.delta, config.per_layer or None, config.kv_shared or None
-    if max_length <= max_cache_tokens or any(k is not None for k in own_kinds):
+    if any(k is not None for k in own_kinds):
         return None
     cap = max_cache_tokens // 2 // BLOCK * BLOCK
     return cap if cap >= 2 * BLOCK else None
