@@ -1,6 +1,6 @@
-"""Qwen3.5's part of hf_to_gguf.py, as llama.cpp's converter writes it (conversion/qwen.py:
-Qwen3NextModel, _LinearAttentionVReorderBase, Qwen3_5TextModel / Qwen3_5MoeTextModel, arches
-`qwen35` / `qwen35moe`).
+"""Qwen3.5's part of hf_to_gguf.py, as llama.cpp's converter writes it (its conversion package's
+qwen.py: Qwen3NextModel, _LinearAttentionVReorderBase, Qwen3_5TextModel / Qwen3_5MoeTextModel,
+arches `qwen35` / `qwen35moe`).
 
 Keys: ssm.conv_kernel, ssm.state_size (the q/k head width), ssm.group_count (q/k heads),
 ssm.time_step_rank (value heads), ssm.inner_size (value heads x width), full_attention_interval,

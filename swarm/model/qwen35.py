@@ -6,12 +6,12 @@ x * (1 + w), as Gemma's; q/k norms; a quarter of each head turned by RoPE (its m
 is plain RoPE for text: every section sees the same position). The MoE's router renormalises
 its top k, and a shared expert sits behind a sigmoid gate (Qwen2-MoE's names).
 
-Checked against transformers' modeling_qwen3_5.py / modular_qwen3_5.py and their MoE twins
-(5.24), and llama.cpp's conversion/qwen.py for GGUF files (qwen35 / qwen35moe): its keys, A_log
-held as -exp(A_log), value heads tiled (v0 of every q/k head, then v1 ...) where config.json
-groups them by q/k head. Refused by name: attention biases, other layer types. The vision tower
-of a multimodal folder is skipped, as its multi-token-prediction weights (`mtp.*`, outside the
-decoder's layers; a GGUF's nextn layers) are.
+Checked against transformers' modeling_qwen3_5.py / modular_qwen3_5.py and their MoE twins (5.24),
+and llama.cpp's converter (its conversion package's qwen.py) for GGUF files (qwen35 / qwen35moe):
+its keys, A_log held as -exp(A_log), value heads tiled (v0 of every q/k head, then v1 ...) where
+config.json groups them by q/k head. Refused by name: attention biases, other layer types. The
+vision tower of a multimodal folder is skipped, as its multi-token-prediction weights (`mtp.*`,
+outside the decoder's layers; a GGUF's nextn layers) are.
 """
 
 from __future__ import annotations
