@@ -6,80 +6,23 @@ from __future__ import annotations
 import signal
 import socket
 import threading
-from dataclasses import dataclass
 
 import torch
 import trio
 
 from devtools.launch import stop_all
-from swarm.client.client import Client
 from tests.conftest import reference_greedy
 from tests.helpers.handover import (
     LONG_PROMPT,
+    NEW,
+    PAUSE_AT,
     PROMPTS,
+    client_of,
+    generate_across_a_leave,
     left_with,
     start_full_node,
     wait_for_lines,
 )
-
-NEW = 20
-PAUSE_AT = 8  # tokens each session generates before the node leaves
-
-
-@dataclass
-class Finished:
-    """How a session ended: its recoveries (replays), hops handed over, its route's nodes."""
-
-    recoveries: list[float]
-    moves: int
-    peers: list[str]
-
-
-def generate_across_a_leave(
-    client: Client, prompts, leave
-) -> tuple[list[list[int]], list[Finished]]:
-    """Greedy tokens of one session per prompt, all at once; once each has PAUSE_AT tokens,
-    `leave()` runs while they wait, then they go on."""
-    out: list[list[int]] = [[] for _ in prompts]
-    sessions: list = [None] * len(prompts)
-    errors: list[BaseException] = []
-    paused = threading.Barrier(len(prompts) + 1)
-    go = threading.Event()
-
-    def run(i: int) -> None:
-        try:
-            with client.session(len(prompts[i]) + NEW) as s:
-                sessions[i] = s
-                logits = s.feed(prompts[i])
-                for k in range(NEW):
-                    if k == PAUSE_AT:
-                        paused.wait(60)
-                        go.wait(120)
-                    out[i].append(int(logits.argmax()))
-                    logits = s.feed([out[i][-1]])
-                peers = [h.peer for h in s.remote.route]
-                sessions[i] = Finished(s.recoveries, s.remote.moves, peers)
-        except BaseException as exc:
-            errors.append(exc)
-            paused.abort()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    try:
-        paused.wait(120)
-        leave()
-    finally:
-        go.set()
-        for t in threads:
-            t.join(180)
-    if errors:
-        raise errors[0]
-    return out, sessions
-
-
-def client_of(peers, model_dir) -> Client:
-    return Client(peers, model=str(model_dir), wire_dtype="float32", step_timeout=10)
 
 
 def test_a_drained_node_hands_its_sessions_over_and_they_go_on_without_replay(

@@ -18,7 +18,7 @@ from swarm.model.blocks import Block, KVCache
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny
 from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, nodes_greedy, split_greedy
-from tests.helpers.tiny import changed_copy, logits_of, variant
+from tests.helpers.tiny import assert_four_sessions_batch_alike, changed_copy, logits_of, variant
 
 VARIANTS = {"q-bottleneck": {}, "q-proj": {"q_lora_rank": None}}
 SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}  # layer 0 dense, 1-3 mixtures
@@ -43,9 +43,9 @@ def test_a_split_gives_transformers_greedy_tokens(made, name, fmt, ways):
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
 def test_four_batched_sessions_each_get_their_own_tokens(made, fmt):
     model, folder, path, _ = made("q-bottleneck")
-    prompts = [PROMPT, PROMPT[:7], PROMPT[5:26], PROMPT[::-1]]
-    want = [reference_greedy(model, p, 24) for p in prompts]
-    assert split_greedy(folder if fmt == "safetensors" else path, SPLITS[3], prompts, 24) == want
+    assert_four_sessions_batch_alike(
+        model, folder if fmt == "safetensors" else path, PROMPT, SPLITS[3]
+    )
 
 
 def test_the_greedy_tokens_are_varied_and_clear_of_ties(made):

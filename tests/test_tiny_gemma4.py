@@ -23,7 +23,7 @@ from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny
 from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, split_greedy, swarm_greedy
 from tests.helpers.flags import exact_flags
-from tests.helpers.tiny import changed_copy
+from tests.helpers.tiny import assert_four_sessions_batch_alike, changed_copy
 
 PROMPT, NEW_TOKENS = FAMILY_PROMPT, FAMILY_NEW_TOKENS
 # layers s f s f s f (window 8); layer 4 reads layer 2's KV, layer 5 layer 3's: every split
@@ -63,9 +63,7 @@ def test_a_split_gives_transformers_greedy_tokens(made, ways):
 
 def test_four_batched_sessions_each_get_their_own_tokens(made):
     model, folder, _ = made
-    prompts = [PROMPT, PROMPT[:7], PROMPT[5:26], PROMPT[::-1]]
-    want = [reference_greedy(model, p, 24) for p in prompts]
-    assert split_greedy(folder, SPLITS[3], prompts, 24) == want
+    assert_four_sessions_batch_alike(model, folder, PROMPT, SPLITS[3])
 
 
 @pytest.mark.parametrize(
@@ -245,9 +243,7 @@ def test_the_mixture_split_gives_transformers_greedy_tokens(moe, ways):
 
 def test_the_mixture_batches_four_sessions(moe):
     model, folder, _ = moe
-    prompts = [PROMPT, PROMPT[:7], PROMPT[5:26], PROMPT[::-1]]
-    want = [reference_greedy(model, p, 24) for p in prompts]
-    assert split_greedy(folder, SPLITS[3], prompts, 24) == want
+    assert_four_sessions_batch_alike(model, folder, PROMPT, SPLITS[3])
 
 
 def _ones(ending: str):

@@ -11,7 +11,7 @@ from swarm.model.families import family_of
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny
 from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, nodes_greedy, split_greedy
-from tests.helpers.tiny import changed_copy
+from tests.helpers.tiny import assert_four_sessions_batch_alike, changed_copy
 
 PROMPT, NEW_TOKENS = FAMILY_PROMPT, FAMILY_NEW_TOKENS
 # layers 0 and 2 slide (window 8), 1 and 3 see all: the 3-way split cuts between the kinds
@@ -44,9 +44,7 @@ def test_a_split_gives_transformers_greedy_tokens(made, ways):
 
 def test_four_batched_sessions_each_get_their_own_tokens(made):
     model, folder, _ = made
-    prompts = [PROMPT, PROMPT[:7], PROMPT[5:26], PROMPT[::-1]]
-    want = [reference_greedy(model, p, 24) for p in prompts]
-    assert split_greedy(folder, SPLITS[3], prompts, 24) == want
+    assert_four_sessions_batch_alike(model, folder, PROMPT, SPLITS[3])
 
 
 def _no_sinks(state):

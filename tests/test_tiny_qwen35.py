@@ -23,7 +23,7 @@ from swarm.model.head import Head
 from swarm.model.source import open_model
 from swarm.model.tiny import min_greedy_margin, reference_greedy, save_tiny, save_tiny_tokenizer
 from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, nodes_greedy, split_greedy
-from tests.helpers.tiny import changed_copy
+from tests.helpers.tiny import assert_four_sessions_batch_alike, changed_copy, four_prompts
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 # layers 2 and 5 are full attention: each split falls between the two kinds
@@ -63,9 +63,9 @@ def test_a_split_gives_transformers_greedy_tokens(made, family, fmt, ways):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_four_batched_sessions_each_get_their_own_tokens(made, family, fmt):
     model, folder, _, path = made(family)
-    prompts = [PROMPT, PROMPT[:7], PROMPT[5:26], PROMPT[::-1]]
-    want = [reference_greedy(model, p, 24) for p in prompts]
-    assert split_greedy(folder if fmt == "safetensors" else path, SPLITS[3], prompts, 24) == want
+    assert_four_sessions_batch_alike(
+        model, folder if fmt == "safetensors" else path, PROMPT, SPLITS[3]
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -257,11 +257,10 @@ def test_a_leaving_node_hands_no_deltanet_session_over_and_replay_finishes_each(
     import signal
 
     from devtools.launch import stop_all
-    from tests.helpers.handover import start_full_node
-    from tests.test_handover import NEW, client_of, generate_across_a_leave
+    from tests.helpers.handover import NEW, client_of, generate_across_a_leave, start_full_node
 
     model, folder, _, _ = made("qwen3_5")
-    prompts = [PROMPT, PROMPT[:7], PROMPT[5:26], PROMPT[::-1]]
+    prompts = four_prompts(PROMPT)
     leaving = start_full_node(folder, dht_peers, "--grace", "1")
     client = client_of(dht_peers, folder)
     nodes = [leaving]

@@ -1,16 +1,20 @@
-"""What the hand-over tests share: prompts without near-ties, full nodes of the tiny model, and
-what a node says about the sessions it handed over."""
+"""What the hand-over tests share: prompts without near-ties, full nodes of the tiny model, what
+a node says about the sessions it handed over, sessions generating across a node's leave, and a
+cache's slabs cut into chunks as the uplink cuts them."""
 
 from __future__ import annotations
 
 import re
 import signal
 import subprocess
+import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
 from devtools.launch import NodeProcess, start_node, stop_all
+from swarm.client.client import Client
 from swarm.protocol import KvChunk
 from swarm.wire import pack_tensor
 from tests.helpers.flags import exact_flags
@@ -74,3 +78,63 @@ def chunks(phase, size: int = 3) -> list[KvChunk]:
             dtype = "bfloat16" if keys.dtype == torch.bfloat16 else "float32"
             out.append(KvChunk("s", layer, first + i, pack_tensor(k, dtype), pack_tensor(v, dtype)))
     return out
+
+
+NEW = 20
+PAUSE_AT = 8  # tokens each session generates before the node leaves
+
+
+@dataclass
+class Finished:
+    """How a session ended: its recoveries (replays), hops handed over, its route's nodes."""
+
+    recoveries: list[float]
+    moves: int
+    peers: list[str]
+
+
+def generate_across_a_leave(
+    client: Client, prompts, leave
+) -> tuple[list[list[int]], list[Finished]]:
+    """Greedy tokens of one session per prompt, all at once; once each has PAUSE_AT tokens,
+    `leave()` runs while they wait, then they go on."""
+    out: list[list[int]] = [[] for _ in prompts]
+    sessions: list = [None] * len(prompts)
+    errors: list[BaseException] = []
+    paused = threading.Barrier(len(prompts) + 1)
+    go = threading.Event()
+
+    def run(i: int) -> None:
+        try:
+            with client.session(len(prompts[i]) + NEW) as s:
+                sessions[i] = s
+                logits = s.feed(prompts[i])
+                for k in range(NEW):
+                    if k == PAUSE_AT:
+                        paused.wait(60)
+                        go.wait(120)
+                    out[i].append(int(logits.argmax()))
+                    logits = s.feed([out[i][-1]])
+                peers = [h.peer for h in s.remote.route]
+                sessions[i] = Finished(s.recoveries, s.remote.moves, peers)
+        except BaseException as exc:
+            errors.append(exc)
+            paused.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    try:
+        paused.wait(120)
+        leave()
+    finally:
+        go.set()
+        for t in threads:
+            t.join(180)
+    if errors:
+        raise errors[0]
+    return out, sessions
+
+
+def client_of(peers, model_dir) -> Client:
+    return Client(peers, model=str(model_dir), wire_dtype="float32", step_timeout=10)

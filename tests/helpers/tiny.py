@@ -89,3 +89,21 @@ def assert_gguf_reads_back(model, path, prompt: list[int]) -> None:
     loaded = gguf_check.load_gguf_model(model, path)
     assert max(gguf_check.weight_gaps(model, loaded).values()) < 1e-6
     assert gguf_check.logit_gap(model, loaded, prompt) < 1e-5
+
+
+def four_prompts(prompt: list[int]) -> list[list[int]]:
+    """Four sessions' prompts of different lengths from one: it, its start, a middle cut, it
+    reversed."""
+    return [prompt, prompt[:7], prompt[5:26], prompt[::-1]]
+
+
+def assert_four_sessions_batch_alike(model, path, prompt: list[int], spans) -> None:
+    """The four_prompts of `prompt` through `spans` of the model at `path` in this process,
+    their decode steps batched as a node batches them: each gets 24 greedy tokens as `model`
+    gives them alone."""
+    from swarm.model.tiny import reference_greedy
+    from tests.conftest import split_greedy
+
+    prompts = four_prompts(prompt)
+    want = [reference_greedy(model, p, 24) for p in prompts]
+    assert split_greedy(path, spans, prompts, 24) == want
