@@ -281,7 +281,6 @@ def _misbehaved(exc: SwarmError) -> bool:
     """A hop named by `exc` answered as no honest node of this model would: blocks it announced
     but does not serve, other weights, a broken message."""
     liar = isinstance(exc, (SpanError, FingerprintMismatch, ProtocolError))
-    liar = liar and not isinstance(exc, RewindRefused)
     return liar and bool(getattr(exc, "peer", None))
 
 

@@ -56,8 +56,9 @@ def local_tokens(config: ModelConfig, max_cache_tokens: int, max_length: int) ->
     blocks)."""
     if max_length <= max_cache_tokens:
         return None
-    own_kinds = config.latent, config.delta, config.per_layer or None, config.kv_shared or None
-    if any(k is not None for k in own_kinds):
+    if config.latent is not None or config.delta is not None:
+        return None
+    if config.per_layer or config.kv_shared:
         return None
     cap = max_cache_tokens // 2 // BLOCK * BLOCK
     return cap if cap >= 2 * BLOCK else None
