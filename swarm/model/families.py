@@ -110,7 +110,8 @@ FAMILIES = {
         Family(
             "gemma2", ("gemma2",), ("gemma2",), **_GEMMA, window_period=2, softcaps=(50.0, 30.0)
         ),
-        Family("gemma4", ("gemma4_text",), (), **gemma4.FAMILY),
+        # Gemma 3's row, but norms x * w, not x * (1 + w)
+        Family("gemma4", ("gemma4_text",), (), **{**_GEMMA, "gemma_norms": False, "qk_norm": True}),
         Family(
             "gemma3",
             ("gemma3_text",),

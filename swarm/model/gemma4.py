@@ -40,15 +40,6 @@ BLOCK_NAMES = {
     "experts.down": "experts.down_proj",
 }
 EXPERT_TENSORS = tuple(BLOCK_NAMES)[4:]
-# the families table's row: Gemma 3's, but norms x * w (not x * (1 + w))
-FAMILY = dict(
-    post_norms=True,
-    qk_norm=True,
-    embed_scaled=True,
-    activation="gelu_tanh",
-    tied=True,
-    wire_dtype="bfloat16",
-)
 # stored without ".weight": a buffer, the router's parameters, stacked experts
 OWN_ENDINGS = ("layer_scalar", "router.scale", "router.per_expert_scale", "experts.down_proj")
 OWN_ENDINGS += ("experts.gate_up_proj",)
