@@ -71,3 +71,43 @@ def test_the_pool_forgets_the_routes_least_recently_used():
         pool.give(i, tuner)
     assert pool.take(0).step_s is None
     assert pool.take(TunerPool.MOST).step_s is not None
+
+
+def loopback(acceptance: float = 0.7) -> Tuner:
+    """A route whose rounds cost compute, not wire: 21 ms a plain step, 2.8 ms a token more."""
+    tuner = Tuner(acceptance)
+    tuner.stages = 3
+    tuner.timed(1, 0.021)
+    for n in (2, 4, 3, 6) * 5:
+        tuner.timed(n, 0.021 + 0.0028 * (n - 1))
+    for _ in range(10):
+        tuner.observe(10, round(10 * acceptance))
+    return tuner
+
+
+def test_rounds_answered_a_whole_round_behind_the_one_ahead_are_not_sent_ahead():
+    tuner = loopback()
+    assert tuner.plan(20)[1] > 1  # unmeasured: the hops are taken to work at once
+    for _ in range(3):
+        tuner.spaced(2, 0.020, queued=True)  # on shared cores each waited a whole round
+    assert tuner.plan(20)[1] == 1
+    assert tuner.plan(20)[0] >= 2  # one round at a time, carrying more drafts
+
+
+def test_rounds_answered_close_behind_the_one_ahead_are_sent_ahead():
+    tuner = measured(0.9)
+    tuner.stages = 3
+    for n in (4, 8, 12) * 5:
+        tuner.timed(n, 0.109 + 0.003 * (n - 1))
+    for _ in range(3):
+        tuner.spaced(4, 0.004, queued=True)  # the hops at once: a few ms apart
+    assert tuner.plan(20)[1] > 1
+
+
+def test_a_round_that_may_have_come_on_its_own_time_only_bounds_what_one_behind_adds():
+    tuner = loopback()
+    tuner.spaced(3, 0.006, queued=True)
+    tuner.spaced(3, 0.116, queued=False)  # its own round trip explains it: no measure of cost
+    assert tuner.behind(3) < 0.010
+    tuner.spaced(3, 0.002, queued=False)  # but it came sooner than was thought possible
+    assert tuner.behind(3) < 0.003

@@ -93,9 +93,10 @@ class Decoding:
         self.tuner = tuner or Tuner()
         self.pool = pool if tuner is None and drafter is not None else None
         self.stats = SpeculationStats()
-        # in flight, with when each left if no round was ahead of it (then its time is its own),
-        # and the kind of its drafts
-        self.rounds: deque[tuple[Round, float | None, int]] = deque()
+        # in flight, with when each left, whether no round was ahead of it (then its time is
+        # its own), and the kind of its drafts
+        self.rounds: deque[tuple[Round, float, bool, int]] = deque()
+        self._answered: float | None = None  # when the last round's answer came
         self.plan: list[int] = []  # the drafts in flight, after the decided tokens
         self.stale = False  # rounds a rejection made stale went out before the next round
         self._rounds_seen = 0
@@ -150,7 +151,7 @@ class Decoding:
                 self.tuner.timed(1, time.perf_counter() - started)
             self.stale = False  # they were computed or dropped before it
             return [self._pick(logits, len(self.tokens))]
-        r, sent, kind = self.rounds.popleft()
+        r, sent, alone, kind = self.rounds.popleft()
         try:
             rows = self.session.round_logits(r, self.tuner.rows_read(len(r.ids), kind))
         except SwarmError as exc:
@@ -158,8 +159,16 @@ class Decoding:
             self.rounds.clear()
             self.plan.clear()
             return []
-        if sent is not None:
-            self.tuner.timed(len(r.ids), time.perf_counter() - sent)
+        answered, last = time.perf_counter(), self._answered
+        if alone:
+            self.tuner.timed(len(r.ids), answered - sent)
+        elif last is not None and sent < last:  # it went out behind the last answer's round
+            # alone, it would have come by then (give or take a round trip's jitter): so it
+            # came later only for the hops' work on the rounds ahead
+            alone_s = self.tuner.alone(len(r.ids))
+            queued = sent + alone_s <= last + 0.25 * alone_s
+            self.tuner.spaced(len(r.ids), answered - last, queued)
+        self._answered = answered
         out = self._check(r, rows, kind)
         if self.rounds and not self.plan:  # rejected: those behind it are stale
             self.rounds.clear()
@@ -219,7 +228,7 @@ class Decoding:
                 self.plan.clear()
                 return False
             alone = not self.rounds and not self.stale
-            self.rounds.append((r, time.perf_counter() if alone else None, kind))
+            self.rounds.append((r, time.perf_counter(), alone, kind))
             self.stale = False
             self.plan += drafts
         return bool(self.rounds)

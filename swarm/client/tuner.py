@@ -39,6 +39,9 @@ class Tuner:
         self.fitted = False
         self.step_s: float | None = None  # a plain step's seconds (decayed)
         self.stages = 1  # hops of the route: a round behind another waits for the slowest only
+        # decayed (weight, tokens, seconds) of the rounds answered behind another: how long
+        # after the answer ahead of them theirs came, what a round in flight adds to a cycle
+        self._spacing = (0.0, 0.0, 0.0)
         self.off_since = -1  # token count when speculation switched itself off, -1 if on
         # decayed (tokens, seconds) produced with rounds and with plain steps: what each paid
         self._produced = {True: (0.0, 0.0), False: (0.0, 0.0)}
@@ -84,6 +87,34 @@ class Tuner:
             self.per_token = max(0.0, (nt - n * t / one) / (sxx + self.SHRINK))
         self.latency = max(1e-4, t / one - self.per_token * (n / one - 1))
 
+    def alone(self, tokens: int) -> float:
+        """Seconds a round of `tokens` takes with none ahead of it, as fitted."""
+        return self.latency + (tokens - 1) * self.per_token
+
+    def spaced(self, tokens: int, seconds: float, queued: bool) -> None:
+        """A round of `tokens`, sent before the answer ahead of it came, answered `seconds`
+        after that answer; `queued`: alone, it would have come by then, so that `seconds` is
+        what the hops' work on it added behind the round ahead (where their compute, not the
+        wire, sets a round's time, as on a loopback route on shared cores, nearly its own
+        time). Else `seconds` only bounds that from above: its own round trip may explain it."""
+        w, n, t = self._spacing
+        if not queued:
+            if w < 1.0 or t / w <= seconds:
+                return
+            t = w * seconds  # an estimate above a bound: down to it
+            n = w * tokens
+        self._spacing = (self.DECAY * w + 1, self.DECAY * n + tokens, self.DECAY * t + seconds)
+
+    def behind(self, tokens: int) -> float:
+        """Seconds a round of `tokens` adds to a cycle sent behind another: as measured by
+        spacing where it was (adjusted to its size), else the slowest hop's share of its
+        cost."""
+        share = tokens * self.per_token / self.stages
+        w, n, t = self._spacing
+        if w < 1.0:
+            return share
+        return max(share, t / w + (tokens - n / w) * self.per_token / self.stages)
+
     def produced(self, speculating: bool, tokens: int, seconds: float) -> None:
         """`tokens` decided in `seconds` of the reply, by a round or by a plain step."""
         n, t = self._produced[speculating]
@@ -115,9 +146,10 @@ class Tuner:
             for m in range(1, (MAX_IN_FLIGHT if self.fitted else 1) + 1):
                 # round j is valid if every token before it was accepted
                 tokens = yields * sum(a ** ((k + 1) * j) for j in range(m))
-                # the first round pays its tokens at every hop; each behind it, at the
-                # slowest hop only (about 1/stages of them), the hops working at once
-                cost = k * self.per_token * (1 + (m - 1) / self.stages)
+                # the first round pays its tokens at every hop; each behind it what rounds
+                # behind another were measured to add (the slowest hop's share of its tokens
+                # until then: the hops working at once)
+                cost = k * self.per_token + (m - 1) * self.behind(k + 1)
                 rate = tokens / max(self.latency + cost, 1e-6)
                 if rate > best_rate * 1.05:
                     best, best_rate = (k, m), rate
