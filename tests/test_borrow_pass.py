@@ -4,6 +4,8 @@ connection), each layer's attention merged from both; the outputs are the unborr
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 import torch
 
@@ -38,10 +40,12 @@ class InProcessLender:
             self.table.lend(self.conn, "borrower", frame)
         self.lends += 1
 
-    def attend_sync(self, layer, upto, q, block):
+    def attend_soon(self, layer, upto, q, block):
         msg = attend_request("s" * 8, layer, upto, q, block)
         reply = attend(msg, *self.table.query(self.conn, msg))
-        return partial_of(reply, q.shape[0], block)
+        done = Future()
+        done.set_result(partial_of(reply, q.shape[0], block))
+        return done
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "gemma2", "gpt_oss"])

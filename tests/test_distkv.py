@@ -4,6 +4,9 @@ tokens are the unsplit model's. Real DHT, node processes, TLS."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -96,6 +99,55 @@ def lending_swarm(tiny_model_dir):
         raise
     yield nodes
     stop_all(nodes)
+
+
+@pytest.fixture
+def lone_borrower(tiny_model_dir):
+    """One node serving every block with a cache of 64 tokens, and a `--role cache` node."""
+    nodes = start_swarm([(0, 6)], model=str(tiny_model_dir), extra=[*exact_flags(ttl=20), *SHORT])
+    extra = [*exact_flags(ttl=20), "--role", "cache"]
+    nodes.append(start_node(None, nodes[0].maddrs[:1], model=str(tiny_model_dir), extra=extra))
+    try:
+        nodes[-1].wait_serving()
+    except BaseException:
+        stop_all(nodes)
+        raise
+    yield nodes
+    stop_all(nodes)
+
+
+def test_a_borrowing_session_waiting_on_its_lender_holds_no_other_sessions_steps(
+    lone_borrower, tiny_model_dir, tiny_reference
+):
+    cache = lone_borrower[-1]
+    client = _client(lone_borrower, tiny_model_dir)
+    stalled: dict = {}
+    try:
+        with client.session(len(PROMPT) + NEW) as long:
+            token = int(long.feed(PROMPT).argmax())  # 40 positions: 32 kept, 16 lent
+            os.kill(cache.proc.pid, signal.SIGSTOP)  # the lender answers nothing now
+            try:
+                waiting = threading.Thread(
+                    target=lambda: stalled.setdefault("logits", long.feed([token]))
+                )
+                waiting.start()
+                time.sleep(0.5)  # its step is in, each layer waiting on the lender
+                started = time.monotonic()
+                short = PROMPT[:8]
+                with client.session(len(short) + 4) as other:
+                    logits = other.feed(short)
+                    for _ in range(3):
+                        logits = other.feed([int(logits.argmax())])
+                other_s = time.monotonic() - started
+                pending = waiting.is_alive()
+            finally:
+                os.kill(cache.proc.pid, signal.SIGCONT)
+            waiting.join(60)
+    finally:
+        client.close()
+    assert pending and other_s < 10  # the other session's steps went on meanwhile
+    reference = reference_greedy(tiny_reference, PROMPT, 2)
+    assert [token, int(stalled["logits"].argmax())] == reference  # and the long one, after
 
 
 # the next test kills the lending swarm's cache node: this one runs first

@@ -15,12 +15,14 @@ The lender: the first online node of the DHT, other than this one, that takes th
 `--role cache` nodes first, then the most free cache tokens. One connection per session; what
 it lent goes with it. A lender that fails fails the session, which the client replays as when
 a node dies. The pass runs in a compute lane as any other; its lender's round trips go through
-the trio thread (`trio.from_thread`), the lane waiting for them.
+the trio thread (`trio.from_thread`), the lane computing a layer's local piece meanwhile, then
+waiting for the lender's.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -149,7 +151,7 @@ def partial_of(reply: LentPartial, rows: int, block: Block) -> Partial:
 
 class Lender:
     """One session's connection to its lender, driven from the trio thread; a compute lane
-    calls the `*_sync` methods."""
+    calls `lend_sync` and `attend_soon`."""
 
     def __init__(self, ctx: SessionContext, sid: str):
         self.ctx, self.sid = ctx, sid
@@ -165,8 +167,19 @@ class Lender:
     def lend_sync(self, cache: BorrowedCache, n: int) -> None:
         trio.from_thread.run(self.lend, cache, n, trio_token=self.token)
 
-    def attend_sync(self, layer: int, upto: int, q: torch.Tensor, block: Block) -> Partial:
-        return trio.from_thread.run(self.attend, layer, upto, q, block, trio_token=self.token)
+    def attend_soon(self, layer: int, upto: int, q: torch.Tensor, block: Block) -> Future:
+        """`attend`, started from a compute thread, which goes on meanwhile (the local piece
+        of the layer's attention) and takes the lender's piece from the Future after."""
+        done: Future = Future()
+
+        async def run() -> None:
+            try:
+                done.set_result(await self.attend(layer, upto, q, block))
+            except BaseException as exc:  # noqa: BLE001 (the compute thread raises it)
+                done.set_exception(exc)
+
+        trio.from_thread.run_sync(trio.lowlevel.spawn_system_task, run, trio_token=self.token)
+        return done
 
     async def lend(self, cache: BorrowedCache, n: int) -> None:
         """Send the `n` oldest local positions of every lending layer; the first time, to the
@@ -321,9 +334,11 @@ def _attend_layer(block, cache: BorrowedCache, lender: Lender, layer, x, pos, co
     if n > 1:  # each row sees the positions up to its own
         mask = torch.arange(cache.offset, pos + n) <= torch.arange(pos, pos + n)[:, None]
     keys, values = k_cache[0, :, : lo + n], v_cache[0, :, : lo + n]
+    # the lender computes its piece while this thread computes the local one
+    lent = lender.attend_soon(layer, cache.offset, q, block) if cache.offset else None
     parts = [partial_attention(q, keys, values, c.scale, mask, c.attn_softcap)]
-    if cache.offset:
-        parts.append(lender.attend_sync(layer, cache.offset, q, block))
+    if lent is not None:
+        parts.append(lent.result())
     if block.sinks is not None:
         parts.append(sink_partial(block.sinks, n, c.head_dim))
     out, _ = merge(parts)

@@ -140,8 +140,8 @@ class StepWork:
             if step.spec is not None:  # a verification round: its drafts may be rejected
                 cache.rewind(step.pos)
                 cache.keep_for_rewind(step.pos, hidden.shape[1], MAX_REWIND)
-            if self.lender is not None:  # alone: each layer waits for the lender's piece
-                done = await compute.run(DECODE, self._pass(cache, step.pos, hidden, step.ids), 1)
+            if self.lender is not None:  # aside: each layer waits for the lender's piece
+                done = await compute.aside(self._pass(cache, step.pos, hidden, step.ids), 1)
             elif hidden.shape[1] == 1:  # joins other sessions' steps through the same blocks
                 run = functools.partial(decode_pass, span, self.start, self.end)
                 item = DecodeItem(cache, step.pos, hidden, step.ids)
