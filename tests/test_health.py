@@ -186,6 +186,22 @@ def test_page_shows_sessions_moved_with_their_caches_and_transfers_in_flight():
     assert (nodes["r"]["moved_in"], nodes["l"]["transfers"], nodes["q"]["moved_out"]) == (4, 1, 0)
 
 
+def test_page_and_json_show_kv_blocks_lent_and_sessions_borrowing():
+    lender = rec("c", 0, 4, lent_mb=12.5)
+    borrower = rec("b", 4, 8, borrowing=2)
+    quiet = rec("q", 0, 8)
+    snap = Snapshot(
+        taken_at=1001.0,
+        dht=DhtStatus("ok", 1001.0, 0.01),
+        models=(view(lender, borrower, quiet),),
+    )
+    page = render_page(snap, 10)
+    badges = re.findall(r'<span class="muted lending"[^>]*>· ([^<]*)</span>', page)
+    assert sorted(badges) == ["2 borrowing", "lends 12.5 MB"]
+    nodes = {n["peer"]: n for n in snap.to_json()["models"][0]["nodes"]}
+    assert (nodes["c"]["lent_mb"], nodes["b"]["borrowing"], nodes["q"]["lent_mb"]) == (12.5, 2, 0)
+
+
 def test_page_and_json_show_prefill_and_decode_roles():
     snap = Snapshot(
         taken_at=1001.0,

@@ -8,8 +8,9 @@ from __future__ import annotations
 import time
 from html import escape
 
+from swarm.health.badges import kv_lending, moved, reported, role, throttled
 from swarm.health.snapshot import EXPIRED, ModelView, NodeView, Snapshot, short_peer
-from swarm.records import BOTH, DECODE, MAX_TTL_S, PREFILL, Reported, format_blocks
+from swarm.records import format_blocks
 
 # numbers inside the bar's cells stop fitting beyond this many blocks; the tooltip keeps them
 MAX_LABELLED_BLOCKS = 48
@@ -248,51 +249,6 @@ def _group(nodes: list[NodeView], num_layers: int) -> str:
     )
 
 
-def _throttled(n: int) -> str:
-    if n <= 0:
-        return ""
-    return (
-        ' <span class="warn throttled" title="opens and connections refused, sessions evicted,'
-        f' in the last minute: someone wants more than a fair share">· {n:,} turned away</span>'
-    )
-
-
-def _moved(r) -> str:
-    """Sessions whose caches moved between nodes (a leaving node hands them over)."""
-    if not (r.moved_in or r.moved_out or r.transfers):
-        return ""
-    parts = [f"{r.moved_in} in", f"{r.moved_out} out"]
-    if r.transfers:
-        parts.append(f"{r.transfers} moving")
-    return (
-        ' <span class="muted moved" title="sessions handed over with their caches by leaving'
-        f' nodes (in) and to replicas (out), and transfers in flight">· moved'
-        f" {', '.join(parts)}</span>"
-    )
-
-
-def _role(role: str) -> str:
-    if role == BOTH:
-        return ""
-    title = {
-        PREFILL: "takes long prompts, then hands each session with its cache to a decode node",
-        DECODE: "decodes; takes no prompts meant for prefill nodes",
-    }.get(role, "")
-    return f' <span class="badge role" title="{title}">{escape(role)}</span>'
-
-
-def _reported(r: Reported | None) -> str:
-    if r is None:
-        return ""
-    k = len(r.reporters)
-    title = (
-        f"clients' checks (signed by {k} distinct key{'s' if k != 1 else ''}) found its"
-        f" activations outvoted by other routes on blocks {format_blocks(r.blocks)} in the last"
-        f" {MAX_TTL_S / 60:.0f} min; anyone can make a key: a signal, not a verdict"
-    )
-    return f' <span class="badge reported warn" title="{escape(title)}">reported by {k}</span>'
-
-
 def _row(n: NodeView, num_layers: int) -> str:
     r = n.record
     left = 100.0 * r.start / max(num_layers, 1)
@@ -303,7 +259,7 @@ def _row(n: NodeView, num_layers: int) -> str:
             ' <span class="badge s-unreachable" title="fingerprint differs from the model">'
             "other weights</span>"
         )
-    state += _reported(n.reported) + _role(r.role)
+    state += reported(n.reported) + role(r.role)
     if n.reach is None:
         rtt = '<span class="muted">—</span>'
     elif n.reach.reachable:
@@ -337,9 +293,9 @@ def _row(n: NodeView, num_layers: int) -> str:
         escape(r.version[:32]),
         f"<code>{escape(r.weights)}</code>",
         f"{_num(r.throughput)} tok/s",
-        f"{r.free_cache_tokens:,}",
+        f"{r.free_cache_tokens:,}" + kv_lending(r),
         f'{r.sessions} <span class="muted" title="decode steps per pass, on average">'
-        f"· batch {r.decode_batch:.1f}</span>" + _throttled(r.throttled) + _moved(r),
+        f"· batch {r.decode_batch:.1f}</span>" + throttled(r.throttled) + moved(r),
         _link(r.link),
         rtt,
         refreshed,

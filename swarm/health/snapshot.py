@@ -70,6 +70,8 @@ class NodeView:
             "moved_in": r.moved_in,
             "moved_out": r.moved_out,
             "transfers": r.transfers,
+            "lent_mb": r.lent_mb,  # KV blocks it holds for other nodes' sessions
+            "borrowing": r.borrowing,  # its sessions whose oldest KV blocks are at a lender
             "role": r.role,  # both, prefill (hands its sessions on to decode nodes), decode
             "link": dict(r.link),
             "tls": r.tls,  # the key id it proves; "" when it runs --plaintext
