@@ -38,7 +38,15 @@ ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
+    "GptOssForCausalLM",
 )
+# the tiny gpt-oss as llama.cpp computes one, which is all its file can describe
+# (devtools.gguf_gptoss): YaRN's ramp ends rounded, the clamp at llama.cpp's 7
+AS_LLAMA_CPP = {
+    "gpt_oss": lambda config: dict(
+        rope_parameters={**config.rope_parameters, "truncate": True}, swiglu_limit=7.0
+    )
+}
 
 
 def run_their_converter(llama_cpp: Path, hf_dir: Path, out: Path, qtype: str) -> None:
@@ -141,17 +149,18 @@ def main() -> None:
     parser.add_argument("llama_cpp", type=Path)
     parser.add_argument("--qtype", default="F32", choices=["F32", "F16", "BF16", "Q8_0"])
     parser.add_argument("--llama-cpp-python", help="an interpreter with llama-cpp-python")
-    parser.add_argument("--families", nargs="*", help="these of swarm.model.tiny's only")
+    parser.add_argument("--families", nargs="*", help="these of swarm.model.tiny's (gpt_oss too)")
     args = parser.parse_args()
 
     from devtools.hf_to_gguf import write_gguf
-    from swarm.model.tiny import FAMILIES, MOE_FAMILIES, save_tiny, save_tiny_tokenizer
+    from swarm.model.tiny import FAMILIES, MOE_FAMILIES, save_tiny, save_tiny_tokenizer, tiny_config
 
     for family in args.families or FAMILIES + MOE_FAMILIES:
         with tempfile.TemporaryDirectory() as tmp:
             # llama.cpp looks Phi-3's special tokens up by the file's name, which is the folder's
             hf_dir = Path(tmp) / f"tiny-{family.replace('phi3', 'p3')}"
-            model = save_tiny(family, hf_dir)
+            change = AS_LLAMA_CPP.get(family, lambda _: {})(tiny_config(family))
+            model = save_tiny(family, hf_dir, **change)
             save_tiny_tokenizer(hf_dir)  # Gemma 3's converter sizes the embedding by it
             mine = write_gguf(hf_dir, Path(tmp) / "mine.gguf", args.qtype)
             run_their_converter(args.llama_cpp, hf_dir, Path(tmp) / "theirs.gguf", args.qtype)

@@ -27,7 +27,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from devtools import gguf_qwen35
+from devtools import gguf_gptoss, gguf_qwen35
 from devtools.gguf_latent import latent_fields, latent_unwritten, split_kv_b
 from devtools.gguf_tables import (
     ALWAYS_F32,
@@ -49,7 +49,12 @@ QTYPES = {
     "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
 _K = gguf.Keys
-YARN_FAMILIES = ("llama", "qwen2", "qwen3")  # whose YaRN llama.cpp's converter writes as keys
+YARN_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gpt_oss",
+)  # whose YaRN llama.cpp's converter writes as keys
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -115,6 +120,11 @@ def check_convertible(name: str, config: dict) -> None:
         try:
             gguf_qwen35.interval(config)
         except gguf_qwen35.QwenUnconvertible as exc:
+            raise UnsupportedCheckpoint(f"{name}: {exc}") from exc
+    if FAMILIES[name].sinks:
+        try:
+            gguf_gptoss.check(config)
+        except gguf_gptoss.GptOssUnconvertible as exc:
             raise UnsupportedCheckpoint(f"{name}: {exc}") from exc
     rope_type = _rope(config).get("rope_type", "default")
     allowed = {"default", "llama3"} if name == "llama" else {"default"}
@@ -217,6 +227,7 @@ def family_fields(name: str, config: dict) -> dict[str, int | float]:
         fields[_K.Rope.SCALING_ORIG_CTX_LEN] = config["original_max_position_embeddings"]
     fields |= latent_fields(config) if family.latent else expert_fields(name, config)
     fields |= gguf_qwen35.fields(config) if family.delta else {}
+    fields |= gguf_gptoss.fields(config) if family.sinks else {}
     return {keys(key): value for key, value in fields.items()}
 
 
@@ -339,6 +350,9 @@ def gguf_tensors(family: Family, config: dict, state: dict[str, np.ndarray]):
             continue
         if family.delta:
             hf_name, array = gguf_qwen35.tensor(hf_name, array, config)
+        if family.sinks and (split := gguf_gptoss.tensors(hf_name, array)) is not None:
+            yield from ((n, np.ascontiguousarray(a, dtype=np.float32)) for n, a in split)
+            continue
         name = gguf_name(family, hf_name)
         if family.permute_qk and ".attn_q." in name:
             array = interleave_rope_rows(array, heads)

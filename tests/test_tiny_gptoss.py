@@ -1,21 +1,35 @@
 """A tiny random gpt-oss (sinks, sliding and full layers by turns, YaRN, 8 biased experts with
 a clamped SwiGLU) gives transformers' greedy tokens at float32, split or not, batched, and
-through real nodes; each of its switches changes what it computes."""
+through real nodes, from its safetensors folder and from a GGUF written as llama.cpp's converter
+writes it; each of its switches changes what it computes."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from swarm.model import gptoss
-from swarm.model.families import family_of
+from devtools.hf_to_gguf import UnsupportedCheckpoint, write_gguf
 from swarm.model.source import open_model
-from swarm.model.tiny import reference_greedy, save_tiny
+from swarm.model.tiny import reference_greedy, save_tiny, save_tiny_tokenizer
 from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, nodes_greedy, split_greedy
-from tests.helpers.tiny import assert_four_sessions_batch_alike, changed_copy
+from tests.helpers.tiny import assert_four_sessions_batch_alike, changed_copy, variant
 
 PROMPT, NEW_TOKENS = FAMILY_PROMPT, FAMILY_NEW_TOKENS
 # layers 0 and 2 slide (window 8), 1 and 3 see all: the 3-way split cuts between the kinds
 SPLITS = {1: [(0, 4)], 2: [(0, 1), (1, 4)], 3: [(0, 1), (1, 2), (2, 4)]}
+
+
+# what llama.cpp's gpt-oss computes, which its file cannot say otherwise: YaRN's ramp ends
+# rounded to whole dims, the clamp at 7 (its code's constant)
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=150000.0,
+    factor=4.0,
+    original_max_position_embeddings=32,
+    beta_fast=32.0,
+    beta_slow=1.0,
+)
+AS_LLAMA_CPP = dict(rope_parameters={**YARN, "truncate": True}, swiglu_limit=7.0)
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +38,23 @@ def made(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpt_oss")
     model = save_tiny("gpt_oss", folder)
     return model, folder, reference_greedy(model, PROMPT, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def as_gguf(tmp_path_factory):
+    """(reference model, its F32 GGUF written as llama.cpp writes it, the greedy tokens) of a
+    tiny gpt-oss as llama.cpp computes one (AS_LLAMA_CPP); its experts' gate/up doubled, so
+    that a clamp at 7 changes the tokens here too."""
+    folder = tmp_path_factory.mktemp("gpt_oss_gguf")
+    model = save_tiny("gpt_oss", folder, **AS_LLAMA_CPP)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "gate_up_proj" in name:
+                p.mul_(2.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    save_tiny_tokenizer(folder)
+    path = write_gguf(folder, tmp_path_factory.mktemp("gguf") / "gpt_oss.gguf")
+    return model, path, reference_greedy(model, PROMPT, NEW_TOKENS)
 
 
 def test_the_config_has_sinks_windows_by_turns_and_the_clamped_router(made):
@@ -92,7 +123,65 @@ def test_three_nodes_split_between_sliding_and_full_layers_give_transformers_tok
     assert nodes_greedy(str(folder), SPLITS[3], PROMPT, NEW_TOKENS) == want
 
 
-def test_a_gpt_oss_gguf_is_refused_by_name_until_one_is_verified():
-    family = family_of("gpt-oss", gguf=True, where="x.gguf", moe=True)
-    with pytest.raises(ValueError, match="gpt-oss GGUF files are not verified yet"):
-        gptoss.gguf_fields(family, lambda *a: None, "gpt-oss")
+def test_a_gguf_reads_as_llama_cpp_s_gpt_oss_config(as_gguf):
+    _, path, _ = as_gguf
+    c = open_model(str(path)).config
+    assert (c.family, c.sinks, c.router) == ("gpt_oss", True, "topk_softmax")
+    assert c.windows == (8, None, 8, None)  # llama.cpp: every second layer full
+    assert (c.experts, c.experts_used, c.swiglu_limit, c.swiglu_alpha) == (8, 3, 7.0, 1.702)
+    assert c.rope.yarn is not None and c.rope.yarn.truncate
+
+
+@pytest.mark.parametrize("ways", [1, 2, 3])
+def test_a_gguf_split_gives_transformers_greedy_tokens(as_gguf, ways):
+    _, path, want = as_gguf
+    assert split_greedy(path, SPLITS[ways], [PROMPT], NEW_TOKENS) == [want]
+
+
+def test_four_batched_sessions_from_a_gguf_each_get_their_own_tokens(as_gguf):
+    model, path, _ = as_gguf
+    assert_four_sessions_batch_alike(model, path, PROMPT, SPLITS[3])
+
+
+@pytest.mark.parametrize(
+    "change",
+    [dict(rope_parameters={**YARN, "truncate": False}), dict(swiglu_limit=1e6)],
+    ids=["yarn-unrounded", "no-clamp"],
+)
+def test_what_llama_cpp_fixes_changes_the_gguf_fixture_s_tokens(as_gguf, change):
+    model, _, want = as_gguf
+    assert reference_greedy(variant(model, **change), PROMPT, NEW_TOKENS) != want
+
+
+def test_every_tensor_of_every_gguf_block_is_consumed(as_gguf):
+    from swarm.model.blocks import Block
+
+    _, path, _ = as_gguf
+    source = open_model(str(path))
+    for i in range(source.config.num_layers):
+        raw = source.block_raw(i)
+        Block.load(source.config, i, raw, "float32", None)
+        assert not raw.unread()
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (dict(swiglu_limit=2.0), "swiglu limit 2.0"),
+        (dict(rope_parameters={**YARN, "truncate": False}), "truncate"),
+        (dict(layer_types=["full_attention", "sliding_attention"] * 2), "layer types"),
+    ],
+)
+def test_a_checkpoint_llama_cpp_would_compute_otherwise_is_not_converted(
+    made, tmp_path, change, named
+):
+    _, folder, _ = made
+    other = changed_copy(folder, tmp_path, config_change={**AS_LLAMA_CPP, **change})
+    with pytest.raises(UnsupportedCheckpoint, match=named):
+        write_gguf(other, tmp_path / "x.gguf")
+
+
+@pytest.mark.slow
+def test_three_nodes_from_a_gguf_give_transformers_tokens(as_gguf):
+    _, path, want = as_gguf
+    assert nodes_greedy(str(path), SPLITS[3], PROMPT, NEW_TOKENS) == want

@@ -106,7 +106,8 @@ FAMILIES = {
             gguf_topk_norm=True,
         ),
         Family("deepseek_v3", ("deepseek_v3", "kimi_k2"), ("deepseek2",), moe=True, latent=True),
-        Family("gpt_oss", ("gpt_oss",), ("gpt-oss",), moe=True, sinks=True),
+        # llama.cpp's gpt-oss: every second layer full (config.json names each layer's kind)
+        Family("gpt_oss", ("gpt_oss",), ("gpt-oss",), moe=True, sinks=True, window_period=2),
         Family(
             "gemma2", ("gemma2",), ("gemma2",), **_GEMMA, window_period=2, softcaps=(50.0, 30.0)
         ),

@@ -45,13 +45,8 @@ def hf_fields(family, cfg: dict, where: str) -> dict:
 
 
 def gguf_fields(family, field, arch: str) -> dict:
-    """A gpt-oss GGUF's fields (none for another family). Refused for now: its names are in
-    the table, but no test has checked a converted file against transformers (llama.cpp rounds
-    YaRN's ramp where gpt-oss's config says not to; its experts are MXFP4), and a file that
-    loads but computes wrongly is worse than one refused by name."""
+    """A gpt-oss GGUF's fields (none for another family): llama.cpp stores no swiglu limit or
+    alpha (its code fixes gpt-oss's 7.0 and 1.702), and its router is gpt-oss's."""
     if not family.sinks:
         return {}
-    raise ValueError(
-        f"{arch} GGUF files are not verified yet (YaRN's rounding, MXFP4 experts): serve a"
-        " gpt-oss safetensors folder (bfloat16) instead"
-    )
+    return dict(sinks=True, router="topk_softmax", swiglu_limit=LIMIT, swiglu_alpha=ALPHA)

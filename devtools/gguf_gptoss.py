@@ -1,0 +1,70 @@
+"""gpt-oss's part of hf_to_gguf.py, as llama.cpp's converter writes it (its conversion package's
+gpt_oss.py: GptOssModel, arch `gpt-oss`), for a checkpoint whose experts are not MXFP4.
+
+Keys beside the common ones: attention.key_length / value_length (head_dim), sliding_window,
+expert_feed_forward_length (intermediate_size), YaRN's. Tensors: the sinks as
+`attn_sinks.weight`, the router with its bias, each layer's stacked gate_up_proj
+([experts, hidden, 2 x width], gate and up interleaved by column) split into ffn_gate_exps and
+ffn_up_exps ([experts, width, hidden]: gate the even columns, up the odd, transposed) with their
+biases, down_proj transposed into ffn_down_exps. llama.cpp stores no layer kinds (every second
+layer full), no swiglu_limit or alpha (7.0 and 1.702 in its code) and no YaRN `truncate` (it
+always rounds the ramp's ends): a checkpoint that differs would be another model, and is refused.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+_K = gguf.Keys
+LIMIT, ALPHA = 7.0, 1.702  # llama.cpp's llm_graph_context::build_moe_ffn, SWIGLU_OAI_MOE
+
+
+class GptOssUnconvertible(ValueError):
+    """A gpt-oss checkpoint llama.cpp's file would describe as another model."""
+
+
+def check(config: dict) -> None:
+    """GptOssUnconvertible naming what llama.cpp fixes that `config` sets otherwise."""
+    types = config.get("layer_types") or []
+    if types != ["sliding_attention", "full_attention"] * (len(types) // 2) or len(types) % 2:
+        raise GptOssUnconvertible(f"layer types {types}: llama.cpp makes every second one full")
+    limit, alpha = config.get("swiglu_limit", LIMIT), config.get("swiglu_alpha", ALPHA)
+    if (float(limit), float(alpha)) != (LIMIT, ALPHA):
+        raise GptOssUnconvertible(f"swiglu limit {limit}, alpha {alpha}: llama.cpp fixes 7, 1.702")
+    if config.get("quantization_config"):
+        raise GptOssUnconvertible("experts quantized in config.json's format: not read here")
+
+
+def fields(config: dict) -> dict[str, int]:
+    """The key llama.cpp writes beside the common ones and the family's (`{arch}` left in)."""
+    return {_K.LLM.EXPERT_FEED_FORWARD_LENGTH: config["intermediate_size"]}
+
+
+def tensors(hf_name: str, array: np.ndarray):
+    """(GGUF name, array) for a gpt-oss checkpoint tensor: the experts split and transposed,
+    the sinks named; None for a tensor named as any other family's (attention, norms)."""
+    if not hf_name.startswith("model.layers."):
+        return None
+    block, _, local = hf_name.removeprefix("model.layers.").partition(".")
+    blk = f"blk.{block}"
+    if local == "self_attn.sinks":
+        return [(f"{blk}.attn_sinks.weight", array)]
+    if local in ("mlp.router.weight", "mlp.router.bias"):
+        return [(f"{blk}.ffn_gate_inp.{local.rpartition('.')[2]}", array)]
+    if local == "mlp.experts.gate_up_proj":
+        rows = np.swapaxes(array, -1, -2)  # [experts, 2 x width, hidden]
+        return [
+            (f"{blk}.ffn_gate_exps.weight", rows[:, ::2]),
+            (f"{blk}.ffn_up_exps.weight", rows[:, 1::2]),
+        ]
+    if local == "mlp.experts.gate_up_proj_bias":
+        return [
+            (f"{blk}.ffn_gate_exps.bias", array[..., ::2]),
+            (f"{blk}.ffn_up_exps.bias", array[..., 1::2]),
+        ]
+    if local == "mlp.experts.down_proj":
+        return [(f"{blk}.ffn_down_exps.weight", np.swapaxes(array, -1, -2))]
+    if local == "mlp.experts.down_proj_bias":
+        return [(f"{blk}.ffn_down_exps.bias", array)]
+    return None
