@@ -11,9 +11,10 @@ so the file describes the model transformers computes.
 
 Mixture-of-experts checkpoints hold one tensor per expert; the file stacks each block's experts
 into 3-D tensors (`blk.N.ffn_{gate,up,down}_exps`, [expert, rows, columns], quantized row by row
-as any matrix) and keeps the router (`ffn_gate_inp`) F32.
+as any matrix) and keeps the router (`ffn_gate_inp`) F32. `--qtype MXFP4` writes llama.cpp's
+MXFP4_MOE: the experts' matrices MXFP4 (gguf-py's quantizer), all else F32.
 
-Usage: python -m devtools.hf_to_gguf HF_DIR OUT.gguf [--qtype F32|F16|BF16|Q8_0]
+Usage: python -m devtools.hf_to_gguf HF_DIR OUT.gguf [--qtype F32|F16|BF16|Q8_0|MXFP4]
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ QTYPES = {
     "F16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
     "BF16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "MXFP4": (gguf.GGMLQuantizationType.MXFP4, gguf.LlamaFileType.MOSTLY_MXFP4_MOE),
 }
 _K = gguf.Keys
 YARN_FAMILIES = (
@@ -421,11 +423,13 @@ def llama3_rope_factors(config: dict) -> np.ndarray:
 def encode(
     name: str, array: np.ndarray, qtype: str
 ) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-    """The tensor's bytes in the file: F32 for 1-D tensors, norms and routers, `qtype` for the
-    rest (a 3-D tensor of experts too: its rows are quantized as any matrix's), F16 where the
-    rows do not split into `qtype`'s blocks."""
+    """The tensor's bytes in the file: F32 for 1-D tensors, norms, routers and anything not a
+    `.weight` (gpt-oss's 2-D expert biases), `qtype` for the rest (a 3-D tensor of experts too:
+    its rows are quantized as any matrix's), F16 where the rows do not split into its blocks."""
     kind = QTYPES[qtype][0]
-    if array.ndim <= 1 or name.endswith("_norm.weight") or name.split(".")[-2] in ALWAYS_F32:
+    f32 = name.endswith("_norm.weight") or not name.endswith(".weight")
+    f32 |= qtype == "MXFP4" and "_exps." not in name
+    if array.ndim <= 1 or f32 or name.split(".")[-2] in ALWAYS_F32:
         kind = gguf.GGMLQuantizationType.F32
     try:
         return gguf.quants.quantize(array, kind), kind

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devtools import gguf_check
 from devtools.hf_to_gguf import UnsupportedCheckpoint, write_gguf
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny, save_tiny_tokenizer
@@ -54,7 +55,30 @@ def as_gguf(tmp_path_factory):
     model.save_pretrained(folder, safe_serialization=True)
     save_tiny_tokenizer(folder)
     path = write_gguf(folder, tmp_path_factory.mktemp("gguf") / "gpt_oss.gguf")
-    return model, path, reference_greedy(model, PROMPT, NEW_TOKENS)
+    return model, path, reference_greedy(model, PROMPT, NEW_TOKENS), folder
+
+
+@pytest.fixture(scope="module")
+def as_mxfp4(as_gguf, tmp_path_factory):
+    """(transformers model with the experts' MXFP4-rounded weights, the MXFP4_MOE GGUF, its
+    greedy tokens): the file's experts dequantized by gguf-py and put back in config.json's
+    layout (gate in the even columns of gate_up, up in the odd; down transposed)."""
+    model, _, _, folder = as_gguf
+    path = write_gguf(folder, tmp_path_factory.mktemp("mxfp4") / "gpt_oss.gguf", "MXFP4")
+    tensors = gguf_check.dequantized(path)
+    rounded = variant(model)
+    state = rounded.state_dict()
+    for i in range(rounded.config.num_hidden_layers):
+        gate, up, down = (
+            torch.from_numpy(tensors[f"blk.{i}.ffn_{p}_exps.weight"]).transpose(1, 2)
+            for p in ("gate", "up", "down")
+        )
+        experts = f"model.layers.{i}.mlp.experts"
+        state[f"{experts}.gate_up_proj"][..., ::2] = gate
+        state[f"{experts}.gate_up_proj"][..., 1::2] = up
+        state[f"{experts}.down_proj"].copy_(down)
+    rounded.load_state_dict(state)
+    return rounded, path, reference_greedy(rounded, PROMPT, NEW_TOKENS)
 
 
 def test_the_config_has_sinks_windows_by_turns_and_the_clamped_router(made):
@@ -124,7 +148,7 @@ def test_three_nodes_split_between_sliding_and_full_layers_give_transformers_tok
 
 
 def test_a_gguf_reads_as_llama_cpp_s_gpt_oss_config(as_gguf):
-    _, path, _ = as_gguf
+    _, path, _, _ = as_gguf
     c = open_model(str(path)).config
     assert (c.family, c.sinks, c.router) == ("gpt_oss", True, "topk_softmax")
     assert c.windows == (8, None, 8, None)  # llama.cpp: every second layer full
@@ -134,12 +158,12 @@ def test_a_gguf_reads_as_llama_cpp_s_gpt_oss_config(as_gguf):
 
 @pytest.mark.parametrize("ways", [1, 2, 3])
 def test_a_gguf_split_gives_transformers_greedy_tokens(as_gguf, ways):
-    _, path, want = as_gguf
+    _, path, want, _ = as_gguf
     assert split_greedy(path, SPLITS[ways], [PROMPT], NEW_TOKENS) == [want]
 
 
 def test_four_batched_sessions_from_a_gguf_each_get_their_own_tokens(as_gguf):
-    model, path, _ = as_gguf
+    model, path, _, _ = as_gguf
     assert_four_sessions_batch_alike(model, path, PROMPT, SPLITS[3])
 
 
@@ -149,14 +173,14 @@ def test_four_batched_sessions_from_a_gguf_each_get_their_own_tokens(as_gguf):
     ids=["yarn-unrounded", "no-clamp"],
 )
 def test_what_llama_cpp_fixes_changes_the_gguf_fixture_s_tokens(as_gguf, change):
-    model, _, want = as_gguf
+    model, _, want, _ = as_gguf
     assert reference_greedy(variant(model, **change), PROMPT, NEW_TOKENS) != want
 
 
 def test_every_tensor_of_every_gguf_block_is_consumed(as_gguf):
     from swarm.model.blocks import Block
 
-    _, path, _ = as_gguf
+    _, path, _, _ = as_gguf
     source = open_model(str(path))
     for i in range(source.config.num_layers):
         raw = source.block_raw(i)
@@ -183,5 +207,41 @@ def test_a_checkpoint_llama_cpp_would_compute_otherwise_is_not_converted(
 
 @pytest.mark.slow
 def test_three_nodes_from_a_gguf_give_transformers_tokens(as_gguf):
-    _, path, want = as_gguf
+    _, path, want, _ = as_gguf
     assert nodes_greedy(str(path), SPLITS[3], PROMPT, NEW_TOKENS) == want
+
+
+def test_the_mxfp4_file_keeps_the_experts_in_mxfp4_and_rounds_them(as_gguf, as_mxfp4):
+    import gguf
+
+    rounded, path, _ = as_mxfp4
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert {k for n, k in kinds.items() if n.endswith("_exps.weight")} == {"MXFP4"}
+    assert {k for n, k in kinds.items() if not n.endswith("_exps.weight")} == {"F32"}
+    before = as_gguf[0].state_dict()["model.layers.0.mlp.experts.down_proj"]
+    assert not torch.equal(rounded.state_dict()["model.layers.0.mlp.experts.down_proj"], before)
+
+
+@pytest.mark.parametrize("ways", [1, 3])
+def test_mxfp4_experts_dequantized_give_transformers_tokens_on_the_same_weights(as_mxfp4, ways):
+    _, path, want = as_mxfp4
+    assert split_greedy(path, SPLITS[ways], [PROMPT], NEW_TOKENS) == [want]
+
+
+def test_mxfp4_experts_on_swarm_s_kernels_compute_what_their_float32_weights_give(as_mxfp4):
+    from swarm.model import kernels
+    from swarm.model.blocks import Block
+    from swarm.model.linear import Blocks
+
+    if kernels.load() is None:
+        pytest.skip("swarm's kernels do not load here")
+    _, path, _ = as_mxfp4
+    source = open_model(str(path))
+    x = torch.randn(5, source.config.hidden)
+    for i in range(source.config.num_layers):
+        on_kernels = Block.load(source.config, i, source.block_raw(i), "auto", None, 2).mlp
+        exact = Block.load(source.config, i, source.block_raw(i), "float32", None).mlp
+        linears = [lin for mlp in on_kernels.experts for lin in mlp.linears]
+        assert all(isinstance(lin, Blocks) and lin.kind == "MXFP4" for lin in linears)
+        want = exact(x)
+        assert (on_kernels(x) - want).abs().max() < 1e-3 * want.abs().max()
