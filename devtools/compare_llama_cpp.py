@@ -13,7 +13,12 @@ of our files in llama.cpp and prints the largest logit difference from transform
 and Phi-3 without their windows, so those differ past them. Past F32, the mixtures of experts
 differ by whole logits wherever rounding swaps an expert.
 
-Usage: python -m devtools.compare_llama_cpp LLAMA_CPP_DIR [--qtype F32|F16|Q8_0]
+With --qtype MXFP4 (gpt_oss only), llama.cpp's converter is given what it writes MXFP4 from: a
+config.json checkpoint with transformers' MXFP4 experts (`_blocks`: two codes a byte, the even
+element's in the low nibble; `_scales`: E8M0 bytes), made from the same codes gguf-py's quantizer
+gave ours, so identical files say both read the layout alike.
+
+Usage: python -m devtools.compare_llama_cpp LLAMA_CPP_DIR [--qtype F32|F16|Q8_0|MXFP4]
                                             [--llama-cpp-python PYTHON] [--families F ...]
 """
 
@@ -77,6 +82,37 @@ def _as_converter(llama_cpp: str, argv: list[str]) -> None:
                 cls.set_vocab = placeholder_vocab
     sys.argv = ["convert_hf_to_gguf.py", *argv]
     convert_hf_to_gguf.main()
+
+
+def as_mxfp4_checkpoint(hf_dir: Path, out: Path) -> Path:
+    """A copy of the gpt-oss folder `hf_dir` with its experts in config.json's MXFP4 layout."""
+    import json
+    import shutil
+
+    import gguf
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf_dir, out)
+    state = {}
+    for name, w in load_file(hf_dir / "model.safetensors").items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            state[name] = w
+            continue
+        rows = w.transpose(1, 2).contiguous()  # [experts, out, in]
+        q = gguf.quants.quantize(
+            rows.reshape(-1, rows.shape[-1]).numpy(), gguf.GGMLQuantizationType.MXFP4
+        )
+        q = q.reshape(*rows.shape[:2], -1, 17)
+        codes = np.concatenate([q[..., 1:] & 15, q[..., 1:] >> 4], axis=-1)  # elements 0..31
+        pairs = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        state[f"{name}_blocks"] = torch.from_numpy(np.ascontiguousarray(pairs))
+        state[f"{name}_scales"] = torch.from_numpy(np.ascontiguousarray(q[..., 0]))
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
 
 
 def differences(mine: Path, theirs: Path) -> dict[str, object]:
@@ -147,7 +183,7 @@ def main() -> None:
         return _as_converter(sys.argv[2], sys.argv[3:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("llama_cpp", type=Path)
-    parser.add_argument("--qtype", default="F32", choices=["F32", "F16", "BF16", "Q8_0"])
+    parser.add_argument("--qtype", default="F32", choices=["F32", "F16", "BF16", "Q8_0", "MXFP4"])
     parser.add_argument("--llama-cpp-python", help="an interpreter with llama-cpp-python")
     parser.add_argument("--families", nargs="*", help="these of swarm.model.tiny's (gpt_oss too)")
     args = parser.parse_args()
@@ -163,7 +199,10 @@ def main() -> None:
             model = save_tiny(family, hf_dir, **change)
             save_tiny_tokenizer(hf_dir)  # Gemma 3's converter sizes the embedding by it
             mine = write_gguf(hf_dir, Path(tmp) / "mine.gguf", args.qtype)
-            run_their_converter(args.llama_cpp, hf_dir, Path(tmp) / "theirs.gguf", args.qtype)
+            theirs_from, qtype = hf_dir, args.qtype
+            if qtype == "MXFP4":  # their converter writes MXFP4 from MXFP4 only, the rest F32
+                theirs_from, qtype = as_mxfp4_checkpoint(hf_dir, Path(tmp) / "mxfp4"), "F32"
+            run_their_converter(args.llama_cpp, theirs_from, Path(tmp) / "theirs.gguf", qtype)
             print(family, differences(mine, Path(tmp) / "theirs.gguf"))
             if args.llama_cpp_python:
                 ids = list(range(5, 5 + 70 * 7, 7))
