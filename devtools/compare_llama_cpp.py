@@ -84,37 +84,6 @@ def _as_converter(llama_cpp: str, argv: list[str]) -> None:
     convert_hf_to_gguf.main()
 
 
-def as_mxfp4_checkpoint(hf_dir: Path, out: Path) -> Path:
-    """A copy of the gpt-oss folder `hf_dir` with its experts in config.json's MXFP4 layout."""
-    import json
-    import shutil
-
-    import gguf
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(hf_dir, out)
-    state = {}
-    for name, w in load_file(hf_dir / "model.safetensors").items():
-        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            state[name] = w
-            continue
-        rows = w.transpose(1, 2).contiguous()  # [experts, out, in]
-        q = gguf.quants.quantize(
-            rows.reshape(-1, rows.shape[-1]).numpy(), gguf.GGMLQuantizationType.MXFP4
-        )
-        q = q.reshape(*rows.shape[:2], -1, 17)
-        codes = np.concatenate([q[..., 1:] & 15, q[..., 1:] >> 4], axis=-1)  # elements 0..31
-        pairs = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        state[f"{name}_blocks"] = torch.from_numpy(np.ascontiguousarray(pairs))
-        state[f"{name}_scales"] = torch.from_numpy(np.ascontiguousarray(q[..., 0]))
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((hf_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
 def differences(mine: Path, theirs: Path) -> dict[str, object]:
     """The model keys with different values (mine, theirs), the tensors only one file has, the
     tensors whose type differs, and the largest difference of any tensor's values."""
@@ -188,6 +157,7 @@ def main() -> None:
     parser.add_argument("--families", nargs="*", help="these of swarm.model.tiny's (gpt_oss too)")
     args = parser.parse_args()
 
+    from devtools.gguf_gptoss import mxfp4_checkpoint
     from devtools.hf_to_gguf import write_gguf
     from swarm.model.tiny import FAMILIES, MOE_FAMILIES, save_tiny, save_tiny_tokenizer, tiny_config
 
@@ -201,7 +171,7 @@ def main() -> None:
             mine = write_gguf(hf_dir, Path(tmp) / "mine.gguf", args.qtype)
             theirs_from, qtype = hf_dir, args.qtype
             if qtype == "MXFP4":  # their converter writes MXFP4 from MXFP4 only, the rest F32
-                theirs_from, qtype = as_mxfp4_checkpoint(hf_dir, Path(tmp) / "mxfp4"), "F32"
+                theirs_from, qtype = mxfp4_checkpoint(hf_dir, Path(tmp) / "mxfp4"), "F32"
             run_their_converter(args.llama_cpp, theirs_from, Path(tmp) / "theirs.gguf", qtype)
             print(family, differences(mine, Path(tmp) / "theirs.gguf"))
             if args.llama_cpp_python:

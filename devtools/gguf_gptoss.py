@@ -1,5 +1,6 @@
 """gpt-oss's part of hf_to_gguf.py, as llama.cpp's converter writes it (its conversion package's
-gpt_oss.py: GptOssModel, arch `gpt-oss`), for a checkpoint whose experts are not MXFP4.
+gpt_oss.py: GptOssModel, arch `gpt-oss`), for a checkpoint whose experts are not MXFP4 (and
+`mxfp4_checkpoint`, which makes one whose experts are, as the released folders keep them).
 
 Keys beside the common ones: attention.key_length / value_length (head_dim), sliding_window,
 expert_feed_forward_length (intermediate_size), YaRN's. Tensors: the sinks as
@@ -12,6 +13,10 @@ always rounds the ramp's ends): a checkpoint that differs would be another model
 """
 
 from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -68,3 +73,34 @@ def tensors(hf_name: str, array: np.ndarray):
     if local == "mlp.experts.down_proj_bias":
         return [(f"{blk}.ffn_down_exps.bias", array)]
     return None
+
+
+def mxfp4_checkpoint(hf_dir: Path, out: Path) -> Path:
+    """A copy of the gpt-oss folder `hf_dir` with its experts in config.json's MXFP4 layout, as
+    the released checkpoints keep them: `*_blocks` [experts, rows, n, 16] (two codes a byte, the
+    even element's in the low nibble), `*_scales` [experts, rows, n] (E8M0 bytes), rows being
+    the outputs; the codes are gguf-py's quantizer's (as `write_gguf(..., "MXFP4")`'s)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    shutil.copytree(hf_dir, out)
+    state = {}
+    for name, w in load_file(hf_dir / "model.safetensors").items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            state[name] = w
+            continue
+        rows = w.transpose(1, 2).contiguous()  # [experts, out, in]
+        q = gguf.quants.quantize(
+            rows.reshape(-1, rows.shape[-1]).numpy(), gguf.GGMLQuantizationType.MXFP4
+        )
+        q = q.reshape(*rows.shape[:2], -1, 17)
+        codes = np.concatenate([q[..., 1:] & 15, q[..., 1:] >> 4], axis=-1)  # elements 0..31
+        pairs = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        state[f"{name}_blocks"] = torch.from_numpy(np.ascontiguousarray(pairs))
+        state[f"{name}_scales"] = torch.from_numpy(np.ascontiguousarray(q[..., 0]))
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(config))
+    return out

@@ -5,10 +5,12 @@ writes it; each of its switches changes what it computes."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from devtools import gguf_check
+from devtools.gguf_gptoss import mxfp4_checkpoint
 from devtools.hf_to_gguf import UnsupportedCheckpoint, write_gguf
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny, save_tiny_tokenizer
@@ -121,12 +123,12 @@ def test_each_switch_changes_what_the_tiny_model_computes(made, tmp_path, change
     assert split_greedy(other, SPLITS[2], [PROMPT], NEW_TOKENS) != [want]
 
 
-def test_a_quantized_config_json_checkpoint_is_refused_by_name(made, tmp_path):
+def test_a_config_json_quantized_other_than_mxfp4_is_refused_by_name(made, tmp_path):
     _, folder, _ = made
     other = changed_copy(
-        folder, tmp_path, config_change={"quantization_config": {"quant_method": "mxfp4"}}
+        folder, tmp_path, config_change={"quantization_config": {"quant_method": "fp8"}}
     )
-    with pytest.raises(ValueError, match="mxfp4"):
+    with pytest.raises(ValueError, match="fp8"):
         open_model(str(other))
 
 
@@ -245,3 +247,53 @@ def test_mxfp4_experts_on_swarm_s_kernels_compute_what_their_float32_weights_giv
         assert all(isinstance(lin, Blocks) and lin.kind == "MXFP4" for lin in linears)
         want = exact(x)
         assert (on_kernels(x) - want).abs().max() < 1e-3 * want.abs().max()
+
+
+@pytest.fixture(scope="module")
+def mxfp4_folder(as_gguf, tmp_path_factory):
+    """The GGUF fixture's folder with its experts in config.json's MXFP4 layout (the codes of
+    the MXFP4 GGUF's), and transformers' own model of it (its MXFP4 dequantized on load)."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    folder = mxfp4_checkpoint(as_gguf[3], tmp_path_factory.mktemp("mxfp4_json") / "m")
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32
+    )
+    return folder, model.eval()
+
+
+def test_transformers_reads_a_mxfp4_folder_as_gguf_py_reads_its_gguf(mxfp4_folder, as_mxfp4):
+    _, model = mxfp4_folder
+    rounded, _, want = as_mxfp4
+    ours = rounded.state_dict()
+    for name, w in model.state_dict().items():
+        assert torch.equal(w.float(), ours[name]), name
+    assert reference_greedy(model, PROMPT, NEW_TOKENS) == want
+
+
+@pytest.mark.parametrize("ways", [1, 3])
+def test_a_mxfp4_config_json_folder_gives_transformers_tokens(mxfp4_folder, as_mxfp4, ways):
+    folder, _ = mxfp4_folder
+    assert open_model(str(folder)).config.mxfp4_experts
+    assert split_greedy(folder, SPLITS[ways], [PROMPT], NEW_TOKENS) == [as_mxfp4[2]]
+
+
+def test_a_mxfp4_folder_s_experts_keep_the_gguf_s_blocks_on_swarm_s_kernels(mxfp4_folder, as_mxfp4):
+    from swarm.model import kernels
+    from swarm.model.blocks import Block
+
+    if kernels.load() is None:
+        pytest.skip("swarm's kernels do not load here")
+    folder, _ = mxfp4_folder
+    source, file = open_model(str(folder)), open_model(str(as_mxfp4[1]))
+    for i in range(source.config.num_layers):
+        raw = source.block_raw(i)
+        experts = Block.load(source.config, i, raw, "auto", None).mlp.experts
+        assert not raw.unread()
+        stacked = {p: file.block_raw(i)[f"experts.{p}"].data for p in ("gate", "up", "down")}
+        for e, mlp in enumerate(experts):
+            gate_up, down = mlp.gate_up.linears[0], mlp.down
+            rows = {p: len(w) // len(experts) for p, w in stacked.items()}
+            want = [stacked[p][e * rows[p] : (e + 1) * rows[p]] for p in ("gate", "up", "down")]
+            assert np.array_equal(gate_up.blocks(), np.concatenate(want[:2]))
+            assert np.array_equal(down.blocks(), want[2])

@@ -214,7 +214,7 @@ def _expert_names(c: ModelConfig, gguf: bool) -> dict[str, str]:
     """A mixture layer's router and experts: GGUF stacks each kind of expert matrix in one 3-D
     tensor, config.json folders keep one per expert."""
     if c.sinks:
-        return gptoss.expert_names(gguf)
+        return gptoss.expert_names(gguf, c.mxfp4_experts)
     if gguf:
         out = {"router": "ffn_gate_inp"}
         out |= {f"experts.{p}": f"ffn_{p}_exps" for p in ("gate", "up", "down")}
