@@ -45,13 +45,8 @@ ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "GptOssForCausalLM",
 )
-# the tiny gpt-oss as llama.cpp computes one, which is all its file can describe
-# (devtools.gguf_gptoss): YaRN's ramp ends rounded, the clamp at llama.cpp's 7
-AS_LLAMA_CPP = {
-    "gpt_oss": lambda config: dict(
-        rope_parameters={**config.rope_parameters, "truncate": True}, swiglu_limit=7.0
-    )
-}
+# the tiny gpt-oss with the clamp llama.cpp's code fixes (7), which its file cannot say
+AS_LLAMA_CPP = {"gpt_oss": lambda config: dict(swiglu_limit=7.0)}
 
 
 def run_their_converter(llama_cpp: Path, hf_dir: Path, out: Path, qtype: str) -> None:

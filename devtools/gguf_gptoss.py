@@ -8,8 +8,9 @@ expert_feed_forward_length (intermediate_size), YaRN's. Tensors: the sinks as
 ([experts, hidden, 2 x width], gate and up interleaved by column) split into ffn_gate_exps and
 ffn_up_exps ([experts, width, hidden]: gate the even columns, up the odd, transposed) with their
 biases, down_proj transposed into ffn_down_exps. llama.cpp stores no layer kinds (every second
-layer full), no swiglu_limit or alpha (7.0 and 1.702 in its code) and no YaRN `truncate` (it
-always rounds the ramp's ends): a checkpoint that differs would be another model, and is refused.
+layer full), no swiglu_limit or alpha (7.0 and 1.702 in its code) and no YaRN `truncate`: swarm
+reads a gpt-oss file's YaRN unrounded, as gpt-oss's own (llama.cpp's ggml rounds every
+model's). A checkpoint that differs from these would be another model, and is refused.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def check(config: dict) -> None:
     limit, alpha = config.get("swiglu_limit", LIMIT), config.get("swiglu_alpha", ALPHA)
     if (float(limit), float(alpha)) != (LIMIT, ALPHA):
         raise GptOssUnconvertible(f"swiglu limit {limit}, alpha {alpha}: llama.cpp fixes 7, 1.702")
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "yarn" and rope.get("truncate", True) is not False:
+        raise GptOssUnconvertible(
+            "YaRN's ramp rounded (truncate): a gpt-oss file is read unrounded"
+        )
     if config.get("quantization_config"):
         raise GptOssUnconvertible("experts quantized in config.json's format: not read here")
 

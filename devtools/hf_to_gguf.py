@@ -158,9 +158,9 @@ def check_convertible(name: str, config: dict) -> None:
 
 def check_yarn_convertible(name: str, rope: dict) -> None:
     """What llama.cpp's converter writes no key for: a factor left to be derived, the ramp's
-    ends unrounded, DeepSeek's mscale pair."""
+    ends unrounded (but gpt-oss's, which swarm reads so: gguf_gptoss), DeepSeek's mscale pair."""
     unwritten = [k for k in ("mscale", "mscale_all_dim") if rope.get(k)]
-    unwritten += ["truncate"] if rope.get("truncate", True) is False else []
+    unwritten += ["truncate"] if rope.get("truncate", True) is False and name != "gpt_oss" else []
     unwritten += ["factor"] if rope.get("factor") is None else []
     if unwritten:
         raise UnsupportedCheckpoint(f"{name}: YaRN's {', '.join(unwritten)} is not written")

@@ -22,8 +22,7 @@ PROMPT, NEW_TOKENS = FAMILY_PROMPT, FAMILY_NEW_TOKENS
 SPLITS = {1: [(0, 4)], 2: [(0, 1), (1, 4)], 3: [(0, 1), (1, 2), (2, 4)]}
 
 
-# what llama.cpp's gpt-oss computes, which its file cannot say otherwise: YaRN's ramp ends
-# rounded to whole dims, the clamp at 7 (its code's constant)
+# the tiny model's YaRN, its ramp's ends unrounded as gpt-oss's are (truncate false)
 YARN = dict(
     rope_type="yarn",
     rope_theta=150000.0,
@@ -31,8 +30,10 @@ YARN = dict(
     original_max_position_embeddings=32,
     beta_fast=32.0,
     beta_slow=1.0,
+    truncate=False,
 )
-AS_LLAMA_CPP = dict(rope_parameters={**YARN, "truncate": True}, swiglu_limit=7.0)
+# what a GGUF cannot say otherwise: the clamp at 7, llama.cpp's code's constant
+AS_LLAMA_CPP = dict(swiglu_limit=7.0)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +46,9 @@ def made(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def as_gguf(tmp_path_factory):
-    """(reference model, its F32 GGUF written as llama.cpp writes it, the greedy tokens) of a
-    tiny gpt-oss as llama.cpp computes one (AS_LLAMA_CPP); its experts' gate/up doubled, so
-    that a clamp at 7 changes the tokens here too."""
+    """(reference model, its F32 GGUF written as llama.cpp writes it, the greedy tokens, the
+    folder) of a tiny gpt-oss with llama.cpp's clamp (AS_LLAMA_CPP); its experts' gate/up
+    doubled, so that a clamp at 7 changes the tokens here too."""
     folder = tmp_path_factory.mktemp("gpt_oss_gguf")
     model = save_tiny("gpt_oss", folder, **AS_LLAMA_CPP)
     with torch.no_grad():
@@ -149,13 +150,13 @@ def test_three_nodes_split_between_sliding_and_full_layers_give_transformers_tok
     assert nodes_greedy(str(folder), SPLITS[3], PROMPT, NEW_TOKENS) == want
 
 
-def test_a_gguf_reads_as_llama_cpp_s_gpt_oss_config(as_gguf):
+def test_a_gguf_reads_as_gpt_oss_s_config(as_gguf):
     _, path, _, _ = as_gguf
     c = open_model(str(path)).config
     assert (c.family, c.sinks, c.router) == ("gpt_oss", True, "topk_softmax")
     assert c.windows == (8, None, 8, None)  # llama.cpp: every second layer full
     assert (c.experts, c.experts_used, c.swiglu_limit, c.swiglu_alpha) == (8, 3, 7.0, 1.702)
-    assert c.rope.yarn is not None and c.rope.yarn.truncate
+    assert c.rope.yarn is not None and not c.rope.yarn.truncate  # gpt-oss's; llama.cpp rounds
 
 
 @pytest.mark.parametrize("ways", [1, 2, 3])
@@ -171,10 +172,10 @@ def test_four_batched_sessions_from_a_gguf_each_get_their_own_tokens(as_gguf):
 
 @pytest.mark.parametrize(
     "change",
-    [dict(rope_parameters={**YARN, "truncate": False}), dict(swiglu_limit=1e6)],
-    ids=["yarn-unrounded", "no-clamp"],
+    [dict(rope_parameters={**YARN, "truncate": True}), dict(swiglu_limit=1e6)],
+    ids=["yarn-rounded", "no-clamp"],
 )
-def test_what_llama_cpp_fixes_changes_the_gguf_fixture_s_tokens(as_gguf, change):
+def test_what_a_gguf_leaves_unsaid_changes_the_gguf_fixture_s_tokens(as_gguf, change):
     model, _, want, _ = as_gguf
     assert reference_greedy(variant(model, **change), PROMPT, NEW_TOKENS) != want
 
@@ -194,11 +195,11 @@ def test_every_tensor_of_every_gguf_block_is_consumed(as_gguf):
     "change, named",
     [
         (dict(swiglu_limit=2.0), "swiglu limit 2.0"),
-        (dict(rope_parameters={**YARN, "truncate": False}), "truncate"),
+        (dict(rope_parameters={**YARN, "truncate": True}), "truncate"),
         (dict(layer_types=["full_attention", "sliding_attention"] * 2), "layer types"),
     ],
 )
-def test_a_checkpoint_llama_cpp_would_compute_otherwise_is_not_converted(
+def test_a_checkpoint_its_gguf_would_describe_otherwise_is_not_converted(
     made, tmp_path, change, named
 ):
     _, folder, _ = made

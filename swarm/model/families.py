@@ -426,7 +426,7 @@ def config_from_gguf(
             config, **deepseek.gguf_fields(field, arch, tensors, name, config.rope, layers)
         )
     elif f.moe:
-        fields = gptoss.gguf_fields(f, field, arch)
+        fields = gptoss.gguf_fields(f, field, arch, config.rope)
         norm = f.topk_norm if f.gguf_topk_norm is None else f.gguf_topk_norm
         config = replace(config, **gguf_experts(field, arch, tensors, layers, norm), **fields)
     return replace(config, **qwen35.gguf_fields(f, field, arch, layers)), f

@@ -13,6 +13,8 @@ released config.json folders keep the experts in MXFP4 (`quantization_config`, `
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 # config.json names that carry no ".weight" ending
@@ -64,9 +66,15 @@ def hf_fields(family, cfg: dict, where: str) -> dict:
     return fields | dict(mxfp4_experts=method == "mxfp4")
 
 
-def gguf_fields(family, field, arch: str) -> dict:
+def gguf_fields(family, field, arch: str, rope) -> dict:
     """A gpt-oss GGUF's fields (none for another family): llama.cpp stores no swiglu limit or
-    alpha (its code fixes gpt-oss's 7.0 and 1.702), and its router is gpt-oss's."""
+    alpha (its code fixes gpt-oss's 7.0 and 1.702), and its router is gpt-oss's. Nor does it
+    store YaRN's `truncate`: gpt-oss's YaRN leaves the ramp's ends unrounded (every released
+    config.json, and OpenAI's reference code), which `rope` (the file's YaRN as other families'
+    are read, rounded as ggml always rounds) is given back; llama.cpp computes it rounded."""
     if not family.sinks:
         return {}
-    return dict(sinks=True, router="topk_softmax", swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+    out = dict(sinks=True, router="topk_softmax", swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+    if rope.yarn is not None:
+        out["rope"] = replace(rope, yarn=replace(rope.yarn, truncate=False))
+    return out
