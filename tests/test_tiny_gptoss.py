@@ -298,3 +298,9 @@ def test_a_mxfp4_folder_s_experts_keep_the_gguf_s_blocks_on_swarm_s_kernels(mxfp
             want = [stacked[p][e * rows[p] : (e + 1) * rows[p]] for p in ("gate", "up", "down")]
             assert np.array_equal(gate_up.blocks(), np.concatenate(want[:2]))
             assert np.array_equal(down.blocks(), want[2])
+
+
+@pytest.mark.slow
+def test_three_nodes_from_a_mxfp4_folder_give_transformers_tokens(mxfp4_folder, as_mxfp4):
+    folder, _ = mxfp4_folder
+    assert nodes_greedy(str(folder), SPLITS[3], PROMPT, NEW_TOKENS) == as_mxfp4[2]
