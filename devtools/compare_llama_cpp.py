@@ -13,7 +13,12 @@ of our files in llama.cpp and prints the largest logit difference from transform
 and Phi-3 without their windows, so those differ past them. Past F32, the mixtures of experts
 differ by whole logits wherever rounding swaps an expert.
 
-Usage: python -m devtools.compare_llama_cpp LLAMA_CPP_DIR [--qtype F32|F16|Q8_0]
+With --qtype MXFP4 (gpt_oss only), llama.cpp's converter is given what it writes MXFP4 from: a
+config.json checkpoint with transformers' MXFP4 experts (`_blocks`: two codes a byte, the even
+element's in the low nibble; `_scales`: E8M0 bytes), made from the same codes gguf-py's quantizer
+gave ours, so identical files say both read the layout alike.
+
+Usage: python -m devtools.compare_llama_cpp LLAMA_CPP_DIR [--qtype F32|F16|Q8_0|MXFP4]
                                             [--llama-cpp-python PYTHON] [--families F ...]
 """
 
@@ -38,7 +43,10 @@ ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
+    "GptOssForCausalLM",
 )
+# the tiny gpt-oss with the clamp llama.cpp's code fixes (7), which its file cannot say
+AS_LLAMA_CPP = {"gpt_oss": lambda config: dict(swiglu_limit=7.0)}
 
 
 def run_their_converter(llama_cpp: Path, hf_dir: Path, out: Path, qtype: str) -> None:
@@ -139,22 +147,27 @@ def main() -> None:
         return _as_converter(sys.argv[2], sys.argv[3:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("llama_cpp", type=Path)
-    parser.add_argument("--qtype", default="F32", choices=["F32", "F16", "BF16", "Q8_0"])
+    parser.add_argument("--qtype", default="F32", choices=["F32", "F16", "BF16", "Q8_0", "MXFP4"])
     parser.add_argument("--llama-cpp-python", help="an interpreter with llama-cpp-python")
-    parser.add_argument("--families", nargs="*", help="these of swarm.model.tiny's only")
+    parser.add_argument("--families", nargs="*", help="these of swarm.model.tiny's (gpt_oss too)")
     args = parser.parse_args()
 
+    from devtools.gguf_gptoss import mxfp4_checkpoint
     from devtools.hf_to_gguf import write_gguf
-    from swarm.model.tiny import FAMILIES, MOE_FAMILIES, save_tiny, save_tiny_tokenizer
+    from swarm.model.tiny import FAMILIES, MOE_FAMILIES, save_tiny, save_tiny_tokenizer, tiny_config
 
     for family in args.families or FAMILIES + MOE_FAMILIES:
         with tempfile.TemporaryDirectory() as tmp:
             # llama.cpp looks Phi-3's special tokens up by the file's name, which is the folder's
             hf_dir = Path(tmp) / f"tiny-{family.replace('phi3', 'p3')}"
-            model = save_tiny(family, hf_dir)
+            change = AS_LLAMA_CPP.get(family, lambda _: {})(tiny_config(family))
+            model = save_tiny(family, hf_dir, **change)
             save_tiny_tokenizer(hf_dir)  # Gemma 3's converter sizes the embedding by it
             mine = write_gguf(hf_dir, Path(tmp) / "mine.gguf", args.qtype)
-            run_their_converter(args.llama_cpp, hf_dir, Path(tmp) / "theirs.gguf", args.qtype)
+            theirs_from, qtype = hf_dir, args.qtype
+            if qtype == "MXFP4":  # their converter writes MXFP4 from MXFP4 only, the rest F32
+                theirs_from, qtype = mxfp4_checkpoint(hf_dir, Path(tmp) / "mxfp4"), "F32"
+            run_their_converter(args.llama_cpp, theirs_from, Path(tmp) / "theirs.gguf", qtype)
             print(family, differences(mine, Path(tmp) / "theirs.gguf"))
             if args.llama_cpp_python:
                 ids = list(range(5, 5 + 70 * 7, 7))

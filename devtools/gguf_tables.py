@@ -131,6 +131,7 @@ class Family:
     renormalises: bool | None = None
     latent: bool = False  # DeepSeek's latent attention: kv_b_proj split, its own keys
     delta: bool = False  # Qwen3.5's Gated DeltaNet: devtools.gguf_qwen35's keys and tensors
+    sinks: bool = False  # gpt-oss: devtools.gguf_gptoss's checks, key and tensors
 
 
 FAMILIES = {
@@ -203,6 +204,13 @@ FAMILIES = {
         renormalises=True,
         delta=True,
     ),
+    # gpt-oss: the MLP's norm named as Gemma's post-attention one; experts: gguf_gptoss
+    "gpt_oss": Family(
+        "gpt-oss",
+        _ATTENTION | {"post_attention_layernorm": "post_attention_norm"},
+        fields=frozenset({"head_dim", "sliding_window"}),
+        sinks=True,
+    ),
 }
 
 # a checkpoint's config.json `architectures[0]` -> family
@@ -220,6 +228,7 @@ HF_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 # llama.cpp fixes these and stores none of them; a checkpoint that differs is refused

@@ -11,9 +11,10 @@ so the file describes the model transformers computes.
 
 Mixture-of-experts checkpoints hold one tensor per expert; the file stacks each block's experts
 into 3-D tensors (`blk.N.ffn_{gate,up,down}_exps`, [expert, rows, columns], quantized row by row
-as any matrix) and keeps the router (`ffn_gate_inp`) F32.
+as any matrix) and keeps the router (`ffn_gate_inp`) F32. `--qtype MXFP4` writes llama.cpp's
+MXFP4_MOE: the experts' matrices MXFP4 (gguf-py's quantizer), all else F32.
 
-Usage: python -m devtools.hf_to_gguf HF_DIR OUT.gguf [--qtype F32|F16|BF16|Q8_0]
+Usage: python -m devtools.hf_to_gguf HF_DIR OUT.gguf [--qtype F32|F16|BF16|Q8_0|MXFP4]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from devtools import gguf_qwen35
+from devtools import gguf_gptoss, gguf_qwen35
 from devtools.gguf_latent import latent_fields, latent_unwritten, split_kv_b
 from devtools.gguf_tables import (
     ALWAYS_F32,
@@ -47,9 +48,15 @@ QTYPES = {
     "F16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
     "BF16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "MXFP4": (gguf.GGMLQuantizationType.MXFP4, gguf.LlamaFileType.MOSTLY_MXFP4_MOE),
 }
 _K = gguf.Keys
-YARN_FAMILIES = ("llama", "qwen2", "qwen3")  # whose YaRN llama.cpp's converter writes as keys
+YARN_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gpt_oss",
+)  # whose YaRN llama.cpp's converter writes as keys
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -116,6 +123,11 @@ def check_convertible(name: str, config: dict) -> None:
             gguf_qwen35.interval(config)
         except gguf_qwen35.QwenUnconvertible as exc:
             raise UnsupportedCheckpoint(f"{name}: {exc}") from exc
+    if FAMILIES[name].sinks:
+        try:
+            gguf_gptoss.check(config)
+        except gguf_gptoss.GptOssUnconvertible as exc:
+            raise UnsupportedCheckpoint(f"{name}: {exc}") from exc
     rope_type = _rope(config).get("rope_type", "default")
     allowed = {"default", "llama3"} if name == "llama" else {"default"}
     if rope_type not in allowed | ({"yarn"} if name in YARN_FAMILIES else set()):
@@ -146,9 +158,9 @@ def check_convertible(name: str, config: dict) -> None:
 
 def check_yarn_convertible(name: str, rope: dict) -> None:
     """What llama.cpp's converter writes no key for: a factor left to be derived, the ramp's
-    ends unrounded, DeepSeek's mscale pair."""
+    ends unrounded (but gpt-oss's, which swarm reads so: gguf_gptoss), DeepSeek's mscale pair."""
     unwritten = [k for k in ("mscale", "mscale_all_dim") if rope.get(k)]
-    unwritten += ["truncate"] if rope.get("truncate", True) is False else []
+    unwritten += ["truncate"] if rope.get("truncate", True) is False and name != "gpt_oss" else []
     unwritten += ["factor"] if rope.get("factor") is None else []
     if unwritten:
         raise UnsupportedCheckpoint(f"{name}: YaRN's {', '.join(unwritten)} is not written")
@@ -217,6 +229,7 @@ def family_fields(name: str, config: dict) -> dict[str, int | float]:
         fields[_K.Rope.SCALING_ORIG_CTX_LEN] = config["original_max_position_embeddings"]
     fields |= latent_fields(config) if family.latent else expert_fields(name, config)
     fields |= gguf_qwen35.fields(config) if family.delta else {}
+    fields |= gguf_gptoss.fields(config) if family.sinks else {}
     return {keys(key): value for key, value in fields.items()}
 
 
@@ -339,6 +352,9 @@ def gguf_tensors(family: Family, config: dict, state: dict[str, np.ndarray]):
             continue
         if family.delta:
             hf_name, array = gguf_qwen35.tensor(hf_name, array, config)
+        if family.sinks and (split := gguf_gptoss.tensors(hf_name, array)) is not None:
+            yield from ((n, np.ascontiguousarray(a, dtype=np.float32)) for n, a in split)
+            continue
         name = gguf_name(family, hf_name)
         if family.permute_qk and ".attn_q." in name:
             array = interleave_rope_rows(array, heads)
@@ -407,11 +423,13 @@ def llama3_rope_factors(config: dict) -> np.ndarray:
 def encode(
     name: str, array: np.ndarray, qtype: str
 ) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-    """The tensor's bytes in the file: F32 for 1-D tensors, norms and routers, `qtype` for the
-    rest (a 3-D tensor of experts too: its rows are quantized as any matrix's), F16 where the
-    rows do not split into `qtype`'s blocks."""
+    """The tensor's bytes in the file: F32 for 1-D tensors, norms, routers and anything not a
+    `.weight` (gpt-oss's 2-D expert biases), `qtype` for the rest (a 3-D tensor of experts too:
+    its rows are quantized as any matrix's), F16 where the rows do not split into its blocks."""
     kind = QTYPES[qtype][0]
-    if array.ndim <= 1 or name.endswith("_norm.weight") or name.split(".")[-2] in ALWAYS_F32:
+    f32 = name.endswith("_norm.weight") or not name.endswith(".weight")
+    f32 |= qtype == "MXFP4" and "_exps." not in name
+    if array.ndim <= 1 or f32 or name.split(".")[-2] in ALWAYS_F32:
         kind = gguf.GGMLQuantizationType.F32
     try:
         return gguf.quants.quantize(array, kind), kind

@@ -17,8 +17,9 @@ import torch
 
 from swarm.model import kernels
 from swarm.model.blocks import Span
-from swarm.model.linear import BLOCKS, Blocks, Int4, Int8
+from swarm.model.linear import BLOCKS, Blocks, Dense, Int4, Int8
 from swarm.model.source import open_model
+from swarm.model.usable import usable_formats
 from swarm.model.weights import Fused, RawTensor, make_linear
 from tests.helpers.kernels import ISAS, TORCH_KERNELS, as_float32, lib_for, needs_kernels
 from tests.helpers.scripts import synthetic_gguf
@@ -32,15 +33,18 @@ _HALVES = {
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208, 1),
-}
+}  # MXFP4's scale is an exponent byte: see random_blocks
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Any bytes for codes, scales and mins (every bit pattern the format allows), with sane
-    float16 scales."""
+    float16 scales (MXFP4: exponent bytes 2^-10 .. 2^2)."""
     rng = np.random.default_rng(seed)
     block, nbytes = kernels.BLOCKS[kind]
     raw = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
+    if kind == "MXFP4":
+        raw[..., 0] = rng.integers(117, 130, size=(rows, cols // block))
+        return raw.reshape(rows, -1)
     at, count = _HALVES[kind]
     halves = rng.uniform(0.001, 0.05, size=(rows, cols // block, count)).astype(np.float16)
     raw[..., at : at + 2 * count] = halves.view(np.uint8).reshape(rows, cols // block, 2 * count)
@@ -212,6 +216,7 @@ def test_a_width_the_format_cannot_hold_is_refused():
         ("Q6_K", "int8"),
         ("Q4_1", "int4"),
         ("Q5_K", "int8"),
+        ("MXFP4", "int4"),
     ],
 )
 def test_auto_keeps_the_files_blocks_and_names_their_kind_of_format(kind, fmt):
@@ -257,6 +262,76 @@ def test_where_the_kernels_do_not_load_torchs_hold_the_weights(monkeypatch):
     monkeypatch.setattr(kernels, "load", lambda isa=None: None)
     raw = RawTensor("w", "Q4_K", random_blocks("Q4_K", 64, 256))
     assert isinstance(make_linear(raw, "auto", usable=(*TORCH_KERNELS, BLOCKS)), Int4)
+
+
+def test_where_the_kernels_do_not_load_mxfp4_is_held_exactly_in_bfloat16(monkeypatch):
+    monkeypatch.setattr(kernels, "load", lambda isa=None: None)
+    raw = RawTensor("w", "MXFP4", random_blocks("MXFP4", 64, 256))
+    linear = make_linear(raw, "auto", usable=(*TORCH_KERNELS, BLOCKS))
+    assert isinstance(linear, Dense) and linear.format == "bfloat16"
+    assert torch.equal(linear.dequantized(), raw.float32())  # E2M1 x 2^e: bfloat16 holds it
+
+
+def test_where_the_kernels_do_not_load_the_node_is_told_mxfp4_steps_down(monkeypatch):
+    monkeypatch.setattr(kernels, "load", lambda isa=None: None)
+    said = []
+    usable_formats(said.append)
+    assert any("MXFP4" in line and "bfloat16" in line for line in said)
+
+
+def test_asked_for_int8_mxfp4_is_requantized():
+    raw = RawTensor("w", "MXFP4", random_blocks("MXFP4", 64, 256))
+    assert isinstance(make_linear(raw, "int8"), Int8)
+
+
+# E2M1 (OCP microscaling): sign, 2 exponent bits, 1 mantissa bit; exponent 0 is subnormal
+def _e2m1(code: int) -> float:
+    sign, exp, man = -1.0 if code & 8 else 1.0, (code >> 1) & 3, code & 1
+    return sign * (man * 0.5 if exp == 0 else 2.0 ** (exp - 1) * (1 + man / 2))
+
+
+def test_the_mxfp4_reference_decodes_as_the_ocp_format_says():
+    """gguf-py's dequantizer, which the kernels' tests and the bfloat16 fallback trust: each
+    block is an E8M0 byte e (2^(e - 127)), then 16 bytes whose low nibbles are elements 0-15
+    and high nibbles 16-31."""
+    blocks = random_blocks("MXFP4", 8, 256, seed=7).reshape(8, 8, 17)
+    blocks[0, :, 0] = [0, 1, 2, 127, 128, 200, 251, 252]  # subnormal scales; the largest finite
+    codes = np.concatenate([blocks[..., 1:] & 15, blocks[..., 1:] >> 4], axis=-1)
+    table = np.array([_e2m1(c) for c in range(16)])
+    want = table[codes] * np.exp2(blocks[..., :1].astype(np.float64) - 127)
+    got = dequantized(blocks.reshape(8, -1), "MXFP4").reshape(8, 8, 32)
+    assert np.array_equal(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_mxfp4_exponent_scales_its_block_exactly(isa):
+    """One block's codes under each E8M0 byte 0 .. 240 (2^-127 .. 2^113; 0 and 1 scale below
+    float32's normal range): each row's result is the unscaled row's times its scale, within
+    the inputs' int8 rounding."""
+    lib = lib_for(isa)
+    e = np.arange(241)
+    blocks = np.repeat(random_blocks("MXFP4", 1, 64, seed=9).reshape(1, 2, 17), len(e), axis=0)
+    blocks[..., 0] = e[:, None]
+    unscaled = blocks.copy()
+    unscaled[..., 0] = 127
+    x = np.random.default_rng(9).standard_normal((2, 64)).astype(np.float32)
+    got = (
+        lib.matmul(
+            "MXFP4",
+            lib.pack("MXFP4", blocks.reshape(len(e), -1), 64),
+            len(e),
+            64,
+            torch.from_numpy(x),
+            1,
+            1,
+        )
+        .double()
+        .numpy()
+    )
+    w = dequantized(unscaled.reshape(len(e), -1), "MXFP4")
+    err = np.abs(got * np.exp2(127.0 - e) - x @ w.T)
+    assert (err <= rounding_bound(x, w, "MXFP4", 1)).all()
 
 
 def test_a_non_native_format_is_not_kept_in_blocks():

@@ -127,6 +127,7 @@ class ModelConfig:
     sinks: bool = False  # gpt-oss: one learned logit a head, an extra softmax column (no value)
     swiglu_limit: float = 0.0  # gpt-oss's experts: gate, up clamped to it, (up + 1) * glu
     swiglu_alpha: float = 1.702  # glu = gate * sigmoid(alpha * gate) where swiglu_limit is set
+    mxfp4_experts: bool = False  # gpt-oss's config.json: experts as MXFP4 _blocks and _scales
     delta: Delta | None = None  # Gated DeltaNet layers beside the full-attention ones
     attn_gate: bool = False  # attention's output times sigmoid(a gate q_proj also makes)
     # Gemma 4 (swarm.model.gemma4): full layers' own head width and kv heads (0: as the others)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from swarm.model.config import ModelConfig
+from swarm.model.gptoss import ggml_mxfp4
 from swarm.model.linear import Linear
 from swarm.model.weights import Fused, RawTensor, make_linear, release_freed_memory
 
@@ -59,6 +60,23 @@ class ClampedMLP(MLP):
         return self.down((up + 1) * (gate * torch.sigmoid(gate * self.alpha))).float()
 
 
+def _interleaved_mxfp4(whole: dict, e: int) -> tuple[RawTensor, ...]:
+    """As `_interleaved`, from config.json's MXFP4 experts: codes [experts, rows, n, 16] and
+    exponents [experts, rows, n] of gate_up (gate and up in alternate rows) and down, each a
+    row of the matrix as Linears hold it; the matrices as GGUF's MXFP4 blocks."""
+    codes = {p: whole[f"{p}.blocks"].data[e].numpy() for p in ("gate_up", "down")}
+    exps = {p: whole[f"{p}.scales"].data[e].numpy() for p in ("gate_up", "down")}
+    mats = (
+        ggml_mxfp4(codes["gate_up"][::2], exps["gate_up"][::2]),
+        ggml_mxfp4(codes["gate_up"][1::2], exps["gate_up"][1::2]),
+        ggml_mxfp4(codes["down"], exps["down"]),
+    )
+    bias = whole["gate_up.bias"].data[e]
+    out = tuple(RawTensor(f"expert.{e}", "MXFP4", m) for m in mats)
+    biases = (bias[::2], bias[1::2], whole["down.bias"].data[e])
+    return out + tuple(RawTensor(f"expert.{e}", "torch", b.contiguous()) for b in biases)
+
+
 def _interleaved(whole: dict, e: int) -> tuple[RawTensor, ...]:
     """Expert e's gate, up and down (as Linears hold them: [out, in]) and their biases from
     config.json's stacked gpt-oss tensors: gate_up [experts, hidden, 2 x width] with gate
@@ -91,9 +109,12 @@ class Experts:
         ("experts.gate", ...: GGUF's 3-D *_exps)."""
         c, n = config, config.experts
         kinds = ("gate", "up", "down", "gate_up")
+        kinds += tuple(f"{k}.{t}" for k in ("gate_up", "down") for t in ("blocks", "scales"))
         whole = {k: raw[f"experts.{k}"] for k in kinds if f"experts.{k}" in raw}
         whole |= {
-            f"{k}.bias": raw[f"experts.{k}.bias"] for k in whole if f"experts.{k}.bias" in raw
+            f"{k}.bias": raw[f"experts.{k}.bias"]
+            for k in ("gate", "up", "down", "gate_up")
+            if f"experts.{k}.bias" in raw
         }
         stacked = "gate" in whole
 
@@ -110,8 +131,9 @@ class Experts:
         biases = {k: t.float32() for k, t in whole.items() if k.endswith("bias") and stacked}
 
         def expert(e: int) -> MLP:
-            if "gate_up" in whole:  # gpt-oss's config.json tensors
-                *mats, gb, ub, db = _interleaved(whole, e)
+            if "gate_up" in whole or "gate_up.blocks" in whole:  # gpt-oss's config.json
+                split = _interleaved if "gate_up" in whole else _interleaved_mxfp4
+                *mats, gb, ub, db = split(whole, e)
                 return mlp(*mats, (gb.data, ub.data, db.data))
             mats = [part(e, p) for p in ("gate", "up", "down")]
             if biases:  # gpt-oss's GGUF: [experts, rows] biases

@@ -106,7 +106,8 @@ FAMILIES = {
             gguf_topk_norm=True,
         ),
         Family("deepseek_v3", ("deepseek_v3", "kimi_k2"), ("deepseek2",), moe=True, latent=True),
-        Family("gpt_oss", ("gpt_oss",), ("gpt-oss",), moe=True, sinks=True),
+        # llama.cpp's gpt-oss: every second layer full (config.json names each layer's kind)
+        Family("gpt_oss", ("gpt_oss",), ("gpt-oss",), moe=True, sinks=True, window_period=2),
         Family(
             "gemma2", ("gemma2",), ("gemma2",), **_GEMMA, window_period=2, softcaps=(50.0, 30.0)
         ),
@@ -213,7 +214,7 @@ def _expert_names(c: ModelConfig, gguf: bool) -> dict[str, str]:
     """A mixture layer's router and experts: GGUF stacks each kind of expert matrix in one 3-D
     tensor, config.json folders keep one per expert."""
     if c.sinks:
-        return gptoss.expert_names(gguf)
+        return gptoss.expert_names(gguf, c.mxfp4_experts)
     if gguf:
         out = {"router": "ffn_gate_inp"}
         out |= {f"experts.{p}": f"ffn_{p}_exps" for p in ("gate", "up", "down")}
@@ -425,7 +426,7 @@ def config_from_gguf(
             config, **deepseek.gguf_fields(field, arch, tensors, name, config.rope, layers)
         )
     elif f.moe:
-        fields = gptoss.gguf_fields(f, field, arch)
+        fields = gptoss.gguf_fields(f, field, arch, config.rope)
         norm = f.topk_norm if f.gguf_topk_norm is None else f.gguf_topk_norm
         config = replace(config, **gguf_experts(field, arch, tensors, layers, norm), **fields)
     return replace(config, **qwen35.gguf_fields(f, field, arch, layers)), f

@@ -2,7 +2,7 @@
 
 Where swarm's own kernels load (swarm/model/kernels: AVX2 or AVX-512 VNNI CPUs, built with a
 C compiler at setup), a GGUF matrix in its native format keeps the file's blocks (`Blocks`:
-Q4_0, Q4_1, Q4_K as int4; Q8_0, Q6_K as int8) and they multiply it at every row count: decode
+Q4_0, Q4_1, Q4_K, MXFP4 as int4; Q8_0, Q6_K as int8) and they multiply it at every row count: decode
 memory-bound, prompts in integers faster than torch's bfloat16 GEMM (figures in
 docs/benchmarks.md, issue 36). Elsewhere, and for other types, torch's kernels below.
 
@@ -242,7 +242,7 @@ class Blocks(Linear):
 
 def native_format(kind: str) -> str:
     """The format `auto` keeps a tensor of GGUF type `kind` in."""
-    if kind in INT4_NATIVE:
+    if kind in INT4_NATIVE or kind == "MXFP4":  # MXFP4's codes: on swarm's kernels only
         return "int4"
     if kind.startswith(("Q", "IQ")):  # Q8_0, Q5_*, Q6_K ...: 5-8 bit codes
         return "int8"

@@ -13,6 +13,8 @@ from swarm.model.linear import BLOCKS, Blocks, Dense, Int4, Int8, Linear
 from swarm.model.quant import quantize_int4
 
 log = logging.getLogger("swarm.model")
+# where swarm's kernels do not run, what `auto` does with a file's MXFP4 matrices (resolve_format)
+MXFP4 = "MXFP4 matrices (gpt-oss's experts) held as bfloat16 instead, 3.8x their bytes"
 
 
 def usable_formats(
@@ -21,9 +23,9 @@ def usable_formats(
     """The formats whose kernels run, and run fast, on this CPU: each of torch's weight-only
     kernels is tried on a small matrix and timed against a bfloat16 matmul of the same shape;
     one that fails or is more than 4x slower is left out (and `say` is told why). BLOCKS is in
-    where swarm's kernels load and multiply a Q4_0 and a Q8_0 matrix right, their inputs in
-    `terms` int8 terms (as make_linear's); `say` is told which kernels the node's quantized
-    matmuls use."""
+    where swarm's kernels load and multiply a Q4_0, a Q8_0 and an MXFP4 matrix right, their
+    inputs in `terms` int8 terms (as make_linear's); `say` is told which kernels the node's
+    quantized matmuls use, and where MXFP4 steps down to bfloat16."""
     rows, cols = 256, 1024
     w = torch.randn(rows, cols) * 0.02
     x = torch.randn(4, cols)
@@ -46,16 +48,16 @@ def usable_formats(
         usable.append(name)
     lib = kernels.load()
     if lib is None:
-        say("quantized matmuls: torch's int4/int8 kernels (swarm's kernels did not load)")
+        say(f"quantized matmuls: torch's int4/int8 kernels (swarm's kernels did not load); {MXFP4}")
         return tuple(usable)
     try:
         import gguf
 
-        for kind in ("Q4_0", "Q8_0"):
+        for kind in ("Q4_0", "Q8_0", "MXFP4"):
             blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
             _check(Blocks(kind, blocks, cols, None, lib, terms), x)
     except Exception as exc:
-        say(f"swarm's {lib.isa} kernels left out ({type(exc).__name__}: {exc})")
+        say(f"swarm's {lib.isa} kernels left out ({type(exc).__name__}: {exc}); {MXFP4}")
         return tuple(usable)
     say(
         f"quantized matmuls: swarm's {lib.isa} kernels on the file's blocks"

@@ -110,11 +110,14 @@ class Fused:
 def resolve_format(raw: RawTensor, weights: str, usable=None) -> str:
     """The format `raw` is held in when asked for `weights` (its native one for "auto"),
     stepping down to int8 and then bfloat16 where a format is not `usable` here or the shape
-    does not fit it."""
+    does not fit it. MXFP4's auto is swarm's kernels, or else bfloat16 (exact, 3.8x its bytes):
+    int4 or int8 requantize it, only where asked for."""
     fmt = native_format(raw.kind) if weights == "auto" else weights
     if _blocks_kernels(raw, fmt, usable) is not None:
         return fmt  # the file's blocks, whatever their shape and torch's kernels
     usable = usable if usable is not None else WEIGHT_FORMATS
+    if weights == "auto" and raw.kind == "MXFP4":
+        return "bfloat16"  # torch's int4 would round its codes again; bfloat16 holds them exactly
     if fmt == "int4" and not (Int4.fits(*raw.shape) and "int4" in usable):
         fmt = "int8"
     if fmt == "int8" and "int8" not in usable:

@@ -1,4 +1,4 @@
-"""Quantized matmuls on the blocks GGUF files keep (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K).
+"""Quantized matmuls on the blocks GGUF files keep (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4).
 
 quantmm.c is swarm's own C: at load a matrix's blocks are moved (not converted) so that 8 or 16
 output rows share each vector, and a matmul quantizes its input rows to int8 and multiplies in
@@ -25,7 +25,7 @@ from swarm.model.kernels.build import ISA_CPU_FLAGS, ISA_FLAGS, BuildError, buil
 log = logging.getLogger("swarm.model")
 
 # GGUF type name -> the kernels' format number; elements and bytes per block
-FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4, "Q5_K": 5}
+FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4, "Q5_K": 5, "MXFP4": 6}
 BLOCKS = {
     "Q4_0": (32, 18),
     "Q4_1": (32, 20),
@@ -33,6 +33,7 @@ BLOCKS = {
     "Q4_K": (256, 144),
     "Q6_K": (256, 210),
     "Q5_K": (256, 176),
+    "MXFP4": (32, 17),
 }
 
 

@@ -1,4 +1,4 @@
-/* y = x W^T with W in GGUF's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and x float32 rows.
+/* y = x W^T with W in GGUF's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) and x float32 rows.
  *
  * Layout. At load, swq_pack moves a matrix's bytes so that 8 output rows sit side by side: in
  * each 32-byte vector, 4-byte lane r holds row r's codes for the same 4 inputs. One vpdpbusd
@@ -42,6 +42,12 @@ static inline vi vand(vi a, vi b) { return _mm512_and_si512(a, b); }
 static inline vi vor(vi a, vi b) { return _mm512_or_si512(a, b); }
 static inline vi vshr16(vi a, int n) { return _mm512_srli_epi16(a, n); }
 static inline vi vshl16(vi a, int n) { return _mm512_slli_epi16(a, n); }
+static inline vi vshr32(vi a, int n) { return _mm512_srli_epi32(a, n); }
+static inline vi vshl32(vi a, int n) { return _mm512_slli_epi32(a, n); }
+static inline vi vsub32(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+static inline vi vshuf8(vi table, vi idx) { return _mm512_shuffle_epi8(table, idx); }
+static inline vi vtable16(__m128i t) { return _mm512_broadcast_i32x4(t); }
+static inline vf vbits(vi a) { return _mm512_castsi512_ps(a); }
 static inline vi vadd32(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vi vmul32(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
 static inline vi vmadd16(vi a, vi b) { return _mm512_madd_epi16(a, b); }
@@ -73,6 +79,12 @@ static inline vi vand(vi a, vi b) { return _mm256_and_si256(a, b); }
 static inline vi vor(vi a, vi b) { return _mm256_or_si256(a, b); }
 static inline vi vshr16(vi a, int n) { return _mm256_srli_epi16(a, n); }
 static inline vi vshl16(vi a, int n) { return _mm256_slli_epi16(a, n); }
+static inline vi vshr32(vi a, int n) { return _mm256_srli_epi32(a, n); }
+static inline vi vshl32(vi a, int n) { return _mm256_slli_epi32(a, n); }
+static inline vi vsub32(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+static inline vi vshuf8(vi table, vi idx) { return _mm256_shuffle_epi8(table, idx); }
+static inline vi vtable16(__m128i t) { return _mm256_broadcastsi128_si256(t); }
+static inline vf vbits(vi a) { return _mm256_castsi256_ps(a); }
 static inline vi vadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
 static inline vi vmul32(vi a, vi b) { return _mm256_mullo_epi32(a, b); }
 static inline vi vmadd16(vi a, vi b) { return _mm256_madd_epi16(a, b); }
@@ -101,11 +113,11 @@ static inline void vfst(float *p, vf a) { _mm256_storeu_ps(p, a); }
 #define VB (4 * ROWS)
 #define HB (2 * ROWS)
 
-enum { FMT_Q4_0, FMT_Q4_1, FMT_Q8_0, FMT_Q4_K, FMT_Q6_K, FMT_Q5_K, FMT_COUNT };
-static const int BLOCK_ELEMS[FMT_COUNT] = {32, 32, 32, 256, 256, 256};
-static const int BLOCK_BYTES[FMT_COUNT] = {18, 20, 34, 144, 210, 176};
-static const int PACKED_BYTES[FMT_COUNT] = {18 * ROWS, 20 * ROWS, 34 * ROWS, 148 * ROWS, 210 * ROWS, 180 * ROWS};
-static const int ACT_GROUP[FMT_COUNT] = {32, 32, 32, 256, 256, 256};
+enum { FMT_Q4_0, FMT_Q4_1, FMT_Q8_0, FMT_Q4_K, FMT_Q6_K, FMT_Q5_K, FMT_MXFP4, FMT_COUNT };
+static const int BLOCK_ELEMS[FMT_COUNT] = {32, 32, 32, 256, 256, 256, 32};
+static const int BLOCK_BYTES[FMT_COUNT] = {18, 20, 34, 144, 210, 176, 17};
+static const int PACKED_BYTES[FMT_COUNT] = {18 * ROWS, 20 * ROWS, 34 * ROWS, 148 * ROWS, 210 * ROWS, 180 * ROWS, 17 * ROWS};
+static const int ACT_GROUP[FMT_COUNT] = {32, 32, 32, 256, 256, 256, 32};
 
 /* Q4_K and Q5_K: the widened scales and mins after d[R] | dmin[R], then (Q5_K) the high bits,
  * then the codes (K_QS; in the file's block at K_FILE_QS) */
@@ -165,7 +177,8 @@ static void narrow_scales(const uint8_t *src, int r, uint8_t *p) {
  * Q5_K:  as Q4_K, with the high bits between mins and codes: vector c, lane r = qh_r[4c .. +3]
  *        (bit j: sub-block j)
  * Q6_K:  d[R] | scales [16][R] | for each half h: qh vectors [c] = qh_r[32h + 4c ..], then
- *        ql vectors [t][c] = ql_r[64h + 32t + 4c ..] */
+ *        ql vectors [t][c] = ql_r[64h + 32t + 4c ..]
+ * MXFP4: e[R] (the E8M0 exponent bytes) | codes as Q4_0's */
 static void pack_block(int fmt, const uint8_t *src[ROWS], uint8_t *dst) {
     static const uint8_t zero[210];
     const uint8_t *s[ROWS];
@@ -175,6 +188,11 @@ static void pack_block(int fmt, const uint8_t *src[ROWS], uint8_t *dst) {
             for (int r = 0; r < ROWS; r++) memcpy(dst + 2 * r, s[r], 2);
             for (int i = 0; i < 4; i++)
                 for (int r = 0; r < ROWS; r++) memcpy(dst + HB + VB * i + 4 * r, s[r] + 2 + 4 * i, 4);
+            break;
+        case FMT_MXFP4:
+            for (int r = 0; r < ROWS; r++) dst[r] = s[r][0];
+            for (int i = 0; i < 4; i++)
+                for (int r = 0; r < ROWS; r++) memcpy(dst + ROWS + VB * i + 4 * r, s[r] + 1 + 4 * i, 4);
             break;
         case FMT_Q4_1:
             for (int r = 0; r < ROWS; r++) memcpy(dst + 2 * r, s[r], 2), memcpy(dst + HB + 2 * r, s[r] + 2, 2);
@@ -226,6 +244,10 @@ static void unpack_block(int fmt, const uint8_t *src, int r, uint8_t *out) {
         case FMT_Q4_0:
             memcpy(out, src + 2 * r, 2);
             for (int i = 0; i < 4; i++) memcpy(out + 2 + 4 * i, src + HB + VB * i + 4 * r, 4);
+            break;
+        case FMT_MXFP4:
+            out[0] = src[r];
+            for (int i = 0; i < 4; i++) memcpy(out + 1 + 4 * i, src + ROWS + VB * i + 4 * r, 4);
             break;
         case FMT_Q4_1:
             memcpy(out, src + 2 * r, 2), memcpy(out + 2, src + HB + 2 * r, 2);
@@ -556,6 +578,60 @@ ALWAYS_INLINE void group_q8_0(const uint8_t *w, int64_t nb, const Acts *A, int64
     EACH_ROW vfst(y + r * ldy, acc[r]);
 }
 
+/* MXFP4 (OCP microscaling): 32 E2M1 codes, whose values doubled are the integers 0, 1, 2, 3, 4,
+ * 6, 8, 12 with a sign bit, and one E8M0 exponent byte e: w = code's value * 2^(e - 127). A byte
+ * shuffle maps a code to its doubled value + 12, 0..24 unsigned for vpdpbusd, and each lane's sum
+ * less 12 * sum(x) is then exact; the block's scale 2^(e - 128) takes the doubling back. AVX2
+ * adds pairs as int16: 8 vectors at 2 * 24 * 127 a pair would overflow, so low and high nibbles
+ * keep a chain each (4 vectors, 24384 at most) and meet in int32. */
+#if defined(VNNI)
+#define CHAINS_MX(R, T) CHAINS(R, T)
+ALWAYS_INLINE vi dot32_mx(vi p[2], const int C) { return chains(p, C); }
+#else
+#define CHAINS_MX(R, T) 2
+ALWAYS_INLINE vi dot32_mx(vi p[2], const int C) {
+    (void)C;
+    const vi ones = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones));
+}
+#endif
+
+/* 2^(e - 128) for ROWS exponent bytes at p, exact for every e: the product of two normal
+ * floats 2^(a - 64) * 2^(e - a - 64), a = e / 2, so that e = 0 and 1 (2^-128 and 2^-127, below
+ * float32's normal range) need no case of their own; e = 255 (a NaN to OCP) reads 2^127 */
+ALWAYS_INLINE vf e8m0_half(const uint8_t *p) {
+    const vi e = vu8to32(p), a = vshr32(e, 1), bias = vset32(63);
+    return vfmul(vbits(vshl32(vadd32(a, bias), 23)), vbits(vshl32(vadd32(vsub32(e, a), bias), 23)));
+}
+
+ALWAYS_INLINE void group_mxfp4(const uint8_t *w, int64_t nb, const Acts *A, int64_t r0, const int R,
+                               const int T, float *y, int64_t ldy) {
+    const vi table = vtable16(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    vf acc[TILE];
+    EACH_ROW acc[r] = vfzero();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + PACKED_BYTES[FMT_MXFP4] * b;
+        prefetch_part(blk, 0, 1, PACKED_BYTES[FMT_MXFP4], 2 * R * T);
+        const int8_t *a[TILE];
+        vi p[TILE], ch[TILE][2];
+        int32_t base[TILE];
+        const int C = CHAINS_MX(R, T);
+        EACH_V {
+            const int64_t tr = (r0 + v / T) * T + v % T;
+            a[v] = A->q + tr * A->k + 32 * b, base[v] = -12 * A->s32[tr * nb + b], ch[v][0] = ch[v][1] = vzero();
+        }
+        EACH(i, 4) {
+            const vi c = vld(blk + ROWS + VB * i), lo = vshuf8(table, lo4(c)), hi = vshuf8(table, hi4(c));
+            EACH_V ch[v][0] = dot16(ch[v][0], lo, a[v] + 4 * i);
+            EACH_V ch[v][C - 1] = dot16(ch[v][C - 1], hi, a[v] + 16 + 4 * i);
+        }
+        EACH_V p[v] = vadd32(dot32_mx(ch[v], C), vset32(base[v]));
+        const vf d = e8m0_half(blk);
+        EACH_ROW acc[r] = vfma(terms(p, r, T), vfmul(d, vfset(A->d[(r0 + r) * nb + b])), acc[r]);
+    }
+    EACH_ROW vfst(y + r * ldy, acc[r]);
+}
+
 /* Q4_K, and Q5_K (five: a fifth bit per code from its high-bit vectors) */
 ALWAYS_INLINE void group_k(const uint8_t *w, int64_t nb, const Acts *A, int64_t r0, const int R,
                            const int T, float *y, int64_t ldy, const int five) {
@@ -712,6 +788,7 @@ static void group_kernel(int fmt, const uint8_t *w, int64_t nb, const Acts *A, i
         case FMT_Q4_K: DISPATCH(group_q4_k); break;
         case FMT_Q6_K: DISPATCH(group_q6_k); break;
         case FMT_Q5_K: DISPATCH(group_q5_k); break;
+        case FMT_MXFP4: DISPATCH(group_mxfp4); break;
     }
 }
 
