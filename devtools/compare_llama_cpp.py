@@ -38,6 +38,7 @@ ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
+    "Gemma4ForCausalLM",
 )
 
 
@@ -145,9 +146,15 @@ def main() -> None:
     args = parser.parse_args()
 
     from devtools.hf_to_gguf import write_gguf
-    from swarm.model.tiny import FAMILIES, MOE_FAMILIES, save_tiny, save_tiny_tokenizer
+    from swarm.model.tiny import (
+        FAMILIES,
+        MOE_FAMILIES,
+        PER_LAYER_FAMILIES,
+        save_tiny,
+        save_tiny_tokenizer,
+    )
 
-    for family in args.families or FAMILIES + MOE_FAMILIES:
+    for family in args.families or FAMILIES + MOE_FAMILIES + PER_LAYER_FAMILIES:
         with tempfile.TemporaryDirectory() as tmp:
             # llama.cpp looks Phi-3's special tokens up by the file's name, which is the folder's
             hf_dir = Path(tmp) / f"tiny-{family.replace('phi3', 'p3')}"

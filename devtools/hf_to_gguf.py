@@ -27,7 +27,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from devtools import gguf_qwen35
+from devtools import gguf_gemma4, gguf_qwen35
 from devtools.gguf_latent import latent_fields, latent_unwritten, split_kv_b
 from devtools.gguf_tables import (
     ALWAYS_F32,
@@ -111,6 +111,11 @@ def check_convertible(name: str, config: dict) -> None:
         if unwritten := latent_unwritten(config):
             raise UnsupportedCheckpoint(f"{name}: {', '.join(unwritten)}: llama.cpp writes none")
         return
+    if FAMILIES[name].gemma4:
+        try:
+            return gguf_gemma4.check(config)
+        except gguf_gemma4.GemmaUnconvertible as exc:
+            raise UnsupportedCheckpoint(f"{name}: {exc}") from exc
     if FAMILIES[name].delta:
         try:
             gguf_qwen35.interval(config)
@@ -217,6 +222,7 @@ def family_fields(name: str, config: dict) -> dict[str, int | float]:
         fields[_K.Rope.SCALING_ORIG_CTX_LEN] = config["original_max_position_embeddings"]
     fields |= latent_fields(config) if family.latent else expert_fields(name, config)
     fields |= gguf_qwen35.fields(config) if family.delta else {}
+    fields |= gguf_gemma4.fields(config) if family.gemma4 else {}
     return {keys(key): value for key, value in fields.items()}
 
 
@@ -339,6 +345,7 @@ def gguf_tensors(family: Family, config: dict, state: dict[str, np.ndarray]):
             continue
         if family.delta:
             hf_name, array = gguf_qwen35.tensor(hf_name, array, config)
+        hf_name = gguf_gemma4.rename(hf_name) if family.gemma4 else hf_name
         name = gguf_name(family, hf_name)
         if family.permute_qk and ".attn_q." in name:
             array = interleave_rope_rows(array, heads)
@@ -349,6 +356,8 @@ def gguf_tensors(family: Family, config: dict, state: dict[str, np.ndarray]):
         yield name, np.ascontiguousarray(array, dtype=np.float32)
     if "llama3_rope" in family.fields and _rope(config).get("rope_type") == "llama3":
         yield "rope_freqs.weight", llama3_rope_factors(config)
+    if family.gemma4:
+        yield "rope_freqs.weight", gguf_gemma4.rope_freqs(config)
     if any(experts.values()):
         left = {f"block {b} expert {x} {w}" for b, d in experts.items() for x, w in d}
         raise UnsupportedCheckpoint(f"experts without the rest of their block: {sorted(left)[:4]}")

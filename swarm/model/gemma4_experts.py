@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from swarm.model.config import ModelConfig
-from swarm.model.experts import MLP
+from swarm.model.experts import MLP, expert_rows
 from swarm.model.linear import Linear
 from swarm.model.norm import rms_norm
 from swarm.model.weights import Fused, RawTensor, make_linear, release_freed_memory
@@ -37,13 +37,15 @@ class DenseAndExperts:
             return MLP(gate_up, make_linear(down, weights, None, usable, terms), activate)
 
         dense = mlp(raw["gate"], raw["up"], raw["down"])
-        whole = {k: raw[f"experts.{k}"].data for k in ("gate_up", "down")}
+        whole = {k: raw[f"experts.{k}"] for k in ("gate_up", "down")}
         width = c.expert_intermediate
 
         def expert(e: int) -> MLP:
-            gate_up = whole["gate_up"][e]
-            parts = (gate_up[:width], gate_up[width:], whole["down"][e])
-            return mlp(*(RawTensor(f"expert.{e}", "torch", t.contiguous()) for t in parts))
+            gate_up = expert_rows(whole["gate_up"], e, c.experts)  # gate's rows first
+            gate, up = (RawTensor(f"expert.{e}", gate_up.kind, gate_up.data[r]) for r in halves)
+            return mlp(gate, up, expert_rows(whole["down"], e, c.experts))
+
+        halves = (slice(0, width), slice(width, 2 * width))
 
         experts = [expert(e) for e in range(c.experts)]
         whole.clear()  # the file's bytes, before release_freed_memory
