@@ -1,5 +1,5 @@
-"""Gemma 4's part of hf_to_gguf.py, as llama.cpp's converter writes it (its conversion/gemma.py:
-Gemma4Model over Gemma3Model and TextModel, arch `gemma4`).
+"""Gemma 4's part of hf_to_gguf.py, as llama.cpp's converter writes it (its conversion package's
+gemma.py: Gemma4Model over Gemma3Model and TextModel, arch `gemma4`).
 
 Keys beside the common ones: the full layers' head width as key_length / value_length /
 rope.dimension_count and the sliding layers' as the *_swa ones; head_count_kv one a layer

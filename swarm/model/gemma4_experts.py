@@ -6,7 +6,8 @@ own (`pre_feedforward_layernorm_2`); each output has its own norm, and their sum
 post-MLP norm. The router reads the residual stream too: RMS-normed without a weight, times its
 `scale` and hidden^-0.5, softmax, top-k renormalised, each weight times its expert's
 `per_expert_scale`. config.json stacks a layer's experts: gate_up [experts, 2 x width, hidden]
-(gate rows first), down [experts, hidden, width]; swarm.model.gemma4 names the tensors.
+(gate rows first), down [experts, hidden, width], and llama.cpp's file the same (ffn_gate_up_exps,
+ffn_down_exps); swarm.model.gemma4 names the tensors.
 """
 
 from __future__ import annotations

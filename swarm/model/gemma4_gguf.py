@@ -1,5 +1,5 @@
-"""Gemma 4 from GGUF as llama.cpp's converter writes it (its conversion/gemma.py Gemma4Model):
-what its metadata says beyond Gemma 3's keys, read into ModelConfig's Gemma 4 fields.
+"""Gemma 4 from GGUF as llama.cpp's converter writes it (Gemma4Model in its conversion package's
+gemma.py): what its metadata says beyond Gemma 3's keys, read into ModelConfig's Gemma 4 fields.
 
 llama.cpp keeps per-layer values where layers differ: `head_count_kv` and, with the
 double-wide MLP of the KV-sharing layers, `feed_forward_length` as arrays; the full layers'
