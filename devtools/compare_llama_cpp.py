@@ -44,6 +44,7 @@ ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
     "GptOssForCausalLM",
+    "Gemma4ForCausalLM",
 )
 # the tiny gpt-oss with the clamp llama.cpp's code fixes (7), which its file cannot say
 AS_LLAMA_CPP = {"gpt_oss": lambda config: dict(swiglu_limit=7.0)}
@@ -154,9 +155,16 @@ def main() -> None:
 
     from devtools.gguf_gptoss import mxfp4_checkpoint
     from devtools.hf_to_gguf import write_gguf
-    from swarm.model.tiny import FAMILIES, MOE_FAMILIES, save_tiny, save_tiny_tokenizer, tiny_config
+    from swarm.model.tiny import (
+        FAMILIES,
+        MOE_FAMILIES,
+        PER_LAYER_FAMILIES,
+        save_tiny,
+        save_tiny_tokenizer,
+        tiny_config,
+    )
 
-    for family in args.families or FAMILIES + MOE_FAMILIES:
+    for family in args.families or FAMILIES + MOE_FAMILIES + PER_LAYER_FAMILIES:
         with tempfile.TemporaryDirectory() as tmp:
             # llama.cpp looks Phi-3's special tokens up by the file's name, which is the folder's
             hf_dir = Path(tmp) / f"tiny-{family.replace('phi3', 'p3')}"

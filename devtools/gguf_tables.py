@@ -14,6 +14,10 @@ TOP_NAMES = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
     "lm_head": "output",
+    # Gemma 4's per-layer inputs
+    "model.embed_tokens_per_layer": "per_layer_token_embd",
+    "model.per_layer_model_projection": "per_layer_model_proj",
+    "model.per_layer_projection_norm": "per_layer_proj_norm",
 }
 
 # per block: the Hugging Face name after `model.layers.{i}.`, the GGUF one after `blk.{i}.`
@@ -88,6 +92,21 @@ _QWEN35 = {
     "linear_attn.out_proj": "ssm_out",
     "post_attention_layernorm": "post_attention_norm",
 }
+# Gemma 4 (llama.cpp's gemma4): per-layer inputs, a layer scalar, the mixture's second norms,
+# router (its scale: ffn_gate_inp.scale) and stacked experts; devtools.gguf_gemma4 renames first
+_GEMMA4 = {
+    "per_layer_input_gate": "inp_gate",
+    "per_layer_projection": "proj",
+    "post_per_layer_input_norm": "post_norm",
+    "layer_scalar": "layer_output_scale",
+    "post_feedforward_layernorm_1": "post_ffw_norm_1",
+    "pre_feedforward_layernorm_2": "pre_ffw_norm_2",
+    "post_feedforward_layernorm_2": "post_ffw_norm_2",
+    "router.proj": "ffn_gate_inp",
+    "router": "ffn_gate_inp",
+    "experts.gate_up_proj": "ffn_gate_up_exps",
+    "experts.down_proj": "ffn_down_exps",
+}
 # llama.cpp keeps these F32 whatever the file's type (as llama-quantize does)
 ALWAYS_F32 = frozenset({"ffn_gate_inp", "ffn_gate_inp_shexp"})
 
@@ -132,6 +151,7 @@ class Family:
     latent: bool = False  # DeepSeek's latent attention: kv_b_proj split, its own keys
     delta: bool = False  # Qwen3.5's Gated DeltaNet: devtools.gguf_qwen35's keys and tensors
     sinks: bool = False  # gpt-oss: devtools.gguf_gptoss's checks, key and tensors
+    gemma4: bool = False  # devtools.gguf_gemma4's keys and tensors
 
 
 FAMILIES = {
@@ -195,6 +215,13 @@ FAMILIES = {
     "deepseek_v3": Family(
         "deepseek2", _DEEPSEEK | _MLP, fields=frozenset(), experts=_QWEN_EXPERTS, latent=True
     ),
+    "gemma4": Family(
+        "gemma4",
+        _ATTENTION | _QK_NORMS | _GEMMA_NORMS | _MLP | _GEMMA4,
+        must_tie=True,
+        fields=frozenset({"head_dim"}),
+        gemma4=True,
+    ),
     "qwen3_5": Family("qwen35", _ATTENTION | _QK_NORMS | _MLP | _QWEN35, delta=True),
     "qwen3_5_moe": Family(
         "qwen35moe",
@@ -226,6 +253,7 @@ HF_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Gemma4ForCausalLM": "gemma4",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "GptOssForCausalLM": "gpt_oss",

@@ -28,7 +28,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from devtools import gguf_gptoss, gguf_qwen35
+from devtools import gguf_gemma4, gguf_gptoss, gguf_qwen35
 from devtools.gguf_latent import latent_fields, latent_unwritten, split_kv_b
 from devtools.gguf_tables import (
     ALWAYS_F32,
@@ -118,6 +118,11 @@ def check_convertible(name: str, config: dict) -> None:
         if unwritten := latent_unwritten(config):
             raise UnsupportedCheckpoint(f"{name}: {', '.join(unwritten)}: llama.cpp writes none")
         return
+    if FAMILIES[name].gemma4:
+        try:
+            return gguf_gemma4.check(config)
+        except gguf_gemma4.GemmaUnconvertible as exc:
+            raise UnsupportedCheckpoint(f"{name}: {exc}") from exc
     if FAMILIES[name].delta:
         try:
             gguf_qwen35.interval(config)
@@ -230,6 +235,7 @@ def family_fields(name: str, config: dict) -> dict[str, int | float]:
     fields |= latent_fields(config) if family.latent else expert_fields(name, config)
     fields |= gguf_qwen35.fields(config) if family.delta else {}
     fields |= gguf_gptoss.fields(config) if family.sinks else {}
+    fields |= gguf_gemma4.fields(config) if family.gemma4 else {}
     return {keys(key): value for key, value in fields.items()}
 
 
@@ -355,6 +361,7 @@ def gguf_tensors(family: Family, config: dict, state: dict[str, np.ndarray]):
         if family.sinks and (split := gguf_gptoss.tensors(hf_name, array)) is not None:
             yield from ((n, np.ascontiguousarray(a, dtype=np.float32)) for n, a in split)
             continue
+        hf_name = gguf_gemma4.rename(hf_name) if family.gemma4 else hf_name
         name = gguf_name(family, hf_name)
         if family.permute_qk and ".attn_q." in name:
             array = interleave_rope_rows(array, heads)
@@ -365,6 +372,8 @@ def gguf_tensors(family: Family, config: dict, state: dict[str, np.ndarray]):
         yield name, np.ascontiguousarray(array, dtype=np.float32)
     if "llama3_rope" in family.fields and _rope(config).get("rope_type") == "llama3":
         yield "rope_freqs.weight", llama3_rope_factors(config)
+    if family.gemma4:
+        yield "rope_freqs.weight", gguf_gemma4.rope_freqs(config)
     if any(experts.values()):
         left = {f"block {b} expert {x} {w}" for b, d in experts.items() for x, w in d}
         raise UnsupportedCheckpoint(f"experts without the rest of their block: {sorted(left)[:4]}")

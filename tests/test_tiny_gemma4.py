@@ -17,7 +17,7 @@ import transformers
 from devtools.launch import start_node, start_swarm, stop_all
 from swarm.errors import ProtocolError, SpanError
 from swarm.model.blocks import Span
-from swarm.model.families import config_from_hf, family_of
+from swarm.model.families import config_from_hf
 from swarm.model.head import Head
 from swarm.model.source import open_model
 from swarm.model.tiny import reference_greedy, save_tiny
@@ -212,11 +212,6 @@ def test_a_multimodal_folder_serves_its_text_model_its_towers_skipped(made, mult
     assert "embed_vision, vision_tower skipped" in caplog.text
     assert reference_greedy(whole, PROMPT, NEW_TOKENS) == want
     assert split_greedy(folder, SPLITS[3], [PROMPT], NEW_TOKENS) == [want]
-
-
-def test_a_gemma4_gguf_is_refused_by_name():
-    with pytest.raises(ValueError, match="'gemma4' is not one this node computes"):
-        family_of("gemma4", gguf=True, where="x.gguf")
 
 
 # ---- the mixture-of-experts variant (26B-A4B's): a dense MLP beside 8 experts, top 3 ----

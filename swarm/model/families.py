@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from swarm.model import deepseek, gemma4, gptoss, qwen35
+from swarm.model import deepseek, gemma4, gemma4_gguf, gptoss, qwen35
 from swarm.model.config import ModelConfig, Rope
 from swarm.model.expert_fields import gguf_experts, hf_experts
 from swarm.model.rope_scaling import gguf_rope, rope_from_hf
@@ -64,6 +64,7 @@ _GEMMA = dict(
     wire_dtype="bfloat16",
 )
 
+_GEMMA4 = {**_GEMMA, "gemma_norms": False, "qk_norm": True}  # Gemma 3's, but norms x * w
 _QWEN35 = dict(qk_norm=True, gemma_norms=True, delta=True)  # Qwen3.5: x * (1 + w) norms
 
 FAMILIES = {
@@ -111,8 +112,7 @@ FAMILIES = {
         Family(
             "gemma2", ("gemma2",), ("gemma2",), **_GEMMA, window_period=2, softcaps=(50.0, 30.0)
         ),
-        # Gemma 3's row, but norms x * w, not x * (1 + w)
-        Family("gemma4", ("gemma4_text",), (), **{**_GEMMA, "gemma_norms": False, "qk_norm": True}),
+        Family("gemma4", ("gemma4_text",), (gemma4_gguf.ARCH,), **_GEMMA4),
         Family(
             "gemma3",
             ("gemma3_text",),
@@ -195,7 +195,7 @@ def block_names(c: ModelConfig, gguf: bool, layer: int) -> dict[str, str]:
     out = {}
     for name in block_tensors(c, layer):
         hf, gg = qwen35.names(c, layer).get(name) or (
-            _NAMES[name] if name in _NAMES else (gemma4.BLOCK_NAMES[name], "")
+            _NAMES[name] if name in _NAMES else gemma4.BLOCK_NAMES[name]
         )
         if name == "mlp_norm" and c.post_norms:
             hf = "pre_feedforward_layernorm"  # Gemma: post_attention_layernorm is another norm
@@ -360,8 +360,10 @@ def config_from_gguf(
 ) -> tuple[ModelConfig, Family]:
     """A GGUF file's ModelConfig from its metadata (`field(key, default)`; a missing key
     without a default raises) and tensor names; `freq_factors` reads rope_freqs.weight."""
-    arch = field("general.architecture")
-    f = family_of(arch, gguf=True, where=name, moe=int(field(f"{arch}.expert_count", 0)) > 0)
+    arch, given = field("general.architecture"), field  # Gemma 4: one row, dense or not
+    moe = int(field(f"{arch}.expert_count", 0)) > 0 and arch != gemma4_gguf.ARCH
+    f = family_of(arch, gguf=True, where=name, moe=moe)
+    field = gemma4_gguf.scalars(field) if arch == gemma4_gguf.ARCH else field
     per_layer = [
         k
         for k in ("attention.head_count", "feed_forward_length")
@@ -429,4 +431,6 @@ def config_from_gguf(
         fields = gptoss.gguf_fields(f, field, arch, config.rope)
         norm = f.topk_norm if f.gguf_topk_norm is None else f.gguf_topk_norm
         config = replace(config, **gguf_experts(field, arch, tensors, layers, norm), **fields)
+    if arch == gemma4_gguf.ARCH:
+        config = replace(config, **gemma4_gguf.gguf_fields(given, tensors, name, freq_factors))
     return replace(config, **qwen35.gguf_fields(f, field, arch, layers)), f

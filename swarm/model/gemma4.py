@@ -23,31 +23,42 @@ from swarm.model.linear import Linear
 from swarm.model.norm import rms_norm
 from swarm.model.weights import RawTensor, make_linear
 
-# tensors of a block beyond Gemma 3's (blocks.py's name -> config.json's name)
+# tensors of a block beyond Gemma 3's: blocks.py's name -> (config.json's name, llama.cpp's)
 BLOCK_NAMES = {
-    "pl_gate": "per_layer_input_gate",
-    "pl_proj": "per_layer_projection",
-    "pl_norm": "post_per_layer_input_norm",
-    "layer_scalar": "layer_scalar",
+    "pl_gate": ("per_layer_input_gate", "inp_gate"),
+    "pl_proj": ("per_layer_projection", "proj"),
+    "pl_norm": ("post_per_layer_input_norm", "post_norm"),
+    "layer_scalar": ("layer_scalar", "layer_output_scale"),
     # a mixture layer's (swarm.model.gemma4_experts)
-    "dense_out_norm": "post_feedforward_layernorm_1",
-    "experts_in_norm": "pre_feedforward_layernorm_2",
-    "experts_out_norm": "post_feedforward_layernorm_2",
-    "router": "router.proj",
-    "router_scale": "router.scale",
-    "expert_scales": "router.per_expert_scale",
-    "experts.gate_up": "experts.gate_up_proj",
-    "experts.down": "experts.down_proj",
+    "dense_out_norm": ("post_feedforward_layernorm_1", "post_ffw_norm_1"),
+    "experts_in_norm": ("pre_feedforward_layernorm_2", "pre_ffw_norm_2"),
+    "experts_out_norm": ("post_feedforward_layernorm_2", "post_ffw_norm_2"),
+    "router": ("router.proj", "ffn_gate_inp"),
+    "router_scale": ("router.scale", "ffn_gate_inp.scale"),
+    "expert_scales": ("router.per_expert_scale", "ffn_down_exps.scale"),
+    "experts.gate_up": ("experts.gate_up_proj", "ffn_gate_up_exps"),
+    "experts.down": ("experts.down_proj", "ffn_down_exps"),
 }
 EXPERT_TENSORS = tuple(BLOCK_NAMES)[4:]
-# stored without ".weight": a buffer, the router's parameters, stacked experts
+# stored without ".weight": a buffer, the router's parameters, stacked experts (config.json);
+# llama.cpp's two scales
 OWN_ENDINGS = ("layer_scalar", "router.scale", "router.per_expert_scale", "experts.down_proj")
-OWN_ENDINGS += ("experts.gate_up_proj",)
-# the model's own, beside the embeddings: the per-layer table, the projection and its norm
-# (after the text model's prefix, "model." or a multimodal folder's "model.language_model.")
-TABLE = "embed_tokens_per_layer.weight"
-PROJECTION = "per_layer_model_projection.weight"
-PROJECTION_NORM = "per_layer_projection_norm.weight"
+OWN_ENDINGS += ("experts.gate_up_proj", "ffn_gate_inp.scale", "ffn_down_exps.scale")
+# the model's own, beside the blocks': the per-layer table, the projection, its norm, and the
+# main embeddings the projection reads: config.json's names (after the text model's prefix,
+# "model." or a multimodal folder's "model.language_model."), llama.cpp's
+MODEL_TENSORS = {
+    "table": ("embed_tokens_per_layer.weight", "per_layer_token_embd.weight"),
+    "projection": ("per_layer_model_projection.weight", "per_layer_model_proj.weight"),
+    "norm": ("per_layer_projection_norm.weight", "per_layer_proj_norm.weight"),
+    "embed": ("embed_tokens.weight", "token_embd.weight"),
+}
+
+
+def model_tensor(prefix: str | None, key: str) -> str:
+    """MODEL_TENSORS[key]'s name in a file whose text model is under `prefix` (None: GGUF)."""
+    hf, gguf = MODEL_TENSORS[key]
+    return gguf if prefix is None else prefix + hf
 
 
 def text_model(cfg: dict) -> tuple[dict, str]:
@@ -172,7 +183,7 @@ class PerLayerInputs:
     def __init__(self, config: ModelConfig, start: int, end: int, embed, table, projection, norm):
         self.c, self.start, self.end = config, start, end
         self.embed = embed  # RawTensor [vocab, hidden], rows looked up
-        self.table = table  # [vocab, (end - start) x width]
+        self.table = table  # RawTensor [vocab, (end - start) x width], rows looked up
         self.projection = projection  # Linear [(end - start) x width, hidden]
         self.norm = norm
 
@@ -180,30 +191,32 @@ class PerLayerInputs:
     def load(cls, source, start: int, end: int, weights: str, usable=None) -> PerLayerInputs:
         """Layers [start, end)'s share of `source`: the projection's rows a Linear in format
         `weights` (as the blocks' matrices are), float32 tables where that is float32."""
-        c, width, prefix = source.config, source.config.per_layer, source.prefix
+        c, width = source.config, source.config.per_layer
+        name = lambda key: model_tensor(source.prefix, key)  # noqa: E731
         cols = slice(start * width, end * width)
-        table = source.columns(prefix + TABLE, cols.start, cols.stop)
-        whole = source.raw(prefix + PROJECTION)
-        rows = RawTensor(whole.name, whole.kind, whole.data[cols].contiguous())
+        table = source.columns(name("table"), cols.start, cols.stop)
+        if table.kind == "torch":  # safetensors: float32 where the blocks are
+            data = table.data.float() if weights == "float32" else table.data
+            table = RawTensor(table.name, "torch", data.contiguous())
+        whole = source.raw(name("projection"))
+        rows = RawTensor(whole.name, whole.kind, whole.data[cols])
         projection = make_linear(rows, weights, None, usable)
-        embed = source.raw(prefix + "embed_tokens.weight")
-        table = table.float().contiguous() if weights == "float32" else table.contiguous()
-        norm = source.raw(prefix + PROJECTION_NORM).float32()
+        embed = source.raw(name("embed"))
+        norm = source.raw(name("norm")).float32()
         return cls(c, start, end, embed, table, projection, norm)
 
     @property
     def nbytes(self) -> int:
         """What grows with the layers held (the main embeddings, one table, do not)."""
-        return self.table.nbytes + self.projection.nbytes
+        return self.table.data.nbytes + self.projection.nbytes
 
     @torch.inference_mode()
     def __call__(self, ids: list[int], start: int, end: int) -> torch.Tensor:
         """Layers [start, end)'s inputs for tokens `ids`: [tokens, end - start, width]."""
         c, width = self.c, self.c.per_layer
         cols = slice((start - self.start) * width, (end - self.start) * width)
-        rows = torch.tensor(ids)
         main = self.embed.rows(ids).float() * torch.tensor(c.hidden**0.5, dtype=torch.float32)
         projected = self.projection(main).float()[:, cols] * c.hidden**-0.5
         projected = rms_norm(projected.view(len(ids), end - start, width), self.norm, c.rms_eps)
-        own = self.table[rows, cols].float() * torch.tensor(width**0.5, dtype=torch.float32)
+        own = self.table.rows(ids)[:, cols] * torch.tensor(width**0.5, dtype=torch.float32)
         return (projected + own.view(len(ids), end - start, width)) * 2.0**-0.5

@@ -6,7 +6,8 @@ own (`pre_feedforward_layernorm_2`); each output has its own norm, and their sum
 post-MLP norm. The router reads the residual stream too: RMS-normed without a weight, times its
 `scale` and hidden^-0.5, softmax, top-k renormalised, each weight times its expert's
 `per_expert_scale`. config.json stacks a layer's experts: gate_up [experts, 2 x width, hidden]
-(gate rows first), down [experts, hidden, width]; swarm.model.gemma4 names the tensors.
+(gate rows first), down [experts, hidden, width], and llama.cpp's file the same (ffn_gate_up_exps,
+ffn_down_exps); swarm.model.gemma4 names the tensors.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from swarm.model.config import ModelConfig
-from swarm.model.experts import MLP
+from swarm.model.experts import MLP, expert_rows
 from swarm.model.linear import Linear
 from swarm.model.norm import rms_norm
 from swarm.model.weights import Fused, RawTensor, make_linear, release_freed_memory
@@ -37,13 +38,15 @@ class DenseAndExperts:
             return MLP(gate_up, make_linear(down, weights, None, usable, terms), activate)
 
         dense = mlp(raw["gate"], raw["up"], raw["down"])
-        whole = {k: raw[f"experts.{k}"].data for k in ("gate_up", "down")}
+        whole = {k: raw[f"experts.{k}"] for k in ("gate_up", "down")}
         width = c.expert_intermediate
 
         def expert(e: int) -> MLP:
-            gate_up = whole["gate_up"][e]
-            parts = (gate_up[:width], gate_up[width:], whole["down"][e])
-            return mlp(*(RawTensor(f"expert.{e}", "torch", t.contiguous()) for t in parts))
+            gate_up = expert_rows(whole["gate_up"], e, c.experts)  # gate's rows first
+            gate, up = (RawTensor(f"expert.{e}", gate_up.kind, gate_up.data[r]) for r in halves)
+            return mlp(gate, up, expert_rows(whole["down"], e, c.experts))
+
+        halves = (slice(0, width), slice(width, 2 * width))
 
         experts = [expert(e) for e in range(c.experts)]
         whole.clear()  # the file's bytes, before release_freed_memory

@@ -3,8 +3,9 @@
 gguf's own reader keeps every metadata value as numpy arrays (the tokenizer's ~100k strings
 among them, ~150 MiB for the default model) and serves tensors from a memory map, whose pages
 then count in the node's RSS for as long as it runs. A node needs neither: this reads the
-header once, keeps scalars and strings, skips arrays, and reads each tensor with pread into
-memory the converted weights replace.
+header once, keeps scalars, strings and the short numeric arrays of a model's per-layer
+values (Gemma 4's layer kinds, kv heads), skips the others (the tokenizer's), and reads each
+tensor with pread into memory the converted weights replace.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q"}
 _SCALARS |= {11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_KEPT_ARRAY = 4096  # numeric arrays up to this long are kept: one value a layer or expert
 _FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
@@ -49,7 +51,11 @@ class GGUFFile:
             for _ in range(n_fields):
                 key = _string(f)
                 (vtype,) = struct.unpack("<I", f.read(4))
-                if vtype == _ARRAY:
+                if vtype == _ARRAY and not key.startswith("tokenizer."):
+                    self.lengths[key], kept = _array(f)
+                    if kept is not None:
+                        self.fields[key] = kept
+                elif vtype == _ARRAY:
                     self.lengths[key] = _skip_array(f)
                 else:
                     self.fields[key] = _value(f, vtype)
@@ -131,6 +137,16 @@ def _value(f, vtype: int):
         _skip_array(f)
         return None
     raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+def _array(f) -> tuple[int, tuple | None]:
+    """An array's length, and its values where they are a short run of numbers."""
+    etype, count = struct.unpack("<IQ", f.read(12))
+    if etype not in _SCALARS or count > _KEPT_ARRAY:
+        f.seek(-12, os.SEEK_CUR)
+        return _skip_array(f), None
+    fmt = _SCALARS[etype]
+    return count, struct.unpack(f"<{count}{fmt[1:]}", f.read(count * struct.calcsize(fmt)))
 
 
 def _skip_array(f) -> int:

@@ -166,6 +166,8 @@ class GGUFSource:
     """A GGUF model: one file, or llama.cpp's shards of which some may be absent (those
     holding no tensor this process computes with)."""
 
+    prefix = None  # the model's tensors have llama.cpp's names (a folder's: prefix + its own)
+
     def __init__(self, path: Path):
         self.file = GGUFShards(path)
         self.path = self.file.path  # the first shard where split: the model's metadata
@@ -246,6 +248,24 @@ class GGUFSource:
             data = np.ascontiguousarray(data.reshape(heads, dim, 2, -1).swapaxes(2, 1))
             data = data.reshape(-1, data.shape[-1])
         return RawTensor(name, self._tensors[name].kind, data)
+
+    def columns(self, name: str, start: int, stop: int) -> RawTensor:
+        """Columns [start, stop) of 2-D tensor `name` as the file stores them (Gemma 4's
+        per-layer table), mapped, so only those bytes are read; a quantized one's whole blocks."""
+        raw = RawTensor(name, self._tensors[name].kind, self.file.mapped(name))
+        if raw.data.dtype != np.uint8:
+            return RawTensor(name, raw.kind, np.ascontiguousarray(raw.data[:, start:stop]))
+        import gguf
+
+        block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[raw.kind]]
+        first, end = start // block, -(-stop // block)  # the blocks holding the columns
+        held = RawTensor(
+            name, raw.kind, np.ascontiguousarray(raw.data[:, first * nbytes : end * nbytes])
+        )
+        if start % block or stop % block:  # a layer's columns not whole blocks: float32
+            cols = slice(start - first * block, stop - first * block)
+            return RawTensor(name, "F32", held.float32().numpy()[:, cols].copy())
+        return held
 
     def block_raw(self, block: int) -> OnDemand:
         names = _block_map(self._names(block), f"blk.{block}.", self._tensors)
@@ -348,7 +368,7 @@ class SafetensorsSource:
         from safetensors import safe_open
 
         with safe_open(str(self._where[name]), framework="pt") as st:
-            return st.get_slice(name)[:, start:stop]
+            return RawTensor(name, "torch", st.get_slice(name)[:, start:stop])
 
     def block_raw(self, block: int) -> OnDemand:
         names = _block_map(self._names(block), f"{self.prefix}layers.{block}.", self._where)
