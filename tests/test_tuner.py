@@ -111,3 +111,30 @@ def test_a_round_that_may_have_come_on_its_own_time_only_bounds_what_one_behind_
     assert tuner.behind(3) < 0.010
     tuner.spaced(3, 0.002, queued=False)  # but it came sooner than was thought possible
     assert tuner.behind(3) < 0.003
+
+
+def test_a_probe_whose_drafts_are_all_rejected_turns_rounds_off_again_at_once():
+    tuner = loopback(acceptance=0.0)
+    assert tuner.plan(10) == (0, 1)  # drafts never right: plain steps
+    assert tuner.plan(10 + Tuner.PROBE_EVERY) == (2, 1)  # tried again: texts change
+    assert tuner.plan(10 + Tuner.PROBE_EVERY) == (0, 1)  # nothing beside the probe
+    tuner.observe(1, 0)  # its first draft was wrong
+    assert [tuner.plan(11 + Tuner.PROBE_EVERY + i) for i in range(5)] == [(0, 1)] * 5
+    assert tuner.acceptance() < 0.05  # as measured before the probe, not the probe's hope
+
+
+def test_a_probe_with_a_draft_accepted_lets_rounds_go_on():
+    tuner = loopback(acceptance=0.0)
+    tuner.plan(10)
+    tuner.plan(10 + Tuner.PROBE_EVERY)
+    tuner.observe(2, 2)  # both drafts right: the text changed
+    assert tuner.plan(13 + Tuner.PROBE_EVERY)[0] > 0
+
+
+def test_a_drafter_that_costs_what_a_round_saves_is_not_used():
+    free, costly = loopback(0.4), loopback(0.4)
+    for _ in range(10):
+        free.drafted(3, 0.00015)  # prompt lookup: a search
+        costly.drafted(3, 0.012)  # a draft model a quarter of the served one's size
+    assert free.plan(20)[0] > 0
+    assert costly.plan(20) == (0, 1)

@@ -215,7 +215,9 @@ class Decoding:
             room = self.end - 1 - len(seq)  # the reply's last token is never fed
             first = not self.rounds
             want = min(k if first else k + 1, room, session_round - first)
+            drafting = time.perf_counter()
             drafts = self.drafter.propose(seq, want)[:want] if want > 0 else []
+            self.tuner.drafted(len(drafts), time.perf_counter() - drafting)
             if not drafts:
                 break
             ids = [self.tokens[-1], *drafts] if first else drafts

@@ -38,11 +38,17 @@ class Tuner:
         # another is not timed, and one that goes stale costs the nodes what per_token tells)
         self.fitted = False
         self.step_s: float | None = None  # a plain step's seconds (decayed)
+        self.draft_s = 0.0  # the drafter's seconds a draft (decayed): a draft model's compute
         self.stages = 1  # hops of the route: a round behind another waits for the slowest only
         # decayed (weight, tokens, seconds) of the rounds answered behind another: how long
         # after the answer ahead of them theirs came, what a round in flight adds to a cycle
         self._spacing = (0.0, 0.0, 0.0)
         self.off_since = -1  # token count when speculation switched itself off, -1 if on
+        # speculation off and tried again: "out" while the probe round's answer is awaited
+        # (sent when `_probe_at` tokens were decided), then whether a draft of it was accepted
+        self._probe: str | bool | None = None
+        self._probe_at = 0
+        self._before_probe: tuple[int, tuple[float, float] | None] = (0, None)  # kind, theirs
         # decayed (tokens, seconds) produced with rounds and with plain steps: what each paid
         self._produced = {True: (0.0, 0.0), False: (0.0, 0.0)}
 
@@ -54,6 +60,8 @@ class Tuner:
     def observe(self, checked: int, accepted: int, kind: int = 0) -> None:
         """A round's drafts of `kind`: `checked` compared with the picks, `accepted` of them
         equal."""
+        if self._probe == "out":
+            self._probe = accepted > 0
         if checked:
             hits, checks = self._accepted.get(kind, (self.prior, 1.0))
             self._accepted[kind] = (
@@ -86,6 +94,11 @@ class Tuner:
             # plain fit would stay as it was and keep rounds at that size
             self.per_token = max(0.0, (nt - n * t / one) / (sxx + self.SHRINK))
         self.latency = max(1e-4, t / one - self.per_token * (n / one - 1))
+
+    def drafted(self, drafts: int, seconds: float) -> None:
+        """The drafter proposed `drafts` in `seconds` (before the round could leave)."""
+        if drafts:
+            self.draft_s = self.DECAY * self.draft_s + (1 - self.DECAY) * seconds / drafts
 
     def alone(self, tokens: int) -> float:
         """Seconds a round of `tokens` takes with none ahead of it, as fitted."""
@@ -138,6 +151,10 @@ class Tuner:
     def plan(self, produced: int, kind: int = 0) -> tuple[int, int]:
         """(drafts a round, rounds in flight) for the next round, of drafts of `kind`; (0, 1):
         a plain step."""
+        if self._probe == "out":
+            if produced == self._probe_at:
+                return 0, 1  # no round beside the probe: its answer decides
+            self._probe = None  # it failed and was not checked: as if never sent
         a = min(self.acceptance(kind), 0.999)
         step = self.latency if self.step_s is None else self.step_s
         best, best_rate = (0, 1), 1.0 / max(step, 1e-6)
@@ -149,20 +166,34 @@ class Tuner:
                 # the first round pays its tokens at every hop; each behind it what rounds
                 # behind another were measured to add (the slowest hop's share of its tokens
                 # until then: the hops working at once)
-                cost = k * self.per_token + (m - 1) * self.behind(k + 1)
+                # (and the drafter's time for every draft, before each round leaves)
+                behind = self.behind(k + 1) + (k + 1) * self.draft_s
+                cost = k * (self.per_token + self.draft_s) + (m - 1) * behind
                 rate = tokens / max(self.latency + cost, 1e-6)
                 if rate > best_rate * 1.05:
                     best, best_rate = (k, m), rate
         if best[0] and not self.rounds_pay():
             best = (0, 1)  # measured slower than plain steps: off, and probed as below
+        if self._probe is False:
+            # the probe's drafts were all rejected: off again at once, with the acceptance
+            # measured before it, rather than after the rounds it takes the probe's hopeful
+            # one to decay below what pays (each slower than a plain step: 0.8-0.9x where the
+            # drafts are never right)
+            best, self.off_since = (0, 1), produced
+            probed, before = self._before_probe
+            if before is not None:
+                self._accepted[probed] = before
+        self._probe = None
         if best[0]:
             self.off_since = -1
         elif self.off_since < 0:
             self.off_since = produced
         elif produced - self.off_since >= self.PROBE_EVERY:  # try again: texts change
             self.off_since = produced
+            self._before_probe = (kind, self._accepted.get(kind))
             self._accepted[kind] = (max(self.acceptance(kind), 0.5), 1.0)
             self._produced[True] = (0.0, 0.0)  # the rounds from here on tell whether they pay
+            self._probe, self._probe_at = "out", produced
             return 2, 1
         return best
 
