@@ -1,0 +1,215 @@
+"""Per family, a GGUF file's plan at a real model's layer shapes: the architecture, the metadata
+keys and the tensors (names, numpy shapes, types) as llama.cpp's converter writes them, for
+scripts/synthetic_gguf.py's write_plan to fill with random weights.
+
+Shapes are the named model's (Llama-3-8B, Qwen3-8B, Gemma-3-12B, Phi-3-medium, Mixtral-8x7B,
+DeepSeek-V3's attention with 8 of its experts); the vocabulary is small (the benchmark times
+layers). Matrices are Q4_K (what Q4_K_M gives most of them; it puts Q6_K on some attn_v and
+ffn_down, not here), norms and routers F32; a matrix whose rows are not a multiple of 256 takes
+Q8_0, as llama.cpp's quantizer falls back. The output head is left out (tied to the embeddings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Q, F32 = "Q4_K", "F32"
+VOCAB = 4096
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    arch: str
+    fields: dict  # keys without the "{arch}." prefix (but "general.*")
+    tensors: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)
+    vocab: int = VOCAB
+    note: str = ""  # what the benchmark's layer is, where the family has several kinds
+
+
+def _common(layers: int, hidden: int, inter: int, heads: int, kv: int, head_dim: int, **more):
+    return {
+        "block_count": layers,
+        "context_length": 8192,
+        "embedding_length": hidden,
+        "feed_forward_length": inter,
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv,
+        "rope.dimension_count": head_dim,
+        "attention.layer_norm_rms_epsilon": 1e-5,
+        "vocab_size": VOCAB,
+        "general.file_type": 15,  # MOSTLY_Q4_K_M
+        **more,
+    }
+
+
+def _attention(p: str, hidden: int, heads: int, kv: int, head_dim: int, qk_norm: bool):
+    out = [
+        (p + "attn_norm.weight", (hidden,), F32),
+        (p + "attn_q.weight", (heads * head_dim, hidden), Q),
+        (p + "attn_k.weight", (kv * head_dim, hidden), Q),
+        (p + "attn_v.weight", (kv * head_dim, hidden), Q),
+        (p + "attn_output.weight", (hidden, heads * head_dim), Q),
+    ]
+    if qk_norm:
+        out += [(p + "attn_q_norm.weight", (head_dim,), F32)]
+        out += [(p + "attn_k_norm.weight", (head_dim,), F32)]
+    return out
+
+
+def _mlp(p: str, hidden: int, inter: int):
+    return [
+        (p + "ffn_norm.weight", (hidden,), F32),
+        (p + "ffn_gate.weight", (inter, hidden), Q),
+        (p + "ffn_up.weight", (inter, hidden), Q),
+        (p + "ffn_down.weight", (hidden, inter), Q),
+    ]
+
+
+def _experts(p: str, hidden: int, inter: int, experts: int, suffix: str = "exps"):
+    return [
+        (p + f"ffn_gate_{suffix}.weight", (experts, inter, hidden), Q),
+        (p + f"ffn_up_{suffix}.weight", (experts, inter, hidden), Q),
+        (p + f"ffn_down_{suffix}.weight", (experts, hidden, inter), Q),
+    ]
+
+
+def _ends(hidden: int, blocks: list) -> list:
+    return [
+        ("token_embd.weight", (VOCAB, hidden), Q),
+        *blocks,
+        ("output_norm.weight", (hidden,), F32),
+    ]
+
+
+def llama(layers: int) -> Plan:
+    h, i, heads, kv, d = 4096, 14336, 32, 8, 128
+    blocks = []
+    for b in range(layers):
+        blocks += _attention(f"blk.{b}.", h, heads, kv, d, False) + _mlp(f"blk.{b}.", h, i)
+    fields = _common(layers, h, i, heads, kv, d, **{"rope.freq_base": 500000.0})
+    return Plan("llama-3-8b", "llama", fields, _ends(h, blocks))
+
+
+def qwen3(layers: int) -> Plan:
+    h, i, heads, kv, d = 4096, 12288, 32, 8, 128
+    blocks = []
+    for b in range(layers):
+        blocks += _attention(f"blk.{b}.", h, heads, kv, d, True) + _mlp(f"blk.{b}.", h, i)
+    more = {"rope.freq_base": 1e6, "attention.key_length": d, "attention.value_length": d}
+    fields = _common(layers, h, i, heads, kv, d, **more)
+    fields["attention.layer_norm_rms_epsilon"] = 1e-6
+    return Plan("qwen3-8b", "qwen3", fields, _ends(h, blocks))
+
+
+def gemma3(layers: int) -> Plan:
+    h, i, heads, kv, d = 3840, 15360, 16, 8, 256
+    blocks = []
+    for b in range(layers):
+        p = f"blk.{b}."
+        blocks += _attention(p, h, heads, kv, d, True)
+        blocks += [(p + "post_attention_norm.weight", (h,), F32)]
+        blocks += _mlp(p, h, i) + [(p + "post_ffw_norm.weight", (h,), F32)]
+    more = {
+        "rope.freq_base": 1e6,
+        "attention.key_length": d,
+        "attention.value_length": d,
+        "attention.sliding_window": 1024,
+    }
+    fields = _common(layers, h, i, heads, kv, d, **more)
+    fields["attention.layer_norm_rms_epsilon"] = 1e-6
+    note = "a sliding layer (every 6th is full; at short context they cost the same)"
+    return Plan("gemma-3-12b", "gemma3", fields, _ends(h, blocks), note=note)
+
+
+def phi3(layers: int) -> Plan:
+    h, i, heads, kv, d = 5120, 17920, 40, 10, 128
+    blocks = []
+    for b in range(layers):
+        p = f"blk.{b}."
+        blocks += [
+            (p + "attn_norm.weight", (h,), F32),
+            (p + "attn_qkv.weight", ((heads + 2 * kv) * d, h), Q),
+            (p + "attn_output.weight", (h, heads * d), Q),
+            (p + "ffn_norm.weight", (h,), F32),
+            (p + "ffn_up.weight", (2 * i, h), Q),  # gate and up, fused
+            (p + "ffn_down.weight", (h, i), Q),
+        ]
+    more = {"rope.freq_base": 10000.0, "rope.scaling.original_context_length": 4096}
+    fields = _common(layers, h, i, heads, kv, d, **more)
+    fields["context_length"] = 4096
+    return Plan("phi-3-medium", "phi3", fields, _ends(h, blocks))
+
+
+def mixtral(layers: int) -> Plan:
+    h, i, heads, kv, d, experts = 4096, 14336, 32, 8, 128, 8
+    blocks = []
+    for b in range(layers):
+        p = f"blk.{b}."
+        blocks += _attention(p, h, heads, kv, d, False) + [(p + "ffn_norm.weight", (h,), F32)]
+        blocks += [(p + "ffn_gate_inp.weight", (experts, h), F32)]
+        blocks += _experts(p, h, i, experts)
+    more = {"rope.freq_base": 1e6, "expert_count": experts, "expert_used_count": 2}
+    fields = _common(layers, h, i, heads, kv, d, **more)
+    return Plan("mixtral-8x7b", "llama", fields, _ends(h, blocks), note="top 2 of 8 experts")
+
+
+def deepseek(layers: int) -> Plan:
+    """DeepSeek-V3's layer (hidden 7168, 128 heads, q rank 1536, latent 512 + 64 rotated, nope
+    128, v 128) with 8 routed experts of 2048 (V3 has 256), top 8 in one group, 1 shared: every
+    layer a mixture (leading dense blocks 0). Keys as devtools/gguf_latent.py writes them."""
+    h, heads, q_rank, rank, rope, nope, v = 7168, 128, 1536, 512, 64, 128, 128
+    experts, used, inter, moe_inter = 8, 8, 18432, 2048
+    blocks = []
+    for b in range(layers):
+        p = f"blk.{b}."
+        blocks += [
+            (p + "attn_norm.weight", (h,), F32),
+            (p + "attn_q_a.weight", (q_rank, h), Q),
+            (p + "attn_q_a_norm.weight", (q_rank,), F32),
+            (p + "attn_q_b.weight", (heads * (nope + rope), q_rank), Q),
+            (p + "attn_kv_a_mqa.weight", (rank + rope, h), Q),
+            (p + "attn_kv_a_norm.weight", (rank,), F32),
+            (p + "attn_k_b.weight", (heads, rank, nope), "Q8_0"),  # rows of 128
+            (p + "attn_v_b.weight", (heads, v, rank), Q),
+            (p + "attn_output.weight", (h, heads * v), Q),
+            (p + "ffn_norm.weight", (h,), F32),
+            (p + "ffn_gate_inp.weight", (experts, h), F32),
+            (p + "exp_probs_b.bias", (experts,), F32),
+            *_experts(p, h, moe_inter, experts),
+            *_experts(p, h, moe_inter, 1, "shexp"),
+        ]
+    # shared experts are 2-D in llama.cpp's files: [rows, columns]
+    blocks = [(n, s[1:] if "shexp" in n else s, t) for n, s, t in blocks]
+    fields = _common(layers, h, inter, heads, 1, rope, **{"rope.freq_base": 10000.0})
+    fields |= {
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "leading_dense_block_count": 0,
+        "attention.kv_lora_rank": rank,
+        "attention.q_lora_rank": q_rank,
+        "attention.key_length": rank + rope,
+        "attention.value_length": rank,
+        "attention.key_length_mla": nope + rope,
+        "attention.value_length_mla": v,
+        "expert_feed_forward_length": moe_inter,
+        "expert_count": experts,
+        "expert_used_count": used,
+        "expert_shared_count": 1,
+        "expert_gating_func": 2,  # sigmoid
+        "expert_group_count": 1,
+        "expert_group_used_count": 1,
+        "expert_weights_scale": 2.5,
+        "expert_weights_norm": True,
+    }
+    note = "latent attention, top 8 of 8 experts + 1 shared"
+    return Plan("deepseek-v3-layer", "deepseek2", fields, _ends(h, blocks), note=note)
+
+
+PLANS = {
+    "llama": llama,
+    "qwen3": qwen3,
+    "gemma3": gemma3,
+    "phi3": phi3,
+    "mixtral": mixtral,
+    "deepseek_v3": deepseek,
+}

@@ -1,0 +1,193 @@
+"""Per family at an 8B-class layer shape: swarm's decode and prompt speed a layer, its cache a
+token, and llama.cpp's decode on the same file (issue 50).
+
+Files: per family, synthetic GGUF files of 1 and 2 layers (scripts/bench/family_plans.py's
+plans, random weights, Q4_K matrices, F32 norms and routers, written by synthetic_gguf.py's
+write_plan into --files, default a temporary folder; kept and reused when there).
+  swarm      a child process per family loads layer 1 of the 2-layer file (Span.load, the
+             node's "auto" weights) and times Span.decode of one row and of 8 rows (8 sessions,
+             one step) at position 0: the median thread CPU time of --decode-calls calls at 1
+             thread; a 512-token prompt pass (Span.forward, one timed call after a short
+             warm-up). Cache: bytes a token of the layer's KV in the node's bfloat16 cache; a
+             Gated DeltaNet layer holds a fixed state a session instead (printed as such).
+  llama.cpp  llama-bench -t 1 on the 1- and 2-layer files (tg32, fastest of 5 repetitions); its
+             per-layer figure is the difference, which takes the embedding and the output head
+             out. Only with --llama-bench and where llama.cpp runs the architecture.
+A family that cannot be written or loaded is a row "not measured" with the reason.
+
+Example: nice .venv/bin/python scripts/bench_families.py --files /tmp/fam \\
+             --llama-bench /path/to/llama.cpp/build/bin/llama-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import bench  # noqa: F401  (first: OpenMP's wait policy, a node's, before torch loads)
+import torch
+from bench.family_plans import PLANS
+from bench.layers import call_seconds, llama_seconds
+from bench.proc import cpu_name
+
+PROMPT, ROWS, GOAL = 512, 8, 1.2  # goal: swarm's decode within 1.2x of llama.cpp's
+# families the plans leave out, and why (printed as rows "not measured")
+UNMEASURED = {
+    "mistral": "llama.cpp writes Mistral as llama: the llama row (same 7B/8B layer shape)",
+    "gpt_oss": "swarm refuses gpt-oss GGUF files (gptoss.gguf_fields: not verified yet)",
+    "gemma4": "swarm reads Gemma 4 from safetensors only (no GGUF architecture in families.py)",
+}
+
+
+def files_of(folder: Path, family: str) -> tuple[Path, Path]:
+    """The family's 1- and 2-layer files, written unless there."""
+    from synthetic_gguf import write_plan
+
+    memo: dict = {}  # one family's generated tensors, shared by its two files
+    paths = []
+    for layers in (1, 2):
+        path = folder / f"{family}-{layers}.gguf"
+        if not path.exists():
+            print(f"writing {path} ...", file=sys.stderr, flush=True)
+            partial = path.with_suffix(".part")
+            write_plan(partial, PLANS[family](layers), memo=memo)
+            partial.rename(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def swarm_child(path: str, decode_calls: int) -> dict:
+    """Layer 1 of the 2-layer file, timed here (a child: one family's weights at a time)."""
+    from swarm.model.blocks import Span
+    from swarm.model.kvcache import KVCache
+    from swarm.model.source import open_model
+
+    torch.set_num_threads(1)
+    source = open_model(path)
+    c = source.config
+    span = Span.load(source, 1, 2)
+    torch.manual_seed(0)
+    fig = {"format": span.format}
+    with torch.inference_mode():
+        cache = span.allocate_cache(1, 2, 16)
+        x1 = torch.randn(1, c.hidden)
+        fig["decode_ms"] = 1e3 * call_seconds(
+            lambda: span.decode(x1, [cache], [0], 1, 2), decode_calls, 1
+        )
+        caches = [span.allocate_cache(1, 2, 16) for _ in range(ROWS)]
+        x8 = torch.randn(ROWS, c.hidden)
+        fig[f"decode_x{ROWS}_ms"] = 1e3 * call_seconds(
+            lambda: span.decode(x8, caches, [0] * ROWS, 1, 2), max(3, decode_calls // 4), 1
+        )
+        span.forward(torch.randn(1, 16, c.hidden), span.allocate_cache(1, 2, 16), 0, 1, 2)
+        prompt, long_cache = torch.randn(1, PROMPT, c.hidden), span.allocate_cache(1, 2, PROMPT)
+        start = time.thread_time()
+        span.forward(prompt, long_cache, 0, 1, 2)
+        fig["prompt_tok_s"] = PROMPT / (time.thread_time() - start)
+    fig["kv_bytes"] = KVCache.bytes_per_token(c, 1, span.cache_dtype, start=1)
+    states = getattr(cache, "states", None) or {}
+    fig["state_bytes"] = sum(_nbytes(s) for s in states.values())
+    return fig
+
+
+def _nbytes(state) -> int:
+    """A session's fixed state's bytes (its tensors')."""
+    tensors = [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def run_swarm(path: Path, decode_calls: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(path), "--decode-calls", str(decode_calls)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return {"error": f"swarm: {last}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_llama(binary: str, one: Path, two: Path) -> float | str:
+    """llama.cpp's decode ms a layer (2-layer file's time less 1-layer file's), or why none."""
+    try:
+        t1, t2 = (llama_seconds(binary, p, 1, ["-p", "0"], 32) for p in (one, two))
+    except subprocess.CalledProcessError as e:
+        lines = [ln for ln in (e.stderr or "").splitlines() if "error" in ln.lower()]
+        return f"llama.cpp: {(lines or ['failed'])[-1].strip()[:80]}"
+    return 1e3 * (t2 - t1)
+
+
+def measure(family: str, folder: Path, a) -> dict:
+    try:
+        one, two = files_of(folder, family)
+    except Exception as e:  # noqa: BLE001  (a plan that cannot be written: its row says why)
+        return {"error": f"writing: {type(e).__name__}: {e}"}
+    fig = run_swarm(two, a.decode_calls)
+    fig["note"] = PLANS[family](2).note
+    if a.llama_bench:
+        fig["llama"] = run_llama(a.llama_bench, one, two)
+    return fig
+
+
+def _cache_cell(fig: dict) -> str:
+    if fig.get("state_bytes"):
+        return f"{fig['state_bytes']} a session (fixed state)"
+    return str(fig["kv_bytes"])
+
+
+def row(family: str, fig: dict) -> str:
+    if "error" in fig:
+        return f"| {family} | not measured: {fig['error']} |"
+    llama = fig.get("llama", "-")
+    ratio = f"{fig['decode_ms'] / llama:.2f}x" if isinstance(llama, float) else "-"
+    cells = [
+        f"{family} ({fig['note']})" if fig["note"] else family,
+        f"{fig['decode_ms']:.2f}",
+        f"{fig[f'decode_x{ROWS}_ms']:.2f}",
+        f"{fig['prompt_tok_s']:.1f}",
+        _cache_cell(fig),
+        f"{llama:.2f}" if isinstance(llama, float) else str(llama),
+        ratio,
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--files", type=Path, help="folder of the GGUF files (default: a temp one)")
+    p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"))
+    p.add_argument("--families", default=",".join([*PLANS, *UNMEASURED]))
+    p.add_argument("--decode-calls", type=int, default=15)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        print(json.dumps(swarm_child(a.child, a.decode_calls)))
+        return
+    folder = a.files or Path(tempfile.mkdtemp(prefix="swarm-families-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for family in a.families.split(","):
+        if family in UNMEASURED or family not in PLANS:
+            why = UNMEASURED.get(family, "no plan for it in scripts/bench/family_plans.py")
+            rows.append(row(family, {"error": why}))
+        else:
+            fig = measure(family, folder, a)
+            print(f"{family}: {json.dumps(fig)}", file=sys.stderr, flush=True)
+            rows.append(row(family, fig))
+    print(f"CPU: {cpu_name()}, 1 thread; files in {folder}")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (one run: noisy when loaded)")
+    print(
+        f"| family | decode ms a layer, 1 row | {ROWS} rows | prompt {PROMPT} tok/s |"
+        " KV bytes a token a layer (bf16) | llama.cpp decode ms a layer |"
+        f" swarm / llama.cpp (goal <= {GOAL}x) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
