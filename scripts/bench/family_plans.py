@@ -138,7 +138,8 @@ def phi3(layers: int) -> Plan:
     more = {"rope.freq_base": 10000.0, "rope.scaling.original_context_length": 4096}
     fields = _common(layers, h, i, heads, kv, d, **more)
     fields["context_length"] = 4096
-    return Plan("phi-3-medium", "phi3", fields, _ends(h, blocks))
+    # not "phi-3"/"phi3": llama.cpp then looks up Phi-3's special tokens in the vocabulary
+    return Plan("Phi 3 medium shaped", "phi3", fields, _ends(h, blocks))
 
 
 def mixtral(layers: int) -> Plan:
