@@ -46,12 +46,13 @@ UNMEASURED = {
 
 
 def files_of(folder: Path, family: str) -> tuple[Path, Path]:
-    """The family's 1- and 2-layer files, written unless there."""
+    """The family's files of N and N + 1 layers (N: 1 but where its plan says), written unless
+    there."""
     from synthetic_gguf import write_plan
 
     memo: dict = {}  # one family's generated tensors, shared by its two files
     paths = []
-    for layers in (1, 2):
+    for layers in PLANS[family](1).sizes:
         path = folder / f"{family}-{layers}.gguf"
         if not path.exists():
             print(f"writing {path} ...", file=sys.stderr, flush=True)
@@ -63,7 +64,8 @@ def files_of(folder: Path, family: str) -> tuple[Path, Path]:
 
 
 def swarm_child(path: str, decode_calls: int) -> dict:
-    """Layer 1 of the 2-layer file, timed here (a child: one family's weights at a time)."""
+    """The last layer of the larger file, timed here (a child: one family's weights at a
+    time)."""
     from swarm.model.blocks import Span
     from swarm.model.kvcache import KVCache
     from swarm.model.source import open_model
@@ -71,27 +73,28 @@ def swarm_child(path: str, decode_calls: int) -> dict:
     torch.set_num_threads(1)
     source = open_model(path)
     c = source.config
-    span = Span.load(source, 1, 2)
+    first, end = c.num_layers - 1, c.num_layers
+    span = Span.load(source, first, end)
     torch.manual_seed(0)
     fig = {"format": span.format}
+
+    def cache(length: int):
+        return span.allocate_cache(first, end, length)
+
     with torch.inference_mode():
-        cache = span.allocate_cache(1, 2, 16)
-        x1 = torch.randn(1, c.hidden)
-        fig["decode_ms"] = 1e3 * call_seconds(
-            lambda: span.decode(x1, [cache], [0], 1, 2), decode_calls, 1
-        )
-        caches = [span.allocate_cache(1, 2, 16) for _ in range(ROWS)]
-        x8 = torch.randn(ROWS, c.hidden)
-        fig[f"decode_x{ROWS}_ms"] = 1e3 * call_seconds(
-            lambda: span.decode(x8, caches, [0] * ROWS, 1, 2), max(3, decode_calls // 4), 1
-        )
-        span.forward(torch.randn(1, 16, c.hidden), span.allocate_cache(1, 2, 16), 0, 1, 2)
-        prompt, long_cache = torch.randn(1, PROMPT, c.hidden), span.allocate_cache(1, 2, PROMPT)
+        one, x1 = cache(16), torch.randn(1, c.hidden)
+        step = lambda: span.decode(x1, [one], [0], first, end)  # noqa: E731
+        fig["decode_ms"] = 1e3 * call_seconds(step, decode_calls, 1)
+        caches, x8 = [cache(16) for _ in range(ROWS)], torch.randn(ROWS, c.hidden)
+        step = lambda: span.decode(x8, caches, [0] * ROWS, first, end)  # noqa: E731
+        fig[f"decode_x{ROWS}_ms"] = 1e3 * call_seconds(step, max(3, decode_calls // 4), 1)
+        span.forward(torch.randn(1, 16, c.hidden), cache(16), 0, first, end)  # warm-up
+        prompt, long_cache = torch.randn(1, PROMPT, c.hidden), cache(PROMPT)
         start = time.thread_time()
-        span.forward(prompt, long_cache, 0, 1, 2)
+        span.forward(prompt, long_cache, 0, first, end)
         fig["prompt_tok_s"] = PROMPT / (time.thread_time() - start)
-    fig["kv_bytes"] = KVCache.bytes_per_token(c, 1, span.cache_dtype, start=1)
-    states = getattr(cache, "states", None) or {}
+    fig["kv_bytes"] = KVCache.bytes_per_token(c, 1, span.cache_dtype, start=first)
+    states = getattr(one, "states", None) or {}
     fig["state_bytes"] = sum(_nbytes(s) for s in states.values())
     return fig
 

@@ -25,6 +25,7 @@ class Plan:
     tensors: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)
     vocab: int = VOCAB
     note: str = ""  # what the benchmark's layer is, where the family has several kinds
+    sizes: tuple[int, int] = (1, 2)  # the benchmark's files' layer counts: it times the last
 
 
 def _common(layers: int, hidden: int, inter: int, heads: int, kv: int, head_dim: int, **more):
@@ -206,6 +207,66 @@ def deepseek(layers: int) -> Plan:
     return Plan("deepseek-v3-layer", "deepseek2", fields, _ends(h, blocks), note=note)
 
 
+def _delta_block(p: str, h: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, kernel: int):
+    channels = 2 * k_heads * k_dim + v_heads * v_dim
+    return [
+        (p + "attn_qkv.weight", (channels, h), Q),
+        (p + "attn_gate.weight", (v_heads * v_dim, h), Q),
+        (p + "ssm_beta.weight", (v_heads, h), F32),
+        (p + "ssm_alpha.weight", (v_heads, h), F32),
+        (p + "ssm_conv1d.weight", (channels, kernel), F32),
+        (p + "ssm_a", (v_heads,), F32),
+        (p + "ssm_dt.bias", (v_heads,), F32),
+        (p + "ssm_norm.weight", (v_dim,), F32),
+        (p + "ssm_out.weight", (h, v_heads * v_dim), Q),
+    ]
+
+
+def qwen3_5(layers: int) -> Plan:
+    """Gated DeltaNet layers at hidden 4096 with Qwen3-Next's linear widths (16 q/k heads of
+    128, 32 value heads of 128, conv 4). Every 2nd layer full (gated) attention, not every 4th
+    as the real models: llama.cpp cannot run a file with no attention layer (its hybrid cache
+    has no KV buffer), so the files are of 2 layers (DeltaNet, full) and 3, and the third, a
+    DeltaNet layer, is timed. Keys as devtools/gguf_qwen35.py writes them."""
+    h, i, heads, kv, d = 4096, 12288, 16, 4, 256
+    blocks = []
+    for b in range(layers):
+        p = f"blk.{b}."
+        blocks += [(p + "attn_norm.weight", (h,), F32)]
+        if (b + 1) % 2:
+            blocks += _delta_block(p, h, 16, 32, 128, 128, 4)
+        else:  # q_proj makes each head's query and its output gate
+            blocks += [
+                (p + "attn_q.weight", (heads * d * 2, h), Q),
+                (p + "attn_k.weight", (kv * d, h), Q),
+                (p + "attn_v.weight", (kv * d, h), Q),
+                (p + "attn_output.weight", (h, heads * d), Q),
+                (p + "attn_q_norm.weight", (d,), F32),
+                (p + "attn_k_norm.weight", (d,), F32),
+            ]
+        blocks += [(p + "post_attention_norm.weight", (h,), F32)]
+        blocks += [(p + f"ffn_{n}.weight", s, Q) for n, s in _ffn_shapes(h, i)]
+    fields = _common(layers, h, i, heads, kv, d // 4, **{"rope.freq_base": 1e7})
+    fields |= {
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "ssm.conv_kernel": 4,
+        "ssm.state_size": 128,
+        "ssm.group_count": 16,
+        "ssm.time_step_rank": 32,
+        "ssm.inner_size": 32 * 128,
+        "full_attention_interval": 2,
+        "rope.dimension_sections": [11, 11, 10, 0],
+        "attention.key_length": d,
+        "attention.value_length": d,
+    }
+    note = "a Gated DeltaNet layer"
+    return Plan("qwen3.5-delta", "qwen35", fields, _ends(h, blocks), note=note, sizes=(2, 3))
+
+
+def _ffn_shapes(h: int, i: int):
+    return [("gate", (i, h)), ("up", (i, h)), ("down", (h, i))]
+
+
 PLANS = {
     "llama": llama,
     "qwen3": qwen3,
@@ -213,4 +274,5 @@ PLANS = {
     "phi3": phi3,
     "mixtral": mixtral,
     "deepseek_v3": deepseek,
+    "qwen3_5": qwen3_5,
 }
