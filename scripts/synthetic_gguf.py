@@ -267,21 +267,25 @@ def _plan_tensor(name: str, shape: tuple[int, ...], qtype: str, seed: int, memo:
     return memo[key]
 
 
-def write_plan(path: str | Path, plan, seed: int = 0, memo: dict | None = None) -> Path:
+def write_plan(
+    path: str | Path, plan, seed: int = 0, memo: dict | None = None, qtype: str | None = None
+) -> Path:
     """Write a family's plan (scripts/bench/family_plans.py: architecture, metadata keys
-    without the "{arch}." prefix, tensors with their types). `memo` keeps generated tensors
-    between files of one family (see _plan_tensor)."""
+    without the "{arch}." prefix, tensors with their types; `qtype`, where given, for every
+    matrix instead of the plan's). `memo` keeps generated tensors between files of one family
+    (see _plan_tensor)."""
     path, memo = Path(path), {} if memo is None else memo
+    tensors = [(n, s, t if t == "F32" or qtype is None else qtype) for n, s, t in plan.tensors]
     w = gguf.GGUFWriter(str(path), plan.arch)
     w.add_name(plan.name)
     for key, value in plan.fields.items():
         _add_field(w, key if key.startswith("general.") else f"{plan.arch}.{key}", value)
     add_vocab(w, plan.vocab)
-    for name, shape, qtype in plan.tensors:
-        if qtype == "F32":
+    for name, shape, kind in tensors:
+        if kind == "F32":
             w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
             continue
-        gq = QTYPES[qtype]
+        gq = QTYPES[kind]
         block, type_size = gguf.GGML_QUANT_SIZES[gq]
         if shape[-1] % block:
             raise ValueError(f"{name}: {shape[-1]} columns are not a multiple of {block}")
@@ -290,8 +294,8 @@ def write_plan(path: str | Path, plan, seed: int = 0, memo: dict | None = None) 
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, shape, qtype in plan.tensors:
-        w.write_tensor_data(_plan_tensor(name, shape, qtype, seed, memo))
+    for name, shape, kind in tensors:
+        w.write_tensor_data(_plan_tensor(name, shape, kind, seed, memo))
     w.close()
     return path
 

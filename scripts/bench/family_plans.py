@@ -1,6 +1,7 @@
 """Per family, a GGUF file's plan at a real model's layer shapes: the architecture, the metadata
 keys and the tensors (names, numpy shapes, types) as llama.cpp's converter writes them, for
-scripts/synthetic_gguf.py's write_plan to fill with random weights.
+scripts/synthetic_gguf.py's write_plan to fill with random weights. Each plan takes the file's
+layer count and a `shrink` that divides widths and head counts (tests write small files).
 
 Shapes are the named model's (Llama-3-8B, Qwen3-8B, Gemma-3-12B, Phi-3-medium, Mixtral-8x7B,
 DeepSeek-V3's attention with 8 of its experts); the vocabulary is small (the benchmark times
@@ -26,6 +27,12 @@ class Plan:
     vocab: int = VOCAB
     note: str = ""  # what the benchmark's layer is, where the family has several kinds
     sizes: tuple[int, int] = (1, 2)  # the benchmark's files' layer counts: it times the last
+
+
+def _shrunk(shrink: int, *widths: int) -> tuple[int, ...]:
+    """Widths and head counts divided by `shrink` (at least 1 each; head widths stay), for
+    the plans' tests: small files of the same names and kinds of shape."""
+    return tuple(max(1, w // shrink) for w in widths)
 
 
 def _common(layers: int, hidden: int, inter: int, heads: int, kv: int, head_dim: int, **more):
@@ -83,8 +90,8 @@ def _ends(hidden: int, blocks: list) -> list:
     ]
 
 
-def llama(layers: int) -> Plan:
-    h, i, heads, kv, d = 4096, 14336, 32, 8, 128
+def llama(layers: int, shrink: int = 1) -> Plan:
+    h, i, heads, kv, d = *_shrunk(shrink, 4096, 14336, 32, 8), 128
     blocks = []
     for b in range(layers):
         blocks += _attention(f"blk.{b}.", h, heads, kv, d, False) + _mlp(f"blk.{b}.", h, i)
@@ -92,8 +99,8 @@ def llama(layers: int) -> Plan:
     return Plan("llama-3-8b", "llama", fields, _ends(h, blocks))
 
 
-def qwen3(layers: int) -> Plan:
-    h, i, heads, kv, d = 4096, 12288, 32, 8, 128
+def qwen3(layers: int, shrink: int = 1) -> Plan:
+    h, i, heads, kv, d = *_shrunk(shrink, 4096, 12288, 32, 8), 128
     blocks = []
     for b in range(layers):
         blocks += _attention(f"blk.{b}.", h, heads, kv, d, True) + _mlp(f"blk.{b}.", h, i)
@@ -103,8 +110,8 @@ def qwen3(layers: int) -> Plan:
     return Plan("qwen3-8b", "qwen3", fields, _ends(h, blocks))
 
 
-def gemma3(layers: int) -> Plan:
-    h, i, heads, kv, d = 3840, 15360, 16, 8, 256
+def gemma3(layers: int, shrink: int = 1) -> Plan:
+    h, i, heads, kv, d = *_shrunk(shrink, 3840, 15360, 16, 8), 256
     blocks = []
     for b in range(layers):
         p = f"blk.{b}."
@@ -123,8 +130,8 @@ def gemma3(layers: int) -> Plan:
     return Plan("gemma-3-12b", "gemma3", fields, _ends(h, blocks), note=note)
 
 
-def phi3(layers: int) -> Plan:
-    h, i, heads, kv, d = 5120, 17920, 40, 10, 128
+def phi3(layers: int, shrink: int = 1) -> Plan:
+    h, i, heads, kv, d = *_shrunk(shrink, 5120, 17920, 40, 10), 128
     blocks = []
     for b in range(layers):
         p = f"blk.{b}."
@@ -143,8 +150,8 @@ def phi3(layers: int) -> Plan:
     return Plan("Phi 3 medium shaped", "phi3", fields, _ends(h, blocks))
 
 
-def mixtral(layers: int) -> Plan:
-    h, i, heads, kv, d, experts = 4096, 14336, 32, 8, 128, 8
+def mixtral(layers: int, shrink: int = 1) -> Plan:
+    h, i, heads, kv, d, experts = *_shrunk(shrink, 4096, 14336, 32, 8), 128, 8
     blocks = []
     for b in range(layers):
         p = f"blk.{b}."
@@ -156,12 +163,12 @@ def mixtral(layers: int) -> Plan:
     return Plan("mixtral-8x7b", "llama", fields, _ends(h, blocks), note="top 2 of 8 experts")
 
 
-def deepseek(layers: int) -> Plan:
+def deepseek(layers: int, shrink: int = 1) -> Plan:
     """DeepSeek-V3's layer (hidden 7168, 128 heads, q rank 1536, latent 512 + 64 rotated, nope
     128, v 128) with 8 routed experts of 2048 (V3 has 256), top 8 in one group, 1 shared: every
     layer a mixture (leading dense blocks 0). Keys as devtools/gguf_latent.py writes them."""
-    h, heads, q_rank, rank, rope, nope, v = 7168, 128, 1536, 512, 64, 128, 128
-    experts, used, inter, moe_inter = 8, 8, 18432, 2048
+    h, heads, q_rank, inter, moe_inter = _shrunk(shrink, 7168, 128, 1536, 18432, 2048)
+    rank, rope, nope, v, experts, used = 512, 64, 128, 128, 8, 8
     blocks = []
     for b in range(layers):
         p = f"blk.{b}."
@@ -222,19 +229,20 @@ def _delta_block(p: str, h: int, k_heads: int, v_heads: int, k_dim: int, v_dim: 
     ]
 
 
-def qwen3_5(layers: int) -> Plan:
+def qwen3_5(layers: int, shrink: int = 1) -> Plan:
     """Gated DeltaNet layers at hidden 4096 with Qwen3-Next's linear widths (16 q/k heads of
     128, 32 value heads of 128, conv 4). Every 2nd layer full (gated) attention, not every 4th
     as the real models: llama.cpp cannot run a file with no attention layer (its hybrid cache
     has no KV buffer), so the files are of 2 layers (DeltaNet, full) and 3, and the third, a
     DeltaNet layer, is timed. Keys as devtools/gguf_qwen35.py writes them."""
-    h, i, heads, kv, d = 4096, 12288, 16, 4, 256
+    h, i, heads, kv, k_heads, v_heads = _shrunk(shrink, 4096, 12288, 16, 4, 16, 32)
+    d = 256
     blocks = []
     for b in range(layers):
         p = f"blk.{b}."
         blocks += [(p + "attn_norm.weight", (h,), F32)]
         if (b + 1) % 2:
-            blocks += _delta_block(p, h, 16, 32, 128, 128, 4)
+            blocks += _delta_block(p, h, k_heads, v_heads, 128, 128, 4)
         else:  # q_proj makes each head's query and its output gate
             blocks += [
                 (p + "attn_q.weight", (heads * d * 2, h), Q),
@@ -251,9 +259,9 @@ def qwen3_5(layers: int) -> Plan:
         "attention.layer_norm_rms_epsilon": 1e-6,
         "ssm.conv_kernel": 4,
         "ssm.state_size": 128,
-        "ssm.group_count": 16,
-        "ssm.time_step_rank": 32,
-        "ssm.inner_size": 32 * 128,
+        "ssm.group_count": k_heads,
+        "ssm.time_step_rank": v_heads,
+        "ssm.inner_size": v_heads * 128,
         "full_attention_interval": 2,
         "rope.dimension_sections": [11, 11, 10, 0],
         "attention.key_length": d,
