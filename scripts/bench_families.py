@@ -40,7 +40,6 @@ PROMPT, ROWS, GOAL = 512, 8, 1.2  # goal: swarm's decode within 1.2x of llama.cp
 # families the plans leave out, and why (printed as rows "not measured")
 UNMEASURED = {
     "mistral": "llama.cpp writes Mistral as llama: the llama row (same 7B/8B layer shape)",
-    "gpt_oss": "swarm refuses gpt-oss GGUF files (gptoss.gguf_fields: not verified yet)",
     "gemma4": "swarm reads Gemma 4 from safetensors only (no GGUF architecture in families.py)",
 }
 
@@ -130,7 +129,7 @@ def measure(family: str, folder: Path, a) -> dict:
     except Exception as e:  # noqa: BLE001  (a plan that cannot be written: its row says why)
         return {"error": f"writing: {type(e).__name__}: {e}"}
     fig = run_swarm(two, a.decode_calls)
-    fig["note"] = PLANS[family](2).note
+    fig["note"] = PLANS[family](1).note
     if a.llama_bench:
         fig["llama"] = run_llama(a.llama_bench, one, two)
     return fig
@@ -143,9 +142,10 @@ def _cache_cell(fig: dict) -> str:
 
 
 def row(family: str, fig: dict) -> str:
-    if "error" in fig:
-        return f"| {family} | not measured: {fig['error']} |"
     llama = fig.get("llama", "-")
+    llama_cell = f"{llama:.2f}" if isinstance(llama, float) else str(llama)
+    if "decode_ms" not in fig:  # llama.cpp's figure still shown where it ran the file
+        return f"| {family}: not measured ({fig['error']}) | - | - | - | - | {llama_cell} | - |"
     ratio = f"{fig['decode_ms'] / llama:.2f}x" if isinstance(llama, float) else "-"
     cells = [
         f"{family} ({fig['note']})" if fig["note"] else family,
@@ -153,7 +153,7 @@ def row(family: str, fig: dict) -> str:
         f"{fig[f'decode_x{ROWS}_ms']:.2f}",
         f"{fig['prompt_tok_s']:.1f}",
         _cache_cell(fig),
-        f"{llama:.2f}" if isinstance(llama, float) else str(llama),
+        llama_cell,
         ratio,
     ]
     return "| " + " | ".join(cells) + " |"

@@ -107,7 +107,7 @@ def quantize(w: np.ndarray, qtype: str) -> np.ndarray:
         return _qk(w, 4 if qtype == "Q4_K" else 5)
     if qtype == "Q6_K":
         return _q6_k(w)
-    return gguf.quants.quantize(w, QTYPES[qtype])
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -261,8 +261,7 @@ def _plan_tensor(name: str, shape: tuple[int, ...], qtype: str, seed: int, memo:
             memo[key] = synthetic_rows(key[0], shape, seed, 0, shape[0]).reshape(shape)
         else:
             flat = (int(np.prod(shape[:-1])), shape[-1])
-            gq = QTYPES[qtype]
-            q = _quantized(key[0], flat, gq, seed)
+            q = _quantized(key[0], flat, gguf.GGMLQuantizationType[qtype], seed)
             memo[key] = q.reshape(*shape[:-1], q.shape[-1])
     return memo[key]
 
@@ -285,7 +284,7 @@ def write_plan(
         if kind == "F32":
             w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
             continue
-        gq = QTYPES[kind]
+        gq = gguf.GGMLQuantizationType[kind]
         block, type_size = gguf.GGML_QUANT_SIZES[gq]
         if shape[-1] % block:
             raise ValueError(f"{name}: {shape[-1]} columns are not a multiple of {block}")

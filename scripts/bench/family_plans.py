@@ -214,6 +214,50 @@ def deepseek(layers: int, shrink: int = 1) -> Plan:
     return Plan("deepseek-v3-layer", "deepseek2", fields, _ends(h, blocks), note=note)
 
 
+def gpt_oss(layers: int, shrink: int = 1) -> Plan:
+    """gpt-oss-20b's layer (hidden 2880, 64 heads of 64, 8 kv heads, 32 experts of 2880, top
+    4, q/k/v/o and expert biases, sinks; sliding and full by turns) as its published GGUF holds
+    it: experts MXFP4, the rest Q8_0 (2880 is no multiple of Q4_K's 256); an output head, which
+    llama.cpp requires for this architecture."""
+    h, heads, kv, experts, used = *_shrunk(shrink, 2880, 64, 8), 32, 4
+    d, i = 64, h
+    blocks = []
+    for b in range(layers):
+        p = f"blk.{b}."
+        blocks += [(p + "attn_norm.weight", (h,), F32)]
+        for n, rows in (("q", heads * d), ("k", kv * d), ("v", kv * d)):
+            blocks += [(p + f"attn_{n}.weight", (rows, h), "Q8_0")]
+            blocks += [(p + f"attn_{n}.bias", (rows,), F32)]
+        blocks += [
+            (p + "attn_output.weight", (h, heads * d), "Q8_0"),
+            (p + "attn_output.bias", (h,), F32),
+            (p + "attn_sinks.weight", (heads,), F32),
+            (p + "post_attention_norm.weight", (h,), F32),
+            (p + "ffn_gate_inp.weight", (experts, h), F32),
+            (p + "ffn_gate_inp.bias", (experts,), F32),
+        ]
+        for n, shape in _ffn_shapes(h, i):
+            blocks += [(p + f"ffn_{n}_exps.weight", (experts, *shape), "MXFP4")]
+            blocks += [(p + f"ffn_{n}_exps.bias", (experts, shape[0]), F32)]
+    fields = _common(layers, h, i, heads, kv, d, **{"rope.freq_base": 150000.0})
+    fields |= {
+        "attention.key_length": d,
+        "attention.value_length": d,
+        "attention.sliding_window": 128,
+        "expert_count": experts,
+        "expert_used_count": used,
+        "expert_feed_forward_length": i,
+        "rope.scaling.type": "yarn",
+        "rope.scaling.factor": 32.0,
+        "rope.scaling.original_context_length": 4096,
+        "general.file_type": 38,  # MOSTLY_MXFP4_MOE
+    }
+    tensors = [*_ends(h, blocks), ("output.weight", (VOCAB, h), "Q8_0")]
+    tensors[0] = ("token_embd.weight", (VOCAB, h), "Q8_0")
+    note = "a full layer, top 4 of 32 MXFP4 experts"
+    return Plan("gpt-oss-20b-layer", "gpt-oss", fields, tensors, note=note)
+
+
 def _delta_block(p: str, h: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, kernel: int):
     channels = 2 * k_heads * k_dim + v_heads * v_dim
     return [
@@ -283,4 +327,5 @@ PLANS = {
     "mixtral": mixtral,
     "deepseek_v3": deepseek,
     "qwen3_5": qwen3_5,
+    "gpt_oss": gpt_oss,
 }
