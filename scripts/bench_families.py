@@ -1,18 +1,22 @@
 """Per family at an 8B-class layer shape: swarm's decode and prompt speed a layer, its cache a
 token, and llama.cpp's decode on the same file (issue 50).
 
-Files: per family, synthetic GGUF files of 1 and 2 layers (scripts/bench/family_plans.py's
-plans, random weights, Q4_K matrices, F32 norms and routers, written by synthetic_gguf.py's
-write_plan into --files, default a temporary folder; kept and reused when there).
-  swarm      a child process per family loads layer 1 of the 2-layer file (Span.load, the
+Files: per family, synthetic GGUF files of N and N + 1 layers (N = 1, but 2 for Qwen3.5: see
+its plan), from scripts/bench/family_plans.py's plans (names, metadata and tensor types as
+llama.cpp's converter and quantizer give them: Q4_K matrices, but gpt-oss's MXFP4 experts; F32
+norms and routers; random weights, every layer the same), written by synthetic_gguf.py's
+write_plan into --files (default a temporary folder; files already there are reused).
+  swarm      a child process per family loads the last layer of the larger file (Span.load, the
              node's "auto" weights) and times Span.decode of one row and of 8 rows (8 sessions,
              one step) at position 0: the median thread CPU time of --decode-calls calls at 1
              thread; a 512-token prompt pass (Span.forward, one timed call after a short
              warm-up). Cache: bytes a token of the layer's KV in the node's bfloat16 cache; a
              Gated DeltaNet layer holds a fixed state a session instead (printed as such).
-  llama.cpp  llama-bench -t 1 on the 1- and 2-layer files (tg32, fastest of 5 repetitions); its
-             per-layer figure is the difference, which takes the embedding and the output head
-             out. Only with --llama-bench and where llama.cpp runs the architecture.
+  llama.cpp  llama-bench -t 1 on both files (tg32, the fastest of 5 repetitions after its
+             warm-up); its per-layer figure is the difference of the two, which takes the
+             embedding and the output head out. Only with --llama-bench (a yardstick built in a
+             scratch folder, never a dependency) and where llama.cpp runs the architecture.
+The ratio is swarm's 1-row decode over llama.cpp's; one run of each, so as noisy as the host.
 A family that cannot be written or loaded is a row "not measured" with the reason.
 
 Example: nice .venv/bin/python scripts/bench_families.py --files /tmp/fam \\
