@@ -59,7 +59,8 @@ def test_synthetic_gguf_tensors_dequantize_to_the_written_values(tmp_path, qtype
             assert np.corrcoef(read.ravel(), written.ravel())[0, 1] > 0.98, t.name
 
 
-# the benchmark's per-family plans (scripts/bench/family_plans.py), 8 times narrower, Q8_0
+# the benchmark's per-family plans (scripts/bench/family_plans.py), 8 times narrower (gpt-oss
+# 10), Q8_0 (gpt-oss its own)
 FAMILY_OF_PLAN = {
     "llama": "llama",
     "qwen3": "qwen3",
@@ -68,12 +69,8 @@ FAMILY_OF_PLAN = {
     "mixtral": "mixtral",
     "deepseek_v3": "deepseek_v3",
     "qwen3_5": "qwen3_5",
+    "gpt_oss": "gpt_oss",
 }
-
-
-# swarm refuses gpt-oss GGUF files for now (swarm/model/gptoss.py): its plan is checked by
-# gguf's reader only
-READER_ONLY = {"gpt_oss"}
 
 
 def _small_plan(name: str):
@@ -82,13 +79,14 @@ def _small_plan(name: str):
 
 
 def test_every_family_plan_is_checked_here():
-    assert set(family_plans.PLANS) == set(FAMILY_OF_PLAN) | READER_ONLY
+    assert set(family_plans.PLANS) == set(FAMILY_OF_PLAN)
 
 
 @pytest.mark.parametrize("plan_name", sorted(FAMILY_OF_PLAN))
 def test_family_plan_loads_as_its_family_and_its_timed_layer_decodes(tmp_path, plan_name):
     plan = _small_plan(plan_name)
-    path = synthetic_gguf.write_plan(tmp_path / f"{plan_name}.gguf", plan, qtype="Q8_0")
+    qtype = None if plan_name == "gpt_oss" else "Q8_0"  # its own: MXFP4 experts, Q8_0 the rest
+    path = synthetic_gguf.write_plan(tmp_path / f"{plan_name}.gguf", plan, qtype=qtype)
     source = open_model(path)
     c = source.config
     assert (c.family, c.num_layers) == (FAMILY_OF_PLAN[plan_name], plan.fields["block_count"])
