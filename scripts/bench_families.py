@@ -1,8 +1,8 @@
 """Per family at an 8B-class layer shape: swarm's decode and prompt speed a layer, its cache a
 token, and llama.cpp's decode on the same file (issue 50).
 
-Files: per family, synthetic GGUF files of N and N + 1 layers (N = 1, but 2 for Qwen3.5: see
-its plan), from scripts/bench/family_plans.py's plans (names, metadata and tensor types as
+Files: per family, synthetic GGUF files of N and N + 1 layers (N = 1, but 2 for Qwen3.5 and Gemma 4:
+see their plans), from scripts/bench/family_plans.py's plans (names, metadata and tensor types as
 llama.cpp's converter and quantizer give them: Q4_K matrices, but gpt-oss's MXFP4 experts; F32
 norms and routers; random weights, every layer the same), written by synthetic_gguf.py's
 write_plan into --files (default a temporary folder; files already there are reused).
@@ -44,7 +44,6 @@ PROMPT, ROWS, GOAL = 512, 8, 1.2  # goal: swarm's decode within 1.2x of llama.cp
 # families the plans leave out, and why (printed as rows "not measured")
 UNMEASURED = {
     "mistral": "llama.cpp writes Mistral as llama: the llama row (same 7B/8B layer shape)",
-    "gemma4": "swarm reads Gemma 4 from safetensors only (no GGUF architecture in families.py)",
 }
 
 
@@ -84,17 +83,20 @@ def swarm_child(path: str, decode_calls: int) -> dict:
     def cache(length: int):
         return span.allocate_cache(first, end, length)
 
+    def ids(n: int) -> list[int] | None:  # Gemma 4's layers take the token ids too
+        return None if span.per_layer is None else [100 + k for k in range(n)]
+
     with torch.inference_mode():
         one, x1 = cache(16), torch.randn(1, c.hidden)
-        step = lambda: span.decode(x1, [one], [0], first, end)  # noqa: E731
+        step = lambda: span.decode(x1, [one], [0], first, end, ids(1))  # noqa: E731
         fig["decode_ms"] = 1e3 * call_seconds(step, decode_calls, 1)
         caches, x8 = [cache(16) for _ in range(ROWS)], torch.randn(ROWS, c.hidden)
-        step = lambda: span.decode(x8, caches, [0] * ROWS, first, end)  # noqa: E731
+        step = lambda: span.decode(x8, caches, [0] * ROWS, first, end, ids(ROWS))  # noqa: E731
         fig[f"decode_x{ROWS}_ms"] = 1e3 * call_seconds(step, max(3, decode_calls // 4), 1)
-        span.forward(torch.randn(1, 16, c.hidden), cache(16), 0, first, end)  # warm-up
+        span.forward(torch.randn(1, 16, c.hidden), cache(16), 0, first, end, ids(16))  # warm-up
         prompt, long_cache = torch.randn(1, PROMPT, c.hidden), cache(PROMPT)
         start = time.thread_time()
-        span.forward(prompt, long_cache, 0, first, end)
+        span.forward(prompt, long_cache, 0, first, end, ids(PROMPT))
         fig["prompt_tok_s"] = PROMPT / (time.thread_time() - start)
     fig["kv_bytes"] = KVCache.bytes_per_token(c, 1, span.cache_dtype, start=first)
     states = getattr(one, "states", None) or {}

@@ -246,6 +246,8 @@ def _add_field(w: gguf.GGUFWriter, key: str, value) -> None:
         w.add_float32(key, value)
     elif isinstance(value, str):
         w.add_string(key, value)
+    elif isinstance(value[0], bool):  # gguf's add_array stores bools as ints
+        w.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL)
     else:
         w.add_array(key, list(value))
 

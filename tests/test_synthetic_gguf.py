@@ -70,6 +70,7 @@ FAMILY_OF_PLAN = {
     "deepseek_v3": "deepseek_v3",
     "qwen3_5": "qwen3_5",
     "gpt_oss": "gpt_oss",
+    "gemma4": "gemma4",
 }
 
 
@@ -93,7 +94,8 @@ def test_family_plan_loads_as_its_family_and_its_timed_layer_decodes(tmp_path, p
     last = c.num_layers - 1
     span = Span.load(source, last, last + 1)
     caches = [span.allocate_cache(last, last + 1, 4) for _ in range(2)]
-    out = span.decode(torch.randn(2, c.hidden) * 0.1, caches, [0, 0], last, last + 1)
+    ids = None if span.per_layer is None else [5, 6]  # Gemma 4's per-layer inputs need them
+    out = span.decode(torch.randn(2, c.hidden) * 0.1, caches, [0, 0], last, last + 1, ids)
     assert out.shape == (2, c.hidden) and bool(torch.isfinite(out).all())
 
 

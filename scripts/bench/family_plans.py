@@ -258,6 +258,54 @@ def gpt_oss(layers: int, shrink: int = 1) -> Plan:
     return Plan("gpt-oss-20b-layer", "gpt-oss", fields, tensors, note=note)
 
 
+def gemma4(layers: int, shrink: int = 1) -> Plan:
+    """Gemma 4's pieces at Gemma-3-12B's widths (hidden 3840, MLP 15360, 16 heads, 8 kv heads
+    of 256; the full layers' heads 512 wide): per-layer inputs 256 wide (their table, the
+    embeddings' projection and each layer's gate, projection and norm), a layer output scale.
+    The first layer is full (llama.cpp refuses a file whose rope_freqs no layer uses), the rest
+    sliding; the files are of 2 and 3 layers, the third, sliding, timed; no KV is shared. Keys
+    and names as devtools/gguf_gemma4.py writes them (per-layer arrays, rope_freqs)."""
+    h, i, heads, kv = _shrunk(shrink, 3840, 15360, 16, 8)
+    d, d_full, pl = 256, 512, 256
+    blocks = []
+    for b in range(layers):
+        p = f"blk.{b}."
+        blocks += _attention(p, h, heads, kv, d if b else d_full, True)
+        blocks += [(p + "post_attention_norm.weight", (h,), F32)]
+        blocks += _mlp(p, h, i) + [(p + "post_ffw_norm.weight", (h,), F32)]
+        blocks += [
+            (p + "inp_gate.weight", (pl, h), Q),
+            (p + "proj.weight", (h, pl), Q),
+            (p + "post_norm.weight", (h,), F32),
+            (p + "layer_output_scale.weight", (1,), F32),
+        ]
+    fields = _common(layers, h, i, heads, kv, d_full, **{"rope.freq_base": 1e6})
+    fields |= {
+        "feed_forward_length": [i] * layers,
+        "attention.head_count_kv": [kv] * layers,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "attention.key_length": d_full,
+        "attention.value_length": d_full,
+        "attention.key_length_swa": d,
+        "attention.value_length_swa": d,
+        "rope.dimension_count_swa": d,
+        "rope.freq_base_swa": 10000.0,
+        "attention.shared_kv_layers": 0,
+        "embedding_length_per_layer_input": pl,
+        "attention.sliding_window_pattern": [False] + [True] * (layers - 1),
+        "attention.sliding_window": 1024,
+        "final_logit_softcapping": 30.0,
+    }
+    tensors = _ends(h, blocks) + [
+        ("per_layer_token_embd.weight", (VOCAB, layers * pl), Q),
+        ("per_layer_model_proj.weight", (layers * pl, h), Q),
+        ("per_layer_proj_norm.weight", (pl,), F32),
+        ("rope_freqs.weight", (d_full // 2,), F32),
+    ]
+    note = "a sliding layer with its per-layer input"
+    return Plan("gemma4-12b-widths", "gemma4", fields, tensors, note=note, sizes=(2, 3))
+
+
 def _delta_block(p: str, h: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, kernel: int):
     channels = 2 * k_heads * k_dim + v_heads * v_dim
     return [
@@ -328,4 +376,5 @@ PLANS = {
     "deepseek_v3": deepseek,
     "qwen3_5": qwen3_5,
     "gpt_oss": gpt_oss,
+    "gemma4": gemma4,
 }
