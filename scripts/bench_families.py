@@ -16,7 +16,10 @@ write_plan into --files (default a temporary folder; files already there are reu
              warm-up); its per-layer figure is the difference of the two, which takes the
              embedding and the output head out. Only with --llama-bench (a yardstick built in a
              scratch folder, never a dependency) and where llama.cpp runs the architecture.
-The ratio is swarm's 1-row decode over llama.cpp's; one run of each, so as noisy as the host.
+Each of --repeats rounds runs every family once (both sides); the table holds each figure's
+median over the rounds and the median of each round's own ratio (swarm's 1-row decode over
+llama.cpp's). swarm's times are its thread's CPU time, llama.cpp's wall-clock (the fastest of
+5): on a loaded host, time the process waits for a core counts against llama.cpp only.
 A family that cannot be written or loaded is a row "not measured" with the reason.
 
 Example: nice .venv/bin/python scripts/bench_families.py --files /tmp/fam \\
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -129,16 +133,26 @@ def run_llama(binary: str, one: Path, two: Path) -> float | str:
     return 1e3 * (t2 - t1)
 
 
-def measure(family: str, folder: Path, a) -> dict:
-    try:
-        one, two = files_of(folder, family)
-    except Exception as e:  # noqa: BLE001  (a plan that cannot be written: its row says why)
-        return {"error": f"writing: {type(e).__name__}: {e}"}
-    fig = run_swarm(two, a.decode_calls)
+def measure(family: str, files: tuple[Path, Path], a) -> dict:
+    """One round's figures of a family: swarm's, and llama.cpp's where asked for."""
+    fig = run_swarm(files[1], a.decode_calls)
     fig["note"] = PLANS[family](1).note
     if a.llama_bench:
-        fig["llama"] = run_llama(a.llama_bench, one, two)
+        fig["llama"] = run_llama(a.llama_bench, *files)
+        if isinstance(fig["llama"], float) and "decode_ms" in fig:
+            fig["ratio"] = fig["decode_ms"] / fig["llama"]
     return fig
+
+
+def medians(rounds: list[dict]) -> dict:
+    """Each figure's median over the rounds (the ratio: of each round's own, as the two ran
+    a minute apart at most while the host's load drifts); the first round's text."""
+    out = dict(rounds[0])
+    for key, value in rounds[0].items():
+        numbers = [r[key] for r in rounds if isinstance(r.get(key), (int, float))]
+        if isinstance(value, (int, float)) and len(numbers) == len(rounds):
+            out[key] = statistics.median(numbers)
+    return out
 
 
 def _cache_cell(fig: dict) -> str:
@@ -152,7 +166,7 @@ def row(family: str, fig: dict) -> str:
     llama_cell = f"{llama:.2f}" if isinstance(llama, float) else str(llama)
     if "decode_ms" not in fig:  # llama.cpp's figure still shown where it ran the file
         return f"| {family}: not measured ({fig['error']}) | - | - | - | - | {llama_cell} | - |"
-    ratio = f"{fig['decode_ms'] / llama:.2f}x" if isinstance(llama, float) else "-"
+    ratio = f"{fig['ratio']:.2f}x" if "ratio" in fig else "-"
     cells = [
         f"{family} ({fig['note']})" if fig["note"] else family,
         f"{fig['decode_ms']:.2f}",
@@ -171,6 +185,7 @@ def main() -> None:
     p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"))
     p.add_argument("--families", default=",".join([*PLANS, *UNMEASURED]))
     p.add_argument("--decode-calls", type=int, default=15)
+    p.add_argument("--repeats", type=int, default=1, help="rounds over all the families")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -178,17 +193,27 @@ def main() -> None:
         return
     folder = a.files or Path(tempfile.mkdtemp(prefix="swarm-families-"))
     folder.mkdir(parents=True, exist_ok=True)
+    families = a.families.split(",")
+    files, rounds = {}, {f: [] for f in families}
+    for family in families:
+        if family in PLANS:
+            try:
+                files[family] = files_of(folder, family)
+            except Exception as e:  # noqa: BLE001  (a plan that cannot be written: says why)
+                rounds[family].append({"error": f"writing: {type(e).__name__}: {e}"})
+    for rnd in range(a.repeats):  # families by turns in each round: drifting load hits all
+        for family in files:
+            rounds[family].append(measure(family, files[family], a))
+            print(f"round {rnd + 1} {family}: {json.dumps(rounds[family][-1])}", file=sys.stderr)
     rows = []
-    for family in a.families.split(","):
-        if family in UNMEASURED or family not in PLANS:
+    for family in families:
+        if family not in PLANS:
             why = UNMEASURED.get(family, "no plan for it in scripts/bench/family_plans.py")
             rows.append(row(family, {"error": why}))
         else:
-            fig = measure(family, folder, a)
-            print(f"{family}: {json.dumps(fig)}", file=sys.stderr, flush=True)
-            rows.append(row(family, fig))
+            rows.append(row(family, medians(rounds[family])))
     print(f"CPU: {cpu_name()}, 1 thread; files in {folder}")
-    print(f"load average at the end: {os.getloadavg()[0]:.1f} (one run: noisy when loaded)")
+    print(f"medians of {a.repeats} round(s); load average at the end: {os.getloadavg()[0]:.1f}")
     print(
         f"| family | decode ms a layer, 1 row | {ROWS} rows | prompt {PROMPT} tok/s |"
         " KV bytes a token a layer (bf16) | llama.cpp decode ms a layer |"
