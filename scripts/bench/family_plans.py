@@ -4,10 +4,12 @@ scripts/synthetic_gguf.py's write_plan to fill with random weights. Each plan ta
 layer count and a `shrink` that divides widths and head counts (tests write small files).
 
 Shapes are the named model's (Llama-3-8B, Qwen3-8B, Gemma-3-12B, Phi-3-medium, Mixtral-8x7B,
-DeepSeek-V3's attention with 8 of its experts); the vocabulary is small (the benchmark times
-layers). Matrices are Q4_K (what Q4_K_M gives most of them; it puts Q6_K on some attn_v and
-ffn_down, not here), norms and routers F32; a matrix whose rows are not a multiple of 256 takes
-Q8_0, as llama.cpp's quantizer falls back. The output head is left out (tied to the embeddings).
+DeepSeek-V3's attention with 8 of its experts, gpt-oss-20b; Qwen3.5 and Gemma 4 at widths their
+docstrings give); the vocabulary is small (the benchmark times layers). Matrices are Q4_K (what
+Q4_K_M gives most of them; it puts Q6_K on some attn_v and ffn_down, not here), norms and
+routers F32; a matrix whose rows are not a multiple of 256 takes Q8_0, as llama.cpp's quantizer
+falls back; gpt-oss's as its published file. The output head is left out (tied to the
+embeddings) where llama.cpp allows.
 """
 
 from __future__ import annotations
@@ -165,8 +167,9 @@ def mixtral(layers: int, shrink: int = 1) -> Plan:
 
 def deepseek(layers: int, shrink: int = 1) -> Plan:
     """DeepSeek-V3's layer (hidden 7168, 128 heads, q rank 1536, latent 512 + 64 rotated, nope
-    128, v 128) with 8 routed experts of 2048 (V3 has 256), top 8 in one group, 1 shared: every
-    layer a mixture (leading dense blocks 0). Keys as devtools/gguf_latent.py writes them."""
+    128, v 128) with 8 routed experts of 2048 (V3 has 256), top 8 in one group, 1 shared: a
+    token runs as many experts as in V3, every one of the 8 here. Every layer a mixture
+    (leading dense blocks 0). Keys as devtools/gguf_latent.py writes them."""
     h, heads, q_rank, inter, moe_inter = _shrunk(shrink, 7168, 128, 1536, 18432, 2048)
     rank, rope, nope, v, experts, used = 512, 64, 128, 128, 8, 8
     blocks = []
