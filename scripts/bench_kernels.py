@@ -32,11 +32,11 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import bench  # noqa: F401  (first: OpenMP's wait policy, a node's, before torch loads)
 import torch
+from bench.layers import call_seconds, llama_seconds
 from bench.proc import cpu_flags, cpu_name
 
 from swarm.options import input_terms_arg
@@ -52,19 +52,6 @@ VARIANTS = ("torch", "swarm", "llama.cpp")
 
 # ---------------------------------------------------------------------------------------------
 # swarm: one child per (file, threads), both variants loaded, timed in turn
-
-
-def call_seconds(fn, calls: int, threads: int) -> float:
-    """After a warm-up: at 1 thread the median CPU time of `calls` calls (see Clocks above), at
-    more the fastest wall-clock call."""
-    fn()
-    clock = time.thread_time if threads == 1 else time.perf_counter
-    times = []
-    for _ in range(calls):
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return statistics.median(times) if threads == 1 else min(times)
 
 
 def swarm_child(path: str, threads: int, decode_calls: int, terms: int | None) -> dict:
@@ -140,20 +127,6 @@ def run_swarm(path: Path, threads: int, decode_calls: int, input_terms: int | No
 
 # ---------------------------------------------------------------------------------------------
 # llama.cpp: llama-bench on the 1- and 4-layer files
-
-
-def _llama_bench(binary: str, path: Path, threads: int, args: list[str], reps: int) -> dict:
-    cmd = [binary, "-m", str(path), "-t", str(threads), "-r", str(reps), "-o", "json", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    (run,) = json.loads(done.stdout)
-    return run
-
-
-def llama_seconds(binary: str, path: Path, threads: int, args: list[str], gen: int = 0) -> float:
-    """Seconds of the prompt test `args`, or of one generated token if `gen`: the fastest of 5
-    timed repetitions after llama-bench's warm-up (a depth's prompt is outside its timing)."""
-    run = _llama_bench(binary, path, threads, [*args, "-n", str(gen)], 5)
-    return min(run["samples_ns"]) * 1e-9 / max(gen, 1)
 
 
 def run_llama(binary: str, one: Path, four: Path, threads: int) -> dict:

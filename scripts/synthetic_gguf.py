@@ -15,6 +15,7 @@ Example: .venv/bin/python scripts/synthetic_gguf.py /tmp/llama8b-2.Q4_1.gguf --l
 from __future__ import annotations
 
 import argparse
+import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +107,7 @@ def quantize(w: np.ndarray, qtype: str) -> np.ndarray:
         return _qk(w, 4 if qtype == "Q4_K" else 5)
     if qtype == "Q6_K":
         return _q6_k(w)
-    return gguf.quants.quantize(w, QTYPES[qtype])
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -232,6 +233,70 @@ def write_synthetic_gguf(
             w.write_tensor_data(synthetic_tensor(name, shape, seed))
         else:
             w.write_tensor_data(_quantized(name, shape, gq, seed))
+    w.close()
+    return path
+
+
+def _add_field(w: gguf.GGUFWriter, key: str, value) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value[0], bool):  # gguf's add_array stores bools as ints
+        w.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL)
+    else:
+        w.add_array(key, list(value))
+
+
+def _plan_tensor(name: str, shape: tuple[int, ...], qtype: str, seed: int, memo: dict):
+    """A plan tensor's data; matrices (3-D: stacked experts, as [experts * rows, columns])
+    quantized. Generated once per name with its block number left out and kept in `memo`:
+    every layer of a benchmark file holds the same random values, which cost nothing in speed
+    and save minutes of writing expert-sized layers."""
+    key = (re.sub(r"^blk\.\d+\.", "blk.*.", name), shape, qtype)
+    if key not in memo:
+        if qtype == "F32":
+            memo[key] = synthetic_rows(key[0], shape, seed, 0, shape[0]).reshape(shape)
+        else:
+            flat = (int(np.prod(shape[:-1])), shape[-1])
+            q = _quantized(key[0], flat, gguf.GGMLQuantizationType[qtype], seed)
+            memo[key] = q.reshape(*shape[:-1], q.shape[-1])
+    return memo[key]
+
+
+def write_plan(
+    path: str | Path, plan, seed: int = 0, memo: dict | None = None, qtype: str | None = None
+) -> Path:
+    """Write a family's plan (scripts/bench/family_plans.py: architecture, metadata keys
+    without the "{arch}." prefix, tensors with their types; `qtype`, where given, for every
+    matrix instead of the plan's). `memo` keeps generated tensors between files of one family
+    (see _plan_tensor)."""
+    path, memo = Path(path), {} if memo is None else memo
+    tensors = [(n, s, t if t == "F32" or qtype is None else qtype) for n, s, t in plan.tensors]
+    w = gguf.GGUFWriter(str(path), plan.arch)
+    w.add_name(plan.name)
+    for key, value in plan.fields.items():
+        _add_field(w, key if key.startswith("general.") else f"{plan.arch}.{key}", value)
+    add_vocab(w, plan.vocab)
+    for name, shape, kind in tensors:
+        if kind == "F32":
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+            continue
+        gq = gguf.GGMLQuantizationType[kind]
+        block, type_size = gguf.GGML_QUANT_SIZES[gq]
+        if shape[-1] % block:
+            raise ValueError(f"{name}: {shape[-1]} columns are not a multiple of {block}")
+        raw = (*shape[:-1], shape[-1] // block * type_size)
+        w.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=gq)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shape, kind in tensors:
+        w.write_tensor_data(_plan_tensor(name, shape, kind, seed, memo))
     w.close()
     return path
 
