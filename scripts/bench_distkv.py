@@ -70,9 +70,11 @@ def tpot(model: Path, layers: int, prompt: list[int], new: int, borrowed: int, s
     return statistics.median(times.gaps(lo=times.decode_start))
 
 
-def longest(model: Path, layers: int, cache: int, most: int, vocab: int) -> tuple[int, float]:
+def longest(model: Path, config, cache: int, most: int) -> tuple[int, float]:
     """(the longest session of cache x 2^i tokens served, its seconds) by a node of `cache`
-    tokens and a cache node."""
+    tokens and a cache node, up to `most` tokens and the model's context."""
+    layers, vocab = config.num_layers, config.vocab
+    most = min(most, config.max_position - 3)
     best, seconds = 0, 0.0
     with LocalSwarm() as swarm:
         swarm.node(
@@ -151,9 +153,7 @@ def main() -> None:
                     rows.append([name, link, f"{share}%", f"{s * 1e3:.1f}", ratio, goal])
                     print(f"  {name} {link} {share}% borrowed: {s * 1e3:.1f} ms")
             if a.longest_cache:
-                n, secs = longest(
-                    path, config.num_layers, a.longest_cache, a.longest_max, config.vocab
-                )
+                n, secs = longest(path, config, a.longest_cache, a.longest_max)
                 rows.append(
                     [
                         name,
