@@ -115,6 +115,15 @@ def test_the_cache_holds_a_fixed_state_for_each_deltanet_layer_and_keys_for_the_
     assert [k.numel() for k in cache.keys] == [0, 2 * 100 * 32, 0, 0, 2 * 100 * 32]
 
 
+def test_the_cache_bytes_a_token_budgeted_count_only_the_full_attention_layers(made):
+    _, folder, _, _ = made("qwen3_5")
+    c = open_model(str(folder)).config
+    cache = KVCache.allocate(c, 0, 6, 100)
+    held = sum(t.nbytes for t in (*cache.keys, *cache.values))  # layers 2 and 5 grow
+    assert KVCache.bytes_per_token(c, 6) * 100 == held == 2 * (2 * 100 * 32 * 2) * 4
+    assert KVCache.bytes_per_token(c, 2) == 0  # layers 0 and 1: Gated DeltaNet
+
+
 def test_a_rewind_of_a_deltanet_state_is_refused_by_name(made):
     _, folder, _, _ = made("qwen3_5")
     source = open_model(str(folder))

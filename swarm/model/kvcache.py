@@ -112,10 +112,11 @@ class KVCache:
         config: ModelConfig, layers: int, dtype: torch.dtype = torch.float32, start: int = 0
     ) -> int:
         """Of layers [start, start + layers), at most: layers with a window hold fewer once
-        sessions pass it; Gemma 4's full layers are wider, its KV-sharing ones hold none."""
+        sessions pass it; Gemma 4's full layers are wider, its KV-sharing ones hold none, nor
+        do Gated DeltaNet layers (a fixed State a session instead: State.nbytes)."""
         total = 0
         for layer in range(start, min(start + layers, config.num_layers)):
-            if config.kv_source(layer) is None:
+            if config.kv_source(layer) is None and not config.is_delta(layer):
                 (k_heads, k_width), (v_heads, v_width) = config.at(layer).cache_widths
                 total += k_heads * k_width + v_heads * v_width
         return total * dtype.itemsize
