@@ -80,6 +80,13 @@ class _ThreadClock:
                 self._file = None
         return time.thread_time(), 0.0
 
+    def run(self, fn: Callable[[], Any]) -> tuple[outcome.Outcome, Usage]:
+        """`fn`'s outcome, and what this thread got from the OS while it ran."""
+        cpu0, wait0 = self.read()
+        result = outcome.capture(fn)
+        cpu1, wait1 = self.read()
+        return result, Usage(cpu1 - cpu0, wait1 - wait0)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -136,11 +143,9 @@ class Lane:
         clock = _ThreadClock()
         while (item := self._work.get()) is not None:
             fn, token, deliver = item
-            cpu0, wait0 = clock.read()
-            result = outcome.capture(fn)
-            cpu1, wait1 = clock.read()
+            result, usage = clock.run(fn)
             try:
-                token.run_sync_soon(deliver, result, Usage(cpu1 - cpu0, wait1 - wait0))
+                token.run_sync_soon(deliver, result, usage)
             except trio.RunFinishedError:
                 pass  # the node stopped while this ran
         clock.close()
@@ -270,12 +275,9 @@ class ComputeQueue:
         def timed() -> tuple[outcome.Outcome, Usage]:
             clock = _ThreadClock()
             try:
-                cpu0, wait0 = clock.read()
-                ran = outcome.capture(fn)
-                cpu1, wait1 = clock.read()
+                return clock.run(fn)
             finally:
                 clock.close()
-            return ran, Usage(cpu1 - cpu0, wait1 - wait0)
 
         started = time.perf_counter()
         with trio.CancelScope(shield=True):  # the thread has the session's cache till its end
