@@ -656,13 +656,9 @@ def choose_model(a) -> None:
     it) and the spans and decode frame size of it."""
     global SPANS, DECODE_FRAME_BYTES
     if a.synthetic_layers:
-        from synthetic_gguf import Shapes, write_synthetic_gguf
+        from synthetic_gguf import l8b_file
 
-        a.files.mkdir(parents=True, exist_ok=True)
-        path = a.files / f"l8b-{a.synthetic_layers}.Q4_K.gguf"
-        if not path.exists():
-            write_synthetic_gguf(path, Shapes(layers=a.synthetic_layers), "Q4_K")
-        a.model = str(path)
+        a.model = str(l8b_file(a.files, a.synthetic_layers))
     a.model = a.model or str(default_model_path())
     config = open_model(a.model).config
     a.vocab = min(40000, config.vocab)  # 40000: the default model's trace as it always was

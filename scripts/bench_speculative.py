@@ -194,14 +194,6 @@ def write_layer_skip_draft(source: Path, out: Path, layers: int) -> Path:
     return out
 
 
-def write_synthetic(out: Path, layers: int) -> Path:
-    from synthetic_gguf import Shapes, write_synthetic_gguf
-
-    if not out.exists():
-        write_synthetic_gguf(out, Shapes(layers=layers), "Q4_K")
-    return out
-
-
 def spans(layers: int, nodes: int = 3) -> list[tuple[int, int]]:
     cuts = [round(layers * i / nodes) for i in range(nodes + 1)]
     return list(zip(cuts, cuts[1:]))
@@ -351,10 +343,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         models = [default_model(Path(tmp), a)]
         if a.synthetic_layers:
+            from synthetic_gguf import l8b_file
+
             n = 3 * a.synthetic_layers
-            folder = a.files or Path(tmp)
-            folder.mkdir(parents=True, exist_ok=True)
-            models.append(Model("8b", write_synthetic(folder / f"l8b-{n}.Q4_K.gguf", n), n, {}))
+            models.append(Model("8b", l8b_file(a.files or Path(tmp), n), n, {}))
         runs: dict[tuple, list[Run]] = defaultdict(list)
         with LocalSwarm() as swarm:
             for model in models:

@@ -237,6 +237,16 @@ def write_synthetic_gguf(
     return path
 
 
+def l8b_file(folder: str | Path, layers: int) -> Path:
+    """folder/l8b-LAYERS.Q4_K.gguf: LAYERS Llama-3-8B-shaped Q4_K blocks, written the first
+    time only (a benchmark's later runs reuse it)."""
+    path = Path(folder) / f"l8b-{layers}.Q4_K.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        write_synthetic_gguf(path, Shapes(layers=layers), "Q4_K")
+    return path
+
+
 def _add_field(w: gguf.GGUFWriter, key: str, value) -> None:
     if isinstance(value, bool):
         w.add_bool(key, value)
