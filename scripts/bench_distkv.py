@@ -44,6 +44,11 @@ from swarm.model.source import default_model_path, open_model
 BLOCK = 16  # swarm.node.borrow.BLOCK: positions kept here are whole blocks
 
 
+def token_ids(n: int, vocab: int) -> list[int]:
+    """A prompt of `n` spread token ids within the vocabulary (no tokenizer needed)."""
+    return [(i * 7919) % (vocab - 200) + 100 for i in range(n)]
+
+
 def node_cache_for(session: int, borrowed: int) -> int:
     """--max-cache-tokens for which a session of `session` tokens keeps about (100 - borrowed)%
     of its positions here (half the node's cache, whole blocks)."""
@@ -73,7 +78,7 @@ def tpot(model: Path, layers: int, prompt: list[int], new: int, borrowed: int, s
 def longest(model: Path, config, cache: int, most: int) -> tuple[int, float]:
     """(the longest session of cache x 2^i tokens served, its seconds) by a node of `cache`
     tokens and a cache node, up to `most` tokens and the model's context."""
-    layers, vocab = config.num_layers, config.vocab
+    layers = config.num_layers
     most = min(most, config.max_position - 3)
     best, seconds = 0, 0.0
     with LocalSwarm() as swarm:
@@ -86,7 +91,7 @@ def longest(model: Path, config, cache: int, most: int) -> tuple[int, float]:
         try:
             n = 2 * cache
             while n <= most:
-                prompt = [(i * 7919) % (vocab - 200) + 100 for i in range(n)]
+                prompt = token_ids(n, config.vocab)
                 started = time.perf_counter()
                 try:
                     session_greedy(client, prompt, 2)
@@ -107,12 +112,9 @@ def models(a, folder: Path) -> list[tuple[str, Path]]:
         if name == "default":
             out.append(("default", default_model_path()))
         elif name == "8b":
-            from synthetic_gguf import Shapes, write_synthetic_gguf
+            from synthetic_gguf import l8b_file
 
-            path = folder / f"l8b-{a.synthetic_layers}.Q4_K.gguf"
-            if not path.exists():
-                write_synthetic_gguf(path, Shapes(layers=a.synthetic_layers), "Q4_K")
-            out.append(("8b", path))
+            out.append(("8b", l8b_file(folder, a.synthetic_layers)))
         else:
             raise SystemExit(f"unknown model {name!r}: default or 8b")
     return out
@@ -125,7 +127,7 @@ def main() -> None:
     p.add_argument("--synthetic-layers", type=int, default=2, help="blocks of the 8B model")
     p.add_argument("--links", type=csv(float), default=[0, 1, 20], help="lender round trip, ms")
     p.add_argument("--rate-mbps", type=float, default=1000.0)
-    p.add_argument("--borrowed", type=csv(int), default=[0, 50, 90], help="% of the cache lent")
+    p.add_argument("--borrowed", type=csv(int), default=[0, 50, 90], help="%% of the cache lent")
     p.add_argument("--context", type=int, default=512, help="prompt tokens")
     p.add_argument("--new", type=int, default=32, help="decode steps timed")
     p.add_argument("--longest-cache", type=int, default=256, help="0: skip the longest session")
@@ -134,11 +136,9 @@ def main() -> None:
     a = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(a.files or tmp)
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, path in models(a, folder):
+        for name, path in models(a, Path(a.files or tmp)):
             config = open_model(str(path)).config
-            prompt = [(i * 7919) % (config.vocab - 200) + 100 for i in range(a.context)]
+            prompt = token_ids(a.context, config.vocab)
             for rtt in a.links:
                 shape = Shape(a.rate_mbps, rtt) if rtt else None
                 plain = None
