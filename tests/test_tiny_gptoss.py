@@ -13,7 +13,7 @@ from devtools import gguf_check
 from devtools.gguf_gptoss import mxfp4_checkpoint
 from devtools.hf_to_gguf import UnsupportedCheckpoint, write_gguf
 from swarm.model.source import open_model
-from swarm.model.tiny import reference_greedy, save_tiny, save_tiny_tokenizer
+from swarm.model.tiny import gptoss_yarn, reference_greedy, save_tiny, save_tiny_tokenizer
 from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, nodes_greedy, split_greedy
 from tests.helpers.tiny import assert_four_sessions_batch_alike, changed_copy, variant
 
@@ -23,15 +23,7 @@ SPLITS = {1: [(0, 4)], 2: [(0, 1), (1, 4)], 3: [(0, 1), (1, 2), (2, 4)]}
 
 
 # the tiny model's YaRN, its ramp's ends unrounded as gpt-oss's are (truncate false)
-YARN = dict(
-    rope_type="yarn",
-    rope_theta=150000.0,
-    factor=4.0,
-    original_max_position_embeddings=32,
-    beta_fast=32.0,
-    beta_slow=1.0,
-    truncate=False,
-)
+YARN = gptoss_yarn()
 # what a GGUF cannot say otherwise: the clamp at 7, llama.cpp's code's constant
 AS_LLAMA_CPP = dict(swiglu_limit=7.0)
 

@@ -227,12 +227,10 @@ def _deepseek_config() -> dict:
     )
 
 
-def _gptoss_config() -> dict:
-    """gpt-oss's switches, small: 4 layers, sliding (window 8, which the prompt passes) and full
-    by turns; head_dim apart from hidden/heads; top 3 of 8 experts 32 wide; the clamp low
-    enough to bite (2.0: the tiny model's gates reach past it); YaRN past an original
-    context of 32, not truncated (gpt-oss's)."""
-    yarn = dict(
+def gptoss_yarn() -> dict:
+    """The tiny gpt-oss's YaRN: past an original context of 32, its ramp's ends unrounded as
+    gpt-oss's own are (truncate false)."""
+    return dict(
         rope_type="yarn",
         rope_theta=150000.0,
         factor=4.0,
@@ -241,6 +239,13 @@ def _gptoss_config() -> dict:
         beta_slow=1.0,
         truncate=False,
     )
+
+
+def _gptoss_config() -> dict:
+    """gpt-oss's switches, small: 4 layers, sliding (window 8, which the prompt passes) and full
+    by turns; head_dim apart from hidden/heads; top 3 of 8 experts 32 wide; the clamp low
+    enough to bite (2.0: the tiny model's gates reach past it); YaRN past an original
+    context of 32, not truncated (gpt-oss's)."""
     return dict(
         num_hidden_layers=4,
         head_dim=32,
@@ -249,7 +254,7 @@ def _gptoss_config() -> dict:
         intermediate_size=32,
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"] * 2,
-        rope_parameters=yarn,
+        rope_parameters=gptoss_yarn(),
         swiglu_limit=2.0,
         rms_norm_eps=1e-5,
     )
