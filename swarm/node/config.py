@@ -210,10 +210,10 @@ class NodeConfig:
     )
     input_terms: int | None = option(
         None,
-        "int8 terms in which swarm's quantized matmuls take their inputs: 2 (the default"
-        " model's top-1 agreement with float32 0.997), 1, llama.cpp's precision (0.956), or"
-        " auto (the default): 2 on AVX-512 VNNI, 1 on AVX2, whose prompt passes two terms"
-        " slow to below llama.cpp's speed",
+        "int8 terms in which swarm's quantized matmuls take their inputs: 1, llama.cpp's"
+        " precision (the default model's top-1 agreement with float32 0.956), or 2 (0.997,"
+        " perplexity the same; passes of several rows cost up to 1.9x the time);"
+        " auto (the default): 1",
         type=input_terms_arg,
         metavar="auto|1|2",
     )

@@ -218,11 +218,14 @@ def runnable_isas(flags: set[str] | None = None) -> list[str]:
 
 
 # int8 terms each matmul takes its input rows in, where a node's --input-terms leaves it to the
-# instruction set: 2 keeps the default model's top-1 agreement with float32 at 0.997, 1
-# (llama.cpp's precision) at 0.956. vpdpbusd makes the second term cheap, decode streaming
-# memory either way; AVX2's vpmaddubsw path is compute-bound, and there two terms held prompt
-# passes to 0.63-0.83x llama.cpp's speed, one to 1.25-1.38x (docs/benchmarks.md, 2026-11-26).
-TERMS_BY_ISA = {"avx512vnni": 2, "avx2": 1}
+# instruction set. One (llama.cpp's precision) everywhere: a second keeps the default model's
+# top-1 agreement with float32 at 0.997 instead of 0.956 but leaves perplexity where it was
+# (+0.02% / -0.06%), and costs its arithmetic wherever compute, not memory, sets the pace: on
+# AVX2 always (prompt passes 0.63-0.83x llama.cpp's speed with two), and on AVX-512 VNNI for
+# every pass of several rows, the rows of batches, verification rounds and prompts (two 8B-shaped
+# Q4_K layers, 4 / 8 / 16 rows 1.5 / 1.8 / 1.9x one term's time, 1 row 1.0-1.1x;
+# scripts/bench_rows.py, docs/benchmarks.md 2026-11-28).
+TERMS_BY_ISA = {"avx512vnni": 1, "avx2": 1}
 
 
 def input_terms(isa: str, terms: int | None = None) -> int:
