@@ -117,6 +117,10 @@ class Counting:
         kind_of = getattr(self.drafter, "kind", None)
         return kind_of(tokens) if kind_of is not None else 0
 
+    def warm(self, tokens: Sequence[int]) -> None:
+        if (warm := getattr(self.drafter, "warm", None)) is not None:
+            warm(tokens)
+
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         out = self.drafter.propose(tokens, k)
         if out:

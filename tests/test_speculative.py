@@ -14,6 +14,7 @@ import torch
 import trio
 
 from swarm.client.decoding import Decoding, PromptLookup
+from swarm.client.draft import DraftModel
 from swarm.client.inference import Round, RoundRows
 from swarm.client.options import Sampling
 from swarm.client.reply import Sampler
@@ -465,6 +466,41 @@ def test_greedy_rounds_give_plain_decodings_tokens(
     if drafter == "itself":
         assert stats.accepted == stats.proposed
         assert stats.rounds < 40 / 2
+
+
+class Warming(Greedy):
+    """A drafter that notes when it was warmed on a prompt and when it proposed."""
+
+    def __init__(self, logits: Memo):
+        super().__init__(logits)
+        self.events: list[tuple] = []
+
+    def warm(self, tokens) -> None:
+        self.events.append(("warm", tuple(tokens)))
+
+    def propose(self, tokens, k: int) -> list[int]:
+        self.events.append(("propose", len(tokens)))
+        return super().propose(tokens, k)
+
+
+def test_a_drafter_is_warmed_on_the_prompt_before_its_first_proposal(one_thread, tiny_reference):
+    served = Memo(tiny_reference)
+    draft = Warming(served)
+    out, stats = decoded(served, REPETITIVE, 12, Sampler(), draft, Fixed(3, 1))
+    assert out == decoded(served, REPETITIVE, 12, Sampler())[0]
+    assert draft.events[0] == ("warm", tuple(REPETITIVE))
+    assert [e[0] for e in draft.events[1:]] == ["propose"] * (len(draft.events) - 1)
+    assert stats.rounds > 0
+
+
+def test_a_draft_model_warmed_on_a_prompt_proposes_what_it_proposes_cold(one_thread, tiny_family):
+    _, folder, _, _ = tiny_family("llama")
+    tokenizer = open_model(str(folder)).tokenizer()
+    cold = DraftModel(str(folder), tokenizer, "llama").propose(REPETITIVE, 5)
+    warmed = DraftModel(str(folder), tokenizer, "llama")
+    warmed.warm(REPETITIVE)
+    assert warmed._fed == REPETITIVE  # the proposal then feeds only its own drafts
+    assert warmed.propose(REPETITIVE, 5) == cold
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ round starts before their positions, which rewinds every hop and drops them wher
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -26,7 +27,8 @@ from swarm.errors import SwarmError
 
 
 class Drafter(Protocol):
-    """Proposes how a token sequence goes on: up to `k` tokens (none: it has no idea)."""
+    """Proposes how a token sequence goes on: up to `k` tokens (none: it has no idea). One
+    with a `warm(tokens)` method is given each prompt while the route computes it."""
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]: ...
 
@@ -100,10 +102,17 @@ class Decoding:
         self.plan: list[int] = []  # the drafts in flight, after the decided tokens
         self.stale = False  # rounds a rejection made stale went out before the next round
         self._rounds_seen = 0
+        self._warming: threading.Thread | None = None
 
     def __iter__(self) -> Iterator[int]:
         """The reply's tokens, up to max_new_tokens; the caller stops at its end of text."""
         prompt = len(self.tokens)
+        warm = getattr(self.drafter, "warm", None)
+        if warm is not None:  # the drafter reads the prompt while the route does
+            self._warming = threading.Thread(
+                target=warm, args=(list(self.tokens),), name="draft-warm", daemon=True
+            )
+            self._warming.start()
         logits = self.session.feed(self.tokens)
         key = self._pool_key()
         if key is not None:
@@ -215,6 +224,9 @@ class Decoding:
             room = self.end - 1 - len(seq)  # the reply's last token is never fed
             first = not self.rounds
             want = min(k if first else k + 1, room, session_round - first)
+            if self._warming is not None:  # its catch-up is the prompt's, not a draft's cost
+                self._warming.join()
+                self._warming = None
             drafting = time.perf_counter()
             drafts = self.drafter.propose(seq, want)[:want] if want > 0 else []
             self.tuner.drafted(len(drafts), time.perf_counter() - drafting)

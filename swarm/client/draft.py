@@ -52,6 +52,14 @@ class DraftModel:
                     return out
                 h = self._forward(out[-1:])
 
+    def warm(self, tokens: Sequence[int]) -> None:
+        """Feed the cache `tokens` ahead of a proposal: run beside the prompt's pass through
+        the route, the first proposal then costs its drafts alone (a 97-token prompt's catch-up
+        took 3-8 times a 4-token proposal on 8 of the default model's blocks)."""
+        with self._lock, torch.inference_mode():
+            if len(tokens) < self.max_length:
+                self._follow(list(tokens))
+
     def _follow(self, tokens: list[int]) -> torch.Tensor:
         """Feed the cache what it lacks of `tokens`; the last token's hidden state."""
         same = 0
