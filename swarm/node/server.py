@@ -59,6 +59,7 @@ from swarm.protocol import (
     Relay,
     Release,
     Resume,
+    StateChunk,
     Step,
 )
 from swarm.records import DECODE
@@ -139,6 +140,7 @@ class Node:
             Ping: self._ping,
             Open: self._open,
             KvChunk: partial(receive.take_chunk, self.context),
+            StateChunk: partial(receive.take_state, self.context),
             Handover: self._take_handover,
             HandoverTail: partial(receive.take_tail, self.context),
             HandoverEnd: partial(receive.end, self.context),
