@@ -145,3 +145,33 @@ def test_a_leaving_node_hands_its_deltanet_sessions_over_and_they_go_on_without_
     finally:
         client.close()
         stop_all([leaving] + ([replica] if replica else []))
+
+
+@pytest.mark.slow
+def test_a_prefill_node_hands_a_deltanet_session_on_to_its_decode_node(tiny_family, dht_peers):
+    """P/D: the prompt in passes of 8 on the prefill node, its states carried from pass to pass,
+    then handed on with the cache; the decode node computes no prompt and gives transformers'
+    tokens."""
+    from swarm.client.client import Client
+    from swarm.client.routing import HANDOFF_MIN_NEW_TOKENS, PREFILL_MIN_TOKENS
+    from tests.helpers.handover import left_with, start_full_node, wait_for_lines
+
+    model, folder, _, _ = tiny_family("qwen3_5")
+    prompt, new = [(11 * i + 5) % 500 + 5 for i in range(70)], HANDOFF_MIN_NEW_TOKENS
+    assert len(prompt) >= PREFILL_MIN_TOKENS
+    decode = start_full_node(folder, dht_peers, "--role", "decode")
+    prefill = start_full_node(folder, dht_peers, "--role", "prefill", "--prefill-pass-tokens", "8")
+    client = Client(dht_peers, model=str(folder), wire_dtype="float32")
+    try:
+        with client.session(len(prompt) + new) as s:
+            out = [int(s.feed(prompt).argmax())]
+            wait_for_lines(prefill, "handed over to", 1)
+            while len(out) < new:
+                out.append(int(s.feed([out[-1]]).argmax()))
+            moved = (s.recoveries, s.remote.moves, [h.peer for h in s.remote.route])
+        assert out == reference_greedy(model, prompt, new)
+        assert moved == ([], 1, [decode.peer])
+        assert left_with(decode) == (0, 1, 0)  # prompt passes, sessions moved in, moved out
+    finally:
+        client.close()
+        stop_all([decode, prefill])
