@@ -134,8 +134,13 @@ class Node:
             self.directory,
             self.key,
         )
+        self._handlers = self._message_handlers()
+        self.port: int | None = None
+        self._nursery: trio.Nursery | None = None  # the node's own, while it serves
+
+    def _message_handlers(self) -> dict:
         # what a connection's messages do: one handler per message type
-        self._handlers = {
+        return {
             Step: self._step,
             Ping: self._ping,
             Open: self._open,
@@ -151,8 +156,6 @@ class Node:
             Lend: self._lend,
             AttendLent: self._attend_lent,
         }
-        self.port: int | None = None
-        self._nursery: trio.Nursery | None = None  # the node's own, while it serves
 
     # ---- lifetime -------------------------------------------------------------------------
 
