@@ -227,8 +227,8 @@ def relay_claim(relay: str, peer: str, nonce: str) -> bytes:
 @dataclass(frozen=True)
 class Handover:
     """A leaving node -> a replica serving the same blocks: take session `open.sid`, whose
-    cache of `length` positions follows as KvChunk frames, then HandoverEnd. `open` is the
-    session's open with this replica in the leaving node's place on the route."""
+    cache of `length` positions follows as KvChunk frames (StateChunk for its states), then
+    HandoverEnd. `open` is the session's open with this replica in the leaving node's place."""
 
     open: Open = declare(Nested(Open))
     length: int = integer(1, 1 << 20)
@@ -248,6 +248,23 @@ class KvChunk:
     keys: Any = unchecked()
     values: Any = unchecked()
     t: str = tag("kv")
+
+
+STATE_PARTS = ("conv", "s")
+
+
+@dataclass(frozen=True)
+class StateChunk:
+    """Rows [row, row + n) of one part of a Gated DeltaNet layer's state, sent after the paused
+    session's last KV: `part` "conv" (its conv's last inputs, [1, conv_dim, kernel]) or "s" (the
+    recurrent state, [1, v_heads * k_dim, v_dim]), as float32 wire tensors."""
+
+    sid: str = text(64)
+    layer: int = integer(0, 4096)
+    part: str = one_of(STATE_PARTS)
+    row: int = integer(0, 1 << 24)
+    data: Any = unchecked()
+    t: str = tag("state")
 
 
 @dataclass(frozen=True)
@@ -402,6 +419,7 @@ Message = (
     | Relay
     | Handover
     | KvChunk
+    | StateChunk
     | HandoverTail
     | HandoverEnd
     | Taken

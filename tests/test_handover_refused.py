@@ -20,6 +20,7 @@ from swarm.protocol import (
     KvChunk,
     Open,
     Resume,
+    StateChunk,
     handover_claim,
 )
 from swarm.transport import dial_hop
@@ -135,6 +136,14 @@ def test_a_chunk_of_the_wrong_shape_is_refused_and_other_sessions_go_on(
         lambda: answers.extend(forge(node, [handover(node, client, sid), bad])),
     )
     refused_and_gone(answers)
+
+
+def test_a_state_for_a_layer_without_one_is_refused(node, client):
+    """The tiny model has no Gated DeltaNet layer: no state of a handed-over session fits."""
+    sid = secrets.token_hex(16)
+    state = StateChunk(sid, 0, "s", 0, pack_tensor(slab(0), "float32"))
+    forged = [handover(node, client, sid), *chunks(sid, full_cache()), state]
+    refused_and_gone(forge(node, forged))
 
 
 def test_a_chunk_past_the_sessions_length_is_refused(node, client):

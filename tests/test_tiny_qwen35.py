@@ -23,7 +23,7 @@ from swarm.model.head import Head
 from swarm.model.source import open_model
 from swarm.model.tiny import min_greedy_margin, reference_greedy, save_tiny, save_tiny_tokenizer
 from tests.conftest import FAMILY_NEW_TOKENS, FAMILY_PROMPT, nodes_greedy, split_greedy
-from tests.helpers.tiny import assert_four_sessions_batch_alike, changed_copy, four_prompts
+from tests.helpers.tiny import assert_four_sessions_batch_alike, changed_copy
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 # layers 2 and 5 are full attention: each split falls between the two kinds
@@ -258,36 +258,6 @@ def test_a_state_is_the_same_whether_its_session_decodes_alone_or_batched(made):
     for layer in alone.states:
         assert torch.allclose(alone.states[layer].s, batched.states[layer].s, atol=1e-5)
         assert not torch.allclose(other.states[layer].s, batched.states[layer].s, atol=1e-2)
-
-
-@pytest.mark.slow
-def test_a_leaving_node_hands_no_deltanet_session_over_and_replay_finishes_each(made, dht_peers):
-    import re
-    import signal
-
-    from devtools.launch import stop_all
-    from tests.helpers.handover import NEW, client_of, generate_across_a_leave, start_full_node
-
-    model, folder, _, _ = made("qwen3_5")
-    prompts = four_prompts(PROMPT)
-    leaving = start_full_node(folder, dht_peers, "--grace", "1")
-    client = client_of(dht_peers, folder)
-    nodes = [leaving]
-    try:
-
-        def leave() -> None:
-            nodes.append(start_full_node(folder, dht_peers))
-            leaving.proc.send_signal(signal.SIGTERM)
-            assert leaving.proc.wait(60) == 0  # gone before the sessions' next steps
-
-        out, sessions = generate_across_a_leave(client, prompts, leave)
-        assert out == [reference_greedy(model, p, NEW) for p in prompts]
-        assert [(bool(s.recoveries), s.moves) for s in sessions] == [(True, 0)] * 4
-        said = [m for line in leaving.lines if (m := re.search(r"to replicas (\d+)", line))]
-        assert [m.group(1) for m in said] == ["0"]
-    finally:
-        client.close()
-        stop_all(nodes)
 
 
 def test_a_node_s_memory_budget_counts_a_state_for_each_session_a_deltanet_block_may_hold(made):

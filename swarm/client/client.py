@@ -35,6 +35,7 @@ from swarm.errors import (
     SpeculationRefused,
 )
 from swarm.model.blocks import KVCache
+from swarm.model.deltanet import State
 from swarm.model.head import Head
 from swarm.model.source import open_model
 from swarm.protocol import Hop
@@ -156,8 +157,6 @@ class Client:
         worth the cache's transfer (swarm.client.routing.pick_prefill); None: on `hop`."""
         if not self.options.disaggregate or tokens < PREFILL_MIN_TOKENS:
             return None
-        if self.config.delta is not None:  # a node hands no Gated DeltaNet state on
-            return None
         weights = self._weights.get(hop.peer)
         exclude = self._leaving_out(exclude)
         records = [
@@ -167,6 +166,9 @@ class Client:
         ]
         dtype = torch.float32 if weights == "float32" else torch.bfloat16
         cache = tokens * KVCache.bytes_per_token(self.config, hop.end - hop.start, dtype, hop.start)
+        # a Gated DeltaNet layer's state goes with it, the same size at any length
+        delta = sum(self.config.is_delta(i) for i in range(hop.start, hop.end))
+        cache += delta * State.nbytes(self.config.delta) if delta else 0
         r = pick_prefill(records, hop, cache, max_length, self.router.estimates(records))
         return None if r is None else r.hop(hop.start, hop.end)
 

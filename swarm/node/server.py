@@ -59,6 +59,7 @@ from swarm.protocol import (
     Relay,
     Release,
     Resume,
+    StateChunk,
     Step,
 )
 from swarm.records import DECODE
@@ -133,12 +134,18 @@ class Node:
             self.directory,
             self.key,
         )
+        self._handlers = self._message_handlers()
+        self.port: int | None = None
+        self._nursery: trio.Nursery | None = None  # the node's own, while it serves
+
+    def _message_handlers(self) -> dict:
         # what a connection's messages do: one handler per message type
-        self._handlers = {
+        return {
             Step: self._step,
             Ping: self._ping,
             Open: self._open,
             KvChunk: partial(receive.take_chunk, self.context),
+            StateChunk: partial(receive.take_state, self.context),
             Handover: self._take_handover,
             HandoverTail: partial(receive.take_tail, self.context),
             HandoverEnd: partial(receive.end, self.context),
@@ -149,8 +156,6 @@ class Node:
             Lend: self._lend,
             AttendLent: self._attend_lent,
         }
-        self.port: int | None = None
-        self._nursery: trio.Nursery | None = None  # the node's own, while it serves
 
     # ---- lifetime -------------------------------------------------------------------------
 

@@ -34,7 +34,17 @@ from swarm.link.options import LinkOptions
 from swarm.link.scheduler import LinkScheduler, Send, Volume
 from swarm.link.tcpinfo import read_tcp_info, set_notsent_lowat
 from swarm.node.signal import Signal
-from swarm.protocol import DECODE, PREFILL, KvChunk, Message, Ping, Result, Step, to_wire
+from swarm.protocol import (
+    DECODE,
+    PREFILL,
+    KvChunk,
+    Message,
+    Ping,
+    Result,
+    StateChunk,
+    Step,
+    to_wire,
+)
 from swarm.transport import FramedStream
 from swarm.wire import encode_frame, pack_tensor, tensor_nbytes
 
@@ -66,7 +76,8 @@ class Payload:
     result: bool  # last hop: a Result for the client (`stream`; `dest` CLIENTS), not a Step
     # a layer of a cache handed over (KvChunk frames): `hidden` its keys, these its values
     values: torch.Tensor | None = None
-    layer: int = -1
+    layer: int = -1  # a cache's layer (KV or state), -1 for activations
+    part: str = ""  # a Gated DeltaNet state's part (StateChunk frames): `hidden` its rows
     done: trio.Event | None = None  # set once its last byte is written (or it is dropped)
     spec: int | None = None  # a verification round's id (speculative decoding)
     ids: tuple[int, ...] | None = None  # the tokens' ids, where the next hop's layers read them
@@ -126,9 +137,10 @@ class Uplink:
         self._wake.set()
 
     def send_cache(self, payload: Payload) -> None:
-        """A layer of a handed-over cache: bulk, behind decode steps, cut on position
-        boundaries like a prompt's activations (`pos` its first position, `end` its last + 1)."""
+        """A layer of a handed-over cache (or a state's part, rows as positions): bulk, behind
+        decode steps, cut on position boundaries like a prompt's activations (`pos` the first)."""
         tokens, width = payload.hidden.shape[1], payload.hidden.shape[2]
+        parts = 1 if payload.values is None else 2  # a state's rows; keys and values
         vid = self.scheduler.enqueue(
             Volume(
                 # in order among themselves, but not ahead of the session's own results: the
@@ -138,7 +150,7 @@ class Uplink:
                 dest=payload.dest,
                 phase=PREFILL,
                 tokens=tokens,
-                bytes_per_token=2 * tensor_nbytes(1, width, payload.wire_dtype),
+                bytes_per_token=parts * tensor_nbytes(1, width, payload.wire_dtype),
                 phase_left=tokens,
             ),
             self.now(),
@@ -154,8 +166,7 @@ class Uplink:
         """Whether activations or results of `sid` (to `dest`, if given) still wait to be
         sent."""
         return any(
-            p.sid == sid and p.values is None and dest in (None, p.dest)
-            for p in self._payloads.values()
+            p.sid == sid and p.layer < 0 and dest in (None, p.dest) for p in self._payloads.values()
         )
 
     async def until_sent(self, sid: str, dest: str | None = None) -> None:
@@ -379,6 +390,8 @@ class Uplink:
 
     def _frame(self, p: Payload, offset: int, tokens: int) -> bytes:
         hidden = pack_tensor(p.hidden[:, offset : offset + tokens], p.wire_dtype)
+        if p.part:
+            return encode_frame(to_wire(StateChunk(p.sid, p.layer, p.part, p.pos + offset, hidden)))
         if p.values is not None:
             values = pack_tensor(p.values[:, offset : offset + tokens], p.wire_dtype)
             chunk = KvChunk(

@@ -1,6 +1,6 @@
 """What the hand-over tests share: prompts without near-ties, full nodes of the tiny model, what
 a node says about the sessions it handed over, sessions generating across a node's leave, and a
-cache's slabs cut into chunks as the uplink cuts them."""
+cache's slabs (and states) cut into chunks as the uplink cuts them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from devtools.launch import NodeProcess, start_node, stop_all
 from swarm.client.client import Client
-from swarm.protocol import KvChunk
+from swarm.protocol import STATE_PARTS, KvChunk, StateChunk
 from swarm.wire import pack_tensor
 from tests.helpers.flags import exact_flags
 
@@ -77,6 +77,19 @@ def chunks(phase, size: int = 3) -> list[KvChunk]:
             k, v = keys[:, i : i + size], values[:, i : i + size]
             dtype = "bfloat16" if keys.dtype == torch.bfloat16 else "float32"
             out.append(KvChunk("s", layer, first + i, pack_tensor(k, dtype), pack_tensor(v, dtype)))
+    return out
+
+
+def state_chunks(states, rows: int = 5) -> list[StateChunk]:
+    """`state_slabs`' states cut into chunks of `rows` rows of each part, as the sender cuts
+    them."""
+    out = []
+    for layer, *parts in states:
+        for part, t in zip(STATE_PARTS, parts):
+            for i in range(0, t.shape[1], rows):
+                out.append(
+                    StateChunk("s", layer, part, i, pack_tensor(t[:, i : i + rows], "float32"))
+                )
     return out
 
 

@@ -1,9 +1,10 @@
 """The receiving side: a session handed over to this node, from its admission to its new owner.
 
 `take` admits it like an open (no one is evicted for it) with its cache still `coming`; its
-chunks (`take_chunk`) and, if the session went on meanwhile, a tail (`take_tail`) fill the
-cache through its `CacheIntake` (cache.py); `end` checks the sender's signature over the
-digest and its record, installs the cache and answers `Taken`. The session then waits for
+chunks (`take_chunk`), if the session went on meanwhile a tail (`take_tail`), and its Gated
+DeltaNet states (`take_state`) fill the cache through its `CacheIntake` (cache.py); `end`
+checks the sender's signature over the digest and its record, installs the cache and answers
+`Taken`. The session then waits for
 both its next owner (`resume`; steps it sends meanwhile wait) and the sender's last steps
 (`release`): ownership passes once both have come. Anything refused drops the session here,
 cache and all, and tells the sender (`refuse`).
@@ -35,6 +36,7 @@ from swarm.protocol import (
     Release,
     Resume,
     Resumed,
+    StateChunk,
     Step,
     Taken,
     handover_claim,
@@ -110,6 +112,18 @@ async def take_chunk(ctx: SessionContext, conn: FramedStream, msg: KvChunk) -> N
         intake = _coming(ctx, conn, msg.sid).intake
         assert intake is not None
         intake.take(msg)
+    except SwarmError as exc:
+        await refuse(ctx, conn, s, exc)
+
+
+async def take_state(ctx: SessionContext, conn: FramedStream, msg: StateChunk) -> None:
+    """Rows of a Gated DeltaNet layer's state, after the cache's last positions; anything that
+    does not fit the state this node allocated for that layer ends the handover."""
+    s = ctx.sessions.get(msg.sid, conn)
+    try:
+        intake = _coming(ctx, conn, msg.sid).intake
+        assert intake is not None
+        intake.take_state(msg)
     except SwarmError as exc:
         await refuse(ctx, conn, s, exc)
 

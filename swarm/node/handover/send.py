@@ -4,13 +4,14 @@ serving the same blocks (the cache's slabs and digest in cache.py).
 For each session, one at a time: send `Handover` and every position of its cache so far layer
 by layer through the uplink (bulk, behind every decode step) while the session goes on; then
 pause it (steps arriving now are held), wait until its cache stands still and its outputs are
-out, send the positions it computed meanwhile (`HandoverTail`) and `HandoverEnd` signed with
-this node's key. The session stalls only for the tail. Once the replica answers `Taken`, tell
-the session's owner (the client, or the node before this one) and sink (the client) `Moved`;
-they resume the session there and the owner releases it here, after which the held steps
-follow to the replica and `Release` passes it on. Anything failing before `Taken` unpauses the
-session: it finishes here or, when the grace period ends, its client replays it elsewhere as
-after a crash. The session's part in this is its `Move` in session_state.py.
+out, send the positions it computed meanwhile (`HandoverTail`), its Gated DeltaNet states if it
+has any (they change at every step: only the paused session's are the replica's to go on from)
+and `HandoverEnd` signed with this node's key. The session stalls only for the tail. Once the
+replica answers `Taken`, tell the session's owner (the client, or the node before this one)
+and sink (the client) `Moved`; they resume the session there and the owner releases it here,
+after which the held steps follow to the replica and `Release` passes it on. Anything failing
+before `Taken` unpauses the session: it finishes here or, when the grace period ends, its client
+replays it elsewhere as after a crash. The session's part in this is its `Move` in session_state.py.
 """
 
 from __future__ import annotations
@@ -25,10 +26,19 @@ import trio
 
 from swarm.errors import SwarmError
 from swarm.node.context import send_quietly
-from swarm.node.handover.cache import Slab, dtype_name, pick_replicas, slab_digest, slabs
+from swarm.node.handover.cache import (
+    Slab,
+    StateSlab,
+    dtype_name,
+    pick_replicas,
+    slab_digest,
+    slabs,
+    state_slabs,
+)
 from swarm.node.session_state import HERE, LEFT, Copy, Pause
 from swarm.node.uplink import Payload
 from swarm.protocol import (
+    STATE_PARTS,
     Error,
     Handover,
     HandoverEnd,
@@ -173,12 +183,9 @@ async def _send_cache(
     ctx: SessionContext, s: Session, to: Hop, deadline: float
 ) -> tuple[int, int, float] | None:
     """Send the cache to `to` (all of it so far while the session goes on, then, paused, its
-    tail) and wait for `Taken`: the length it took, in how many parts (phases) it went and
-    when the session paused; None if it failed (logged)."""
+    tail and states) and wait for `Taken`: the length it took, in how many parts (phases) it
+    went and when the session paused; None if it failed (logged)."""
     if s.state.closed or s.cache is None or s.cache.length == 0:
-        return None
-    if s.cache.states:  # its client's replay rebuilds them, exactly, from the tokens
-        log.warning("session %s... stays: Gated DeltaNet states are not handed over", s.sid[:8])
         return None
     route = list(s.route)
     route[s.hop] = to
@@ -207,7 +214,8 @@ async def _send_cache(
                 return None
             if length > sent:  # the tail it computed meanwhile
                 await _send_tail(ctx, ds, to, s, phases, sent, length)
-            digest = await trio.to_thread.run_sync(slab_digest, phases)
+            states = await _send_states(ctx, ds, to, s)
+            digest = await trio.to_thread.run_sync(slab_digest, phases, states)
             key, proof = ctx.key.sign(handover_claim(to.peer, s.sid, length, digest))
             end = HandoverEnd(sid=s.sid, digest=digest, peer=ctx.key.peer, key=key, proof=proof)
             ctx.uplink.send_control(ds, end)
@@ -259,6 +267,8 @@ def _queue(ctx: SessionContext, ds, to: Hop, s: Session, phase: list[Slab]) -> l
     dtype = dtype_name(s.cache.keys[0].dtype)
     sent = []
     for layer, (first, keys, values) in enumerate(phase):
+        if keys.shape[1] == 0:  # a Gated DeltaNet layer: its state goes last (_send_states)
+            continue
         step = max(1, KV_VOLUME_BYTES // (keys[0, :1].nbytes + values[0, :1].nbytes))
         for i in range(0, keys.shape[1], step):
             k, v = keys[:, i : i + step], values[:, i : i + step]
@@ -283,6 +293,29 @@ async def _send_tail(
     for done in _queue(ctx, ds, to, s, phases[-1]):
         await done.wait()
     return hi
+
+
+async def _send_states(ctx: SessionContext, ds, to: Hop, s: Session) -> list[StateSlab]:
+    """Send the paused session's Gated DeltaNet states, each part in volumes of rows, after
+    its last positions (the same scheduler key keeps them in order); what went."""
+    assert s.cache is not None
+    states = await trio.to_thread.run_sync(state_slabs, s.cache)
+    sent = []
+    for layer, *parts in states:
+        for part, rows in zip(STATE_PARTS, parts):
+            step = max(1, KV_VOLUME_BYTES // rows[0, :1].nbytes)
+            for i in range(0, rows.shape[1], step):
+                chunk, done = rows[:, i : i + step], trio.Event()
+                sent.append(done)
+                ctx.uplink.send_cache(
+                    Payload(
+                        ds, to.link, s.sid, "prefill", i, i + chunk.shape[1], chunk, "float32",
+                        False, layer=layer, part=part, done=done,
+                    )
+                )  # fmt: skip
+    for done in sent:
+        await done.wait()
+    return states
 
 
 async def _pass_on(ctx: SessionContext, s: Session, to: Hop, length: int, deadline: float):
