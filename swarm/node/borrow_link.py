@@ -6,10 +6,11 @@ The lender: the first online node of the DHT, other than this one, that takes th
 by a task of its own, so the lender's notice that it leaves (`LendLeaving`) is seen between
 steps too. The session then asks its blocks back (`Reclaim`) and lends them, as they come, to
 the next candidate; once that one holds every position, the session's queries go there and
-the old connection closes. The move holds the session's exchanges with its lender: a step
-waits for it and is answered in full by the old lender before or by the new one after, never
-by a mix. Nowhere to go: it tries again every RETRY_S while the old lender stays; a lender
-that goes first, or dies, fails the session, which the client replays as when a node dies.
+the old connection closes. The move holds the session's exchanges with its lender: a query
+waits for it, then goes to the new lender, which holds the very bytes the old one did, so
+every answer is exact. Nowhere to go: it tries again, less and less often, while the old
+lender stays; a lender that goes first, or dies, fails the session, which the client replays
+as when a node dies.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ log = logging.getLogger("swarm.node")
 
 DIAL_S = 10.0  # to reach a lender
 REPLY_S = 30.0  # for a lender's answer
-RETRY_S = 1.0  # between tries to find a leaving lender's blocks a new one
+RETRY_S = 1.0  # before trying again to find a leaving lender's blocks a new one, doubling
+MAX_RETRY_S = 8.0
 PENDING = 32  # lends sent to a new lender before its answers are read
 QUEUED = 64  # a lender's frames read ahead of whoever waits for them
 
@@ -142,7 +144,7 @@ class Returned:
         left = self.held - self._pos
         k = unpack_tensor(chunk.keys, hidden=heads * head_dim, max_tokens=left, native=True)
         n = k.shape[1]
-        unpack_tensor(chunk.values, hidden=heads * head_dim, tokens=n, native=True)
+        unpack_tensor(chunk.values, hidden=heads * head_dim, max_tokens=n, tokens=n, native=True)
         self._pos += n
         if self._pos == self.held:
             self._layers.pop(0)
@@ -254,13 +256,15 @@ class Lender:
         if self.link is not link or link.ended:
             return  # closed, or lost: nothing to move
         log.info("session %s...'s lender %s leaves: moving its blocks", self.sid[:8], link.addr)
+        wait = RETRY_S
         while True:
             async with self._lock:
-                if self.link is not link or link.ended or await self._move(link):
+                if self.link is not link or link.ended or await self._move(link, wait == RETRY_S):
                     return
-            await trio.sleep(RETRY_S)
+            await trio.sleep(wait)
+            wait = min(2 * wait, MAX_RETRY_S)  # each try moves every block: not every second
 
-    async def _move(self, old: Link) -> bool:
+    async def _move(self, old: Link, first: bool) -> bool:
         """Lend what `old` holds to another candidate and switch to it; False if none took it
         (and `old` still answers)."""
         tried = []
@@ -271,12 +275,15 @@ class Lender:
                 tried.append(f"{rec.addr}: {exc}")
                 continue
             try:
-                await self._pour(old, new)
-            except SwarmError as exc:
+                refused = await self._pour(old, new)
+            except SwarmError as exc:  # from the old lender: it cannot give the blocks back
                 await new.aclose()
-                if old.ended:
-                    return True  # gone before it gave everything back: the session replays
-                tried.append(f"{rec.addr}: {exc}")
+                await old.aclose()  # the session's next step fails, and replays
+                log.warning("session %s...: %s: giving its blocks back failed", self.sid[:8], exc)
+                return True
+            if refused is not None:
+                await new.aclose()
+                tried.append(f"{rec.addr}: {refused}")
                 continue
             self.link = new
             await old.aclose()
@@ -285,29 +292,42 @@ class Lender:
                 *(self.sid[:8], self.held, old.addr, rec.addr),
             )
             return True
-        log.warning(
-            "session %s...'s lender %s leaves and no other took its blocks (%s): it replays"
-            " if the lender goes first",
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "session %s...'s lender %s leaves and no other took its blocks (%s): trying again"
+            " until it has gone; the session replays if it goes first",
             *(self.sid[:8], old.addr, "; ".join(tried) or "none announced"),
         )
         return False
 
-    async def _pour(self, old: Link, new: Link) -> None:
-        """What `old` sends back, lent to `new` as it comes; raises if either fails."""
+    async def _pour(self, old: Link, new: Link) -> SwarmError | None:
+        """What `old` sends back, lent to `new` as it comes; `new`'s refusal (or failure) if
+        it did not take it all. Raises what `old` fails with."""
         back = Returned(self.sid, self.shapes, self.held)
         await old.send(Reclaim(sid=self.sid))
         sent: deque[Lend] = deque()
         lengths: dict[int, int] = {}  # per layer, what the new lender says it holds
+        refused: SwarmError | None = None
         while not back.done:
-            sent.append(back.take(await old.answer(KvChunk)))
-            await new.send(sent[-1])
-            if len(sent) > PENDING:  # its answers must not fill the connection meanwhile
-                lend = sent.popleft()
+            lend = back.take(await old.answer(KvChunk))
+            if refused is not None:
+                continue  # read to the end: the next try's must not find it on the connection
+            try:
+                await new.send(lend)
+                sent.append(lend)
+                if len(sent) > PENDING:  # its answers must not fill the connection meanwhile
+                    lend = sent.popleft()
+                    lengths[lend.layer] = (await new.answer(Lent, lend)).length
+            except SwarmError as exc:
+                refused = exc
+        try:
+            for lend in sent if refused is None else ():
                 lengths[lend.layer] = (await new.answer(Lent, lend)).length
-        for lend in sent:
-            lengths[lend.layer] = (await new.answer(Lent, lend)).length
-        if lengths != dict.fromkeys(self.shapes, self.held):
-            raise ProtocolError(f"the new lender holds {lengths} positions, not {self.held}")
+        except SwarmError as exc:
+            refused = exc
+        if refused is None and lengths != dict.fromkeys(self.shapes, self.held):
+            refused = ProtocolError(f"the new lender holds {lengths} positions, not {self.held}")
+        return refused
 
     async def _candidates(self, exclude: str = "") -> list[NodeRecord]:
         ctx = self.ctx
