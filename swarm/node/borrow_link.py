@@ -163,6 +163,7 @@ class Lender:
         self._lock = trio.Lock()  # one exchange at a time; a move between two
         self.held = 0  # positions [0, held) of each lending layer are at the lender
         self.shapes: dict[int, tuple[int, int]] = {}  # lending layer: kv heads, head_dim
+        self._closed = False  # the session ended: a move under way must not switch
 
     @property
     def lending(self) -> bool:
@@ -218,6 +219,7 @@ class Lender:
         return partial_of(reply, q.shape[0], block)
 
     async def aclose(self) -> None:
+        self._closed = True
         link, self.link = self.link, None
         if link is not None:
             await link.aclose()
@@ -281,8 +283,10 @@ class Lender:
                 await old.aclose()  # the session's next step fails, and replays
                 log.warning("session %s...: %s: giving its blocks back failed", self.sid[:8], exc)
                 return True
-            if refused is not None:
+            if refused is not None or self._closed:
                 await new.aclose()
+                if self._closed:
+                    return True
                 tried.append(f"{rec.addr}: {refused}")
                 continue
             self.link = new
