@@ -399,6 +399,24 @@ class LentPartial:
     t: str = tag("lent_partial")
 
 
+@dataclass(frozen=True)
+class LendLeaving:
+    """Lender -> borrower, unasked: this lender leaves within its --grace; take the blocks of
+    `sid` elsewhere (Reclaim) before it does, or the session replays."""
+
+    sid: str = text(64)
+    t: str = tag("lend_leaving")
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """Borrower -> lender: send back every position lent for `sid`, as KvChunk frames, each
+    lending layer in turn from position 0 (the lender holds them until the connection ends)."""
+
+    sid: str = text(64)
+    t: str = tag("reclaim")
+
+
 def handover_claim(receiver: str, sid: str, length: int, digest: str) -> bytes:
     """What a leaving node signs for one handover: bound to the replica, the session, its
     length and the bytes of its cache, so a proof vouches for that transfer only."""
@@ -431,6 +449,8 @@ Message = (
     | Lent
     | AttendLent
     | LentPartial
+    | LendLeaving
+    | Reclaim
 )
 _CODEC = Codec(*typing.get_args(Message))
 

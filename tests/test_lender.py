@@ -12,7 +12,18 @@ import trio
 from swarm.errors import BlocksNotHeld, LendRefused, ProtocolError, ShapeMismatch
 from swarm.model.partial_attention import partial_attention
 from swarm.node.lender import LendTable
-from swarm.protocol import AttendLent, Error, Lend, Lent, LentPartial, parse_message, to_wire
+from swarm.protocol import (
+    AttendLent,
+    Error,
+    KvChunk,
+    Lend,
+    LendLeaving,
+    Lent,
+    LentPartial,
+    Reclaim,
+    parse_message,
+    to_wire,
+)
 from swarm.transport import connect
 from swarm.wire import pack_tensor, unpack_tensor
 
@@ -146,3 +157,64 @@ async def test_bad_lends_get_typed_errors_and_the_good_loan_is_still_served(tiny
     out = unpack_tensor(reply.out, hidden=HEADS * HEAD_DIM, max_tokens=3)[0]
     torch.testing.assert_close(out.view(3, HEADS, HEAD_DIM), want, rtol=0, atol=1e-6)
     await conn.aclose()
+
+
+# ---- a lender leaving ------------------------------------------------------------------------
+
+
+def test_a_leaving_lender_refuses_new_loans_and_still_takes_the_rest_of_those_it_holds():
+    table = LendTable(max_bytes=10 * BLOCK_BYTES, max_host_bytes=10 * BLOCK_BYTES)
+    table.lend("conn", "h", lend())
+    assert table.leave() == [("conn", "s" * 16)]
+    with pytest.raises(LendRefused, match="leaving"):
+        table.lend("conn", "h", lend(sid="t" * 16))
+    assert table.lend("conn", "h", lend(pos=16)).length == 32  # its borrower has yet to move
+
+
+def test_what_a_connection_lent_comes_back_in_order_in_chunks_of_the_frame_size():
+    table = LendTable(max_bytes=10 * BLOCK_BYTES, max_host_bytes=10 * BLOCK_BYTES)
+    sent = [lend(layer=layer, n=20, seed=layer) for layer in (3, 1)]
+    for frame in sent:
+        table.lend("conn", "h", frame)
+    per_position = 2 * WIDTH * 4
+    chunks = list(table.reclaim("conn", Reclaim("s" * 16), 8 * per_position))
+    assert [(c.layer, c.pos) for c in chunks] == [(1, 0), (1, 8), (1, 16), (3, 0), (3, 8), (3, 16)]
+    for frame in sent:
+        mine = [c for c in chunks if c.layer == frame.layer]
+        for part in ("keys", "values"):
+            back = torch.cat(
+                [unpack_tensor(getattr(c, part), hidden=WIDTH, max_tokens=20) for c in mine], 1
+            )
+            want = unpack_tensor(getattr(frame, part), hidden=WIDTH, max_tokens=20)
+            assert torch.equal(back, want)
+
+
+def test_a_loan_asked_back_counts_as_handed_on_once_its_connection_ends():
+    table = LendTable(max_bytes=10 * BLOCK_BYTES, max_host_bytes=10 * BLOCK_BYTES)
+    table.lend("moved", "h", lend())
+    table.lend("stayed", "h", lend())
+    list(table.reclaim("moved", Reclaim("s" * 16), 1 << 20))
+    table.forget("moved")
+    table.forget("stayed")
+    assert table.handed_on == 1
+
+
+def test_asking_back_what_this_connection_never_lent_is_refused():
+    table = LendTable(max_bytes=10 * BLOCK_BYTES, max_host_bytes=10 * BLOCK_BYTES)
+    table.lend("owner", "h", lend())
+    with pytest.raises(BlocksNotHeld, match="lent nothing"):
+        table.reclaim("forger", Reclaim("s" * 16), 1 << 20)
+
+
+async def test_a_forged_reclaim_gets_blocks_not_held_and_a_leaving_notice_to_a_node_protocol(
+    tiny_swarm,
+):
+    owner, forger = await _dial(tiny_swarm), await _dial(tiny_swarm)
+    await owner.send(lend())
+    await _reply(owner, Lent)
+    await _error(forger, Reclaim("s" * 16), "blocks_not_held")  # the owner's sid, forged
+    await _error(forger, LendLeaving("s" * 16), "protocol")  # a lender's notice, sent upstream
+    await owner.send(Reclaim("s" * 16))  # the owner still gets its blocks back
+    assert (await _reply(owner, KvChunk)).layer == 0
+    await owner.aclose()
+    await forger.aclose()

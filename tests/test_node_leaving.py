@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import trio
 
+from swarm.node.lender import LendTable
 from swarm.node.lifecycle import Move, Stop, drain, first_of, watch_for_move
 from swarm.node.status import Status
 from swarm.records import NodeRecord
@@ -36,6 +37,7 @@ class FakeNode:
     def __init__(self, sessions: int):
         self.sessions = FakeSessions(sessions)
         self.accepting = True
+        self.lends = LendTable(0, 0)  # lends nothing: nothing to hand on
 
     def stop_accepting(self) -> None:
         self.accepting = False

@@ -11,44 +11,31 @@ shift down. Each layer's attention is then its local piece merged with the lende
 swarm.model.partial_attention), which is the attention over every position: a borrowing
 session's greedy tokens are an unborrowed one's.
 
-The lender: the first online node of the DHT, other than this one, that takes the blocks:
-`--role cache` nodes first, then the most free cache tokens. One connection per session; what
-it lent goes with it. A lender that fails fails the session, which the client replays as when
-a node dies. The pass runs in a compute lane as any other; its lender's round trips go through
-the trio thread (`trio.from_thread`), the lane computing a layer's local piece meanwhile, then
-waiting for the lender's.
+The lender, its connection, and the move of what it holds when it leaves:
+swarm/node/borrow_link.py. The pass runs in a compute lane as any other; its lender's round
+trips go through the trio thread (`trio.from_thread`), the lane computing a layer's local piece
+meanwhile, then waiting for the lender's.
 """
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-import trio
 
-from swarm.errors import LendRefused, PeerFailed, ProtocolError, SwarmError
+from swarm.errors import ProtocolError
 from swarm.model.partial_attention import Partial, merge, partial_attention, sink_partial
 from swarm.node.handover.cache import dtype_name
-from swarm.protocol import AttendLent, Error, Lend, Lent, LentPartial
-from swarm.records import CACHE, ONLINE
-from swarm.transport import dial_hop
+from swarm.protocol import AttendLent, Lend, LentPartial
 from swarm.wire import pack_tensor, unpack_tensor
 
 if TYPE_CHECKING:
     from swarm.model.blocks import Block, Span
     from swarm.model.config import ModelConfig
-    from swarm.node.context import SessionContext
-    from swarm.records import NodeRecord
-    from swarm.transport import FramedStream
-
-log = logging.getLogger("swarm.node")
 
 BLOCK = 16  # positions a block: what moves to a lender at least, and whole
-DIAL_S = 10.0  # to reach a lender
-REPLY_S = 30.0  # for a lender's answer
 
 
 def local_tokens(config: ModelConfig, max_cache_tokens: int, max_length: int) -> int | None:
@@ -149,132 +136,19 @@ def partial_of(reply: LentPartial, rows: int, block: Block) -> Partial:
     return out[0].view(rows, c.heads, c.head_dim), lse[0]
 
 
-class Lender:
-    """One session's connection to its lender, driven from the trio thread; a compute lane
-    calls `lend_sync` and `attend_soon`."""
+class Lending(Protocol):
+    """A session's lender as a pass uses it, from a compute thread (swarm.node.borrow_link)."""
 
-    def __init__(self, ctx: SessionContext, sid: str):
-        self.ctx, self.sid = ctx, sid
-        self.token = trio.lowlevel.current_trio_token()
-        self.conn: FramedStream | None = None
-        self.peer = ""
+    def lend_sync(self, cache: BorrowedCache, n: int) -> None: ...
 
-    @property
-    def lending(self) -> bool:
-        """Blocks of the session are at the lender."""
-        return self.conn is not None
-
-    def lend_sync(self, cache: BorrowedCache, n: int) -> None:
-        trio.from_thread.run(self.lend, cache, n, trio_token=self.token)
-
-    def attend_soon(self, layer: int, upto: int, q: torch.Tensor, block: Block) -> Future:
-        """`attend`, started from a compute thread, which goes on meanwhile (the local piece
-        of the layer's attention) and takes the lender's piece from the Future after."""
-        done: Future = Future()
-
-        async def run() -> None:
-            try:
-                done.set_result(await self.attend(layer, upto, q, block))
-            except BaseException as exc:  # noqa: BLE001 (the compute thread raises it)
-                done.set_exception(exc)
-
-        trio.from_thread.run_sync(trio.lowlevel.spawn_system_task, run, trio_token=self.token)
-        return done
-
-    async def lend(self, cache: BorrowedCache, n: int) -> None:
-        """Send the `n` oldest local positions of every lending layer; the first time, to the
-        first candidate that takes them."""
-        frames = lend_frames(self.sid, cache, n)
-        if not frames:
-            return  # every layer here a ring: nothing to lend
-        if self.conn is not None:
-            await self._exchange(frames, Lent)
-            return
-        tried = []
-        for rec in await self._candidates():
-            try:
-                self.conn = await self._dial(rec)
-                self.peer = rec.peer
-                await self._exchange(frames, Lent)
-                log.info("session %s... lends its oldest KV blocks to %s", self.sid[:8], rec.addr)
-                return
-            except (LendRefused, PeerFailed) as exc:
-                tried.append(f"{rec.addr}: {exc}")
-                await self.aclose()
-        raise LendRefused(
-            f"this node's cache is short for a session of {cache.length + n} tokens and no"
-            f" lender took its oldest blocks ({'; '.join(tried) or 'none announced'})"
-        )
-
-    async def any_announced(self) -> bool:
-        """Some node the session could borrow from is announced (none: refuse it at once)."""
-        return bool(await self._candidates())
-
-    async def attend(self, layer: int, upto: int, q: torch.Tensor, block: Block) -> Partial:
-        """The lender's piece of `layer`'s attention for rows q [rows, heads, head_dim]."""
-        (reply,) = await self._exchange(
-            [attend_request(self.sid, layer, upto, q, block)], LentPartial
-        )
-        return partial_of(reply, q.shape[0], block)
-
-    async def aclose(self) -> None:
-        conn, self.conn = self.conn, None
-        if conn is not None:
-            await conn.aclose()
-
-    async def _exchange(self, frames: list, kind: type) -> list:
-        """Send `frames`, then read an answer of type `kind` to each; an Error answer raises
-        its SwarmError, a lost lender PeerFailed."""
-        assert self.conn is not None
-        replies = []
-        try:
-            with trio.fail_after(REPLY_S):
-                for f in frames:
-                    await self.conn.send(f)
-                for f in frames:
-                    reply = await self.conn.receive()
-                    if reply is None:
-                        raise trio.BrokenResourceError  # the lender closed the connection
-                    if isinstance(reply, Error):
-                        raise reply.exception()
-                    if not isinstance(reply, kind) or (reply.sid, reply.layer) != (
-                        f.sid,
-                        f.layer,
-                    ):
-                        raise ProtocolError(f"the lender answered {reply!r:.80} to a {f.t}")
-                    replies.append(reply)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
-            raise PeerFailed(
-                f"the lender {self.peer[:16]} holding this session's oldest KV blocks is gone"
-            ) from None
-        return replies
-
-    async def _candidates(self) -> list[NodeRecord]:
-        ctx = self.ctx
-        records = await ctx.directory.fresh()
-        plaintext = ctx.directory.plaintext
-        ok = [
-            r
-            for r in records
-            if r.state == ONLINE and r.peer != ctx.key.peer and (r.tls or plaintext)
-        ]
-        return sorted(ok, key=lambda r: (r.role != CACHE, -r.free_cache_tokens))
-
-    async def _dial(self, rec: NodeRecord) -> FramedStream:
-        try:
-            with trio.fail_after(DIAL_S):
-                return await dial_hop(rec.hop(), self.ctx.config.limits.max_frame)
-        except (OSError, ValueError, trio.TooSlowError, trio.BrokenResourceError) as exc:
-            raise PeerFailed(f"cannot reach it: {exc or type(exc).__name__}") from None
-        except SwarmError as exc:
-            raise PeerFailed(str(exc)) from None
+    def attend_soon(self, layer: int, upto: int, q: torch.Tensor, block: Block) -> Future: ...
 
 
 @torch.inference_mode()
 def borrowed_pass(
     span: Span,
     cache: BorrowedCache,
-    lender: Lender,
+    lender: Lending,
     start: int,
     end: int,
     pos: int,
@@ -297,7 +171,7 @@ def borrowed_pass(
     return torch.cat(outs).unsqueeze(0)
 
 
-def _make_room(cache: BorrowedCache, lender: Lender, upto: int) -> None:
+def _make_room(cache: BorrowedCache, lender: Lending, upto: int) -> None:
     short = upto - cache.offset - cache.cap
     if short <= 0:
         return
@@ -307,7 +181,7 @@ def _make_room(cache: BorrowedCache, lender: Lender, upto: int) -> None:
     cache.shift(n)
 
 
-def _through(span, cache: BorrowedCache, lender: Lender, start, end, pos, x) -> torch.Tensor:
+def _through(span, cache: BorrowedCache, lender: Lending, start, end, pos, x) -> torch.Tensor:
     """x [tokens, hidden] at positions [pos, pos + tokens) through blocks [start, end)."""
     config, n = span.config, x.shape[0]
     turns = {rope: r.cos_sin(pos, n) for rope, r in span.rotaries.items()}
@@ -323,7 +197,7 @@ def _through(span, cache: BorrowedCache, lender: Lender, start, end, pos, x) -> 
     return x
 
 
-def _attend_layer(block, cache: BorrowedCache, lender: Lender, layer, x, pos, cos, sin):
+def _attend_layer(block, cache: BorrowedCache, lender: Lending, layer, x, pos, cos, sin):
     c, n = block.c, x.shape[0]
     q, k, v, gate = block._attention_inputs(x, cos, sin)  # q [n, heads, hd], k, v [n, kv, hd]
     lo = pos - cache.offset

@@ -20,6 +20,7 @@ from swarm.model.source import GGUFSource, SafetensorsSource
 from swarm.node.announce import Announcer
 from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
+from swarm.node.lend_leave import tell_borrowers, until_handed_on
 from swarm.node.server import Node
 from swarm.node.status import Status
 from swarm.records import CACHE, OFFLINE
@@ -42,8 +43,8 @@ class Joined(Protocol):
 
 
 async def serve_cache(life: Joined, listeners, say) -> None:
-    """Lend until SIGINT or SIGTERM, then announce the node offline (what it holds goes with
-    its connections: the borrowers' sessions replay)."""
+    """Lend until SIGINT or SIGTERM, then announce the node offline and hand what it holds on
+    (swarm.node.lend_leave) within --grace; what is left then goes with its connections."""
     cfg, config = life.cfg, life.source.config
     span = Span(config, 0, 0, [], cfg.weights)  # no blocks: what the node's context expects
     directory = PeerDirectory.of_dht(
@@ -86,6 +87,9 @@ async def serve_cache(life: Joined, listeners, say) -> None:
                 fresh.start_soon(announcer.keep_fresh, report)
                 name = signal.Signals(await anext(signals)).name
                 fresh.cancel_scope.cancel()
-            say(f"received {name}: going offline; {node.lends.loans} loans end")
+            deadline = trio.current_time() + cfg.limits.grace_s
+            say(f"received {name}: going offline; handing on {node.lends.loans} loans")
             await announcer.publish(OFFLINE, report())
+            await tell_borrowers(node.lends)
+            await until_handed_on(node.lends, deadline, say)
         nursery.cancel_scope.cancel()

@@ -7,20 +7,23 @@ attention over the lent positions with its log-sum-exp (`LentPartial`), which th
 merges with its own. What is lent belongs to the connection it came on: another connection
 cannot read or extend it (a forged sid finds nothing), and it is gone when that connection ends.
 Bounded: `max_bytes` in all, `max_host_bytes` per borrowing address; a lend that does not fit
-is refused (LendRefused) before a byte is kept.
+is refused (LendRefused) before a byte is kept. A lender leaving (`leave`) takes no new loans;
+each borrower asks its blocks back (`Reclaim`, answered by KvChunk frames) to lend them on.
 
 `LendTable` is sans IO (messages in, messages out); the node's connections drive it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from swarm.errors import BlocksNotHeld, LendRefused, ProtocolError, ShapeMismatch
 from swarm.model.partial_attention import partial_attention
-from swarm.protocol import MAX_LENT_ROWS, AttendLent, Lend, Lent, LentPartial
+from swarm.node.handover.cache import dtype_name
+from swarm.protocol import MAX_LENT_ROWS, AttendLent, KvChunk, Lend, Lent, LentPartial, Reclaim
 from swarm.wire import pack_tensor, unpack_tensor
 
 # query rows x lent positions attended on the trio thread; more go to a worker thread
@@ -55,6 +58,9 @@ class LendTable:
         self.max_bytes = max_bytes
         self.max_host_bytes = max_host_bytes
         self._loans: dict[tuple[object, str], Loan] = {}
+        self.leaving = False  # no new loans: those held are being handed on
+        self._reclaimed: set[tuple[object, str]] = set()  # asked back (to be lent elsewhere)
+        self.handed_on = 0  # loans asked back whose connection then ended
 
     @property
     def lent_bytes(self) -> int:
@@ -66,6 +72,12 @@ class LendTable:
 
     def holds(self, conn: object) -> bool:
         return any(k[0] is conn for k in self._loans)
+
+    def leave(self) -> list[tuple[object, str]]:
+        """Take no new loans from now; the (connection, session id) of each loan held, whose
+        borrower is to hear that this lender leaves."""
+        self.leaving = True
+        return list(self._loans)
 
     def lend(self, conn: object, host: str, msg: Lend) -> Lent:
         """Keep `msg`'s positions for (`conn`, its sid); raises the SwarmError the borrower
@@ -87,6 +99,8 @@ class LendTable:
         values = _kv(msg.values, width, keys.shape[1])
         if keys.dtype != values.dtype:
             raise ShapeMismatch("lent keys and values differ in dtype")
+        if loan is None and self.leaving:
+            raise LendRefused("this lender is leaving: it takes no new loans")
         self._check_room(host, 2 * keys.nbytes)
         if loan is None:
             loan = self._loans[(conn, msg.sid)] = Loan(host, msg.kv_heads, msg.head_dim)
@@ -117,10 +131,22 @@ class LendTable:
         q = q[0].view(-1, msg.heads, loan.head_dim)
         return q, loan.keys[msg.layer], loan.values[msg.layer]
 
+    def reclaim(self, conn: object, msg: Reclaim, frame_bytes: int) -> Iterator[KvChunk]:
+        """Everything (`conn`, its sid) lent, as KvChunk frames of at most about `frame_bytes`
+        each (BlocksNotHeld if it lent nothing); kept here until the connection ends."""
+        loan = self._loans.get((conn, msg.sid))
+        if loan is None:
+            raise BlocksNotHeld(f"this connection lent nothing of session {msg.sid[:8]}...")
+        self._reclaimed.add((conn, msg.sid))
+        return _chunks(msg.sid, loan, frame_bytes)
+
     def forget(self, conn: object) -> None:
         """The connection ended: what it lent goes."""
         for key in [k for k in self._loans if k[0] is conn]:
             del self._loans[key]
+            if key in self._reclaimed:
+                self._reclaimed.discard(key)
+                self.handed_on += 1
 
     def _check_room(self, host: str, more: int) -> None:
         mine = sum(loan.nbytes for loan in self._loans.values() if loan.host == host)
@@ -147,6 +173,18 @@ def attend(msg: AttendLent, q: torch.Tensor, keys: torch.Tensor, values: torch.T
         out=pack_tensor(out.reshape(1, rows, -1), "float32"),
         lse=pack_tensor(lse.reshape(1, rows, -1), "float32"),
     )
+
+
+def _chunks(sid: str, loan: Loan, frame_bytes: int) -> Iterator[KvChunk]:
+    for layer in sorted(loan.keys):
+        k, v = loan.keys[layer], loan.values[layer]  # [kv_heads, n, head_dim]
+        width = k.shape[0] * k.shape[2]
+        step = max(1, frame_bytes // (2 * width * k.element_size()))
+        for at in range(0, k.shape[1], step):
+            # [kv_heads, n, head_dim] -> [1, n, kv_heads * head_dim], as it was lent
+            kv = [t[:, at : at + step].transpose(0, 1).reshape(1, -1, width) for t in (k, v)]
+            keys, values = (pack_tensor(t.contiguous(), dtype_name(t.dtype)) for t in kv)
+            yield KvChunk(sid=sid, layer=layer, pos=at, keys=keys, values=values)
 
 
 def _kv(obj, width: int, tokens: int | None = None) -> torch.Tensor:

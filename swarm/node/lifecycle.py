@@ -34,6 +34,7 @@ from swarm.node.cache_role import serve_cache
 from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
 from swarm.node.handover.send import hand_over_all
+from swarm.node.lend_leave import tell_borrowers, until_handed_on
 from swarm.node.measure import blocks_that_fit, measure_throughput
 from swarm.node.observer import StepObserver
 from swarm.node.placement import better_span, choose_span, coverage, gaps, settled_span
@@ -379,17 +380,20 @@ async def drain(
     hand_over: Callable[[float], Awaitable[None]] | None = None,
 ) -> None:
     """Leave a span gently, for a move and a shutdown alike: refuse new sessions, announce the
-    node offline, hand the open sessions over to replicas (`hand_over`, given the deadline),
-    and give those left up to `grace` seconds in all to end."""
+    node offline, hand the open sessions over to replicas (`hand_over`, given the deadline)
+    and the KV blocks it lends on (swarm.node.lend_leave), and give those left up to `grace`
+    seconds in all to end."""
     deadline = trio.current_time() + grace
     node.stop_accepting()
     await announcer.publish(OFFLINE, report(), ttl=max(announcer.ttl, OFFLINE_TTL_S))
+    await tell_borrowers(node.lends)
     if hand_over is not None:
         await hand_over(deadline)
     with trio.move_on_at(deadline):
         await node.sessions.until_empty()
     if len(node.sessions):
         say(f"grace period over; closing {len(node.sessions)} sessions")
+    await until_handed_on(node.lends, deadline, say)
 
 
 async def first_of(*tasks: Callable[[], Awaitable[T]]) -> T:

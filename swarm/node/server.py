@@ -56,6 +56,7 @@ from swarm.protocol import (
     Lend,
     Open,
     Ping,
+    Reclaim,
     Relay,
     Release,
     Resume,
@@ -100,10 +101,8 @@ class Node:
             config.limits.max_connections, config.limits.max_host_connections
         )
         self.throttle = Throttle()
-        mb = 2**20
-        self.lends = LendTable(
-            int(config.limits.max_lend_mb * mb), int(config.limits.max_lend_host_mb * mb)
-        )
+        mb, limits = 2**20, config.limits
+        self.lends = LendTable(int(limits.max_lend_mb * mb), int(limits.max_lend_host_mb * mb))
         self.uplink = Uplink(config.link, self._stream_broken)
         self.compute = ComputeQueue(
             config.compute.lanes,
@@ -155,6 +154,7 @@ class Node:
             Close: self._close,
             Lend: self._lend,
             AttendLent: self._attend_lent,
+            Reclaim: self._reclaim,
         }
 
     # ---- lifetime -------------------------------------------------------------------------
@@ -354,6 +354,10 @@ class Node:
             await conn.send(attend(msg, q, keys, values))
         else:
             await conn.send(await trio.to_thread.run_sync(attend, msg, q, keys, values))
+
+    async def _reclaim(self, conn: FramedStream, msg: Reclaim) -> None:
+        for chunk in self.lends.reclaim(conn, msg, self.config.limits.max_frame // 2):
+            await conn.send(chunk)
 
     async def _reply_error(self, conn: FramedStream, exc: SwarmError, sid: str = "") -> None:
         self.counters.errors_sent += 1

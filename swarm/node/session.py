@@ -37,7 +37,8 @@ from swarm.errors import (
 )
 from swarm.model.blocks import ring_slots
 from swarm.node.admission import Share, peer_host, share_of
-from swarm.node.borrow import BorrowedCache, Lender, local_tokens
+from swarm.node.borrow import BorrowedCache, local_tokens
+from swarm.node.borrow_link import Lender
 from swarm.node.context import SessionContext, send_quietly
 from swarm.node.prompt import PromptPieces
 from swarm.node.session_state import (
@@ -267,23 +268,25 @@ class Session(StepWork):
 
     @asynccontextmanager
     async def _cache(self):
-        cache = self.intake.cache if self.intake is not None else self._allocate()
-        self.cache = cache
-        try:
-            yield cache
-        finally:
-            self.close()
-            self.cache = None
-            cache.keys.clear()
-            cache.values.clear()
-            cache.states.clear()
-            if self.lender is not None:
-                await self.lender.aclose()  # the lender forgets the blocks with it
+        async with trio.open_nursery() as lending:  # its lender's connection tasks
+            cache = self.intake.cache if self.intake is not None else self._allocate(lending)
+            self.cache = cache
+            try:
+                yield cache
+            finally:
+                self.close()
+                self.cache = None
+                cache.keys.clear()
+                cache.values.clear()
+                cache.states.clear()
+                if self.lender is not None:
+                    await self.lender.aclose()  # the lender forgets the blocks with it
+                lending.cancel_scope.cancel()
 
-    def _allocate(self) -> KVCache | BorrowedCache:
+    def _allocate(self, lending: trio.Nursery) -> KVCache | BorrowedCache:
         if self.borrow_cap is None:
             return self.ctx.span.allocate_cache(self.start, self.end, self.max_length)
-        self.lender = Lender(self.ctx, self.sid)
+        self.lender = Lender(self.ctx, self.sid, lending)
         return BorrowedCache.allocate(
             self.ctx.span, self.start, self.end, self.max_length, self.borrow_cap
         )

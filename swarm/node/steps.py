@@ -25,7 +25,7 @@ from swarm.protocol import DECODE, MAX_REWIND, PREFILL, Error, Open, Step
 
 if TYPE_CHECKING:
     from swarm.model.blocks import KVCache
-    from swarm.node.borrow import Lender
+    from swarm.node.borrow_link import Lender
     from swarm.node.compute import Done, Ticket
     from swarm.node.context import SessionContext
     from swarm.node.handover.cache import CacheIntake
