@@ -10,20 +10,10 @@ import torch
 import trio
 
 from swarm.errors import BlocksNotHeld, LendRefused, ProtocolError, ShapeMismatch
+from swarm.lending import AttendLent, Lend, LendLeaving, Lent, LentPartial, Reclaim
 from swarm.model.partial_attention import partial_attention
 from swarm.node.lender import LendTable
-from swarm.protocol import (
-    AttendLent,
-    Error,
-    KvChunk,
-    Lend,
-    LendLeaving,
-    Lent,
-    LentPartial,
-    Reclaim,
-    parse_message,
-    to_wire,
-)
+from swarm.protocol import Error, KvChunk, parse_message, to_wire
 from swarm.transport import connect
 from swarm.wire import pack_tensor, unpack_tensor
 

@@ -15,8 +15,9 @@ from devtools.launch import start_node, start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.dht import read_lenders
 from swarm.errors import ProtocolError, ShapeMismatch
+from swarm.lending import LendLeaving
 from swarm.node.borrow_link import Returned, check_notice
-from swarm.protocol import KvChunk, LendLeaving
+from swarm.protocol import KvChunk
 from swarm.wire import pack_tensor
 from tests.conftest import reference_greedy
 from tests.helpers.flags import exact_flags

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from swarm.errors import ProtocolError
+from swarm.lending import AttendLent, Lend, LentPartial
 from swarm.model.partial_attention import Partial, merge, partial_attention, sink_partial
 from swarm.node.handover.cache import dtype_name
-from swarm.protocol import AttendLent, Lend, LentPartial
 from swarm.wire import pack_tensor, unpack_tensor
 
 if TYPE_CHECKING:

@@ -24,8 +24,9 @@ import torch
 import trio
 
 from swarm.errors import LendRefused, PeerFailed, ProtocolError, SwarmError
+from swarm.lending import Lend, LendLeaving, Lent, LentPartial, Reclaim
 from swarm.node.borrow import attend_request, lend_frames, partial_of
-from swarm.protocol import Error, KvChunk, Lend, LendLeaving, Lent, LentPartial, Reclaim
+from swarm.protocol import Error, KvChunk
 from swarm.records import CACHE, ONLINE
 from swarm.transport import dial_hop
 from swarm.wire import unpack_tensor

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from swarm.lending import LendLeaving
 from swarm.node.context import send_quietly
-from swarm.protocol import LendLeaving
 
 if TYPE_CHECKING:
     from swarm.node.lender import LendTable

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.errors import BlocksNotHeld, LendRefused, ProtocolError, ShapeMismatch
+from swarm.lending import MAX_LENT_ROWS, AttendLent, Lend, Lent, LentPartial, Reclaim
 from swarm.model.partial_attention import partial_attention
 from swarm.node.handover.cache import dtype_name
-from swarm.protocol import MAX_LENT_ROWS, AttendLent, KvChunk, Lend, Lent, LentPartial, Reclaim
+from swarm.protocol import KvChunk
 from swarm.wire import pack_tensor, unpack_tensor
 
 # query rows x lent positions attended on the trio thread; more go to a worker thread

@@ -27,6 +27,7 @@ from swarm.errors import (
     SpanError,
     SwarmError,
 )
+from swarm.lending import AttendLent, Lend, Reclaim
 from swarm.model.blocks import Span
 from swarm.node.admission import ConnectionTable, Inbound, Throttle, peer_host
 from swarm.node.compute import ComputeQueue
@@ -45,7 +46,6 @@ from swarm.node.uplink import Uplink
 from swarm.protocol import (
     Attach,
     Attached,
-    AttendLent,
     Close,
     Error,
     Handover,
@@ -53,10 +53,8 @@ from swarm.protocol import (
     HandoverTail,
     Hop,
     KvChunk,
-    Lend,
     Open,
     Ping,
-    Reclaim,
     Relay,
     Release,
     Resume,
