@@ -91,6 +91,13 @@ class PeerFailed(SwarmError):
         self.peer = peer
 
 
+class LenderFailed(PeerFailed):
+    """The node lending a session's oldest KV blocks died or hung: the hop that reports it is
+    sound, and a replay there borrows anew (from another lender)."""
+
+    code = "lender_failed"
+
+
 class UnannouncedPeer(PeerFailed):
     """An open names a next hop at an address the DHT does not announce for that peer: the
     node dials nobody on a stranger's word. A client whose view was stale routes elsewhere."""
@@ -187,6 +194,7 @@ ERRORS_BY_CODE: dict[str, type[SwarmError]] = {
         NodeBusy,
         CacheFull,
         PeerFailed,
+        LenderFailed,
         UnannouncedPeer,
         WrongPeer,
         PlaintextRefused,

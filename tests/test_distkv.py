@@ -179,6 +179,28 @@ def test_a_lender_killed_mid_session_replays_to_the_same_tokens(
     assert len(recoveries) == 1  # the lender held the session's oldest blocks
 
 
+def test_a_lender_killed_under_the_only_serving_node_replays_there_to_the_same_tokens(
+    lone_borrower, tiny_model_dir, tiny_reference
+):
+    """The node that borrowed is sound: the replay goes through it again, borrowing anew."""
+    cache = lone_borrower[-1]
+    extra = [*exact_flags(ttl=20), "--role", "cache"]
+
+    def another_lender_then_kill(_session):
+        spare = start_node(None, cache.maddrs[:1], model=str(tiny_model_dir), extra=extra)
+        lone_borrower.append(spare)  # stopped with the rest
+        spare.wait_serving()
+        cache.proc.kill()
+
+    client = _client(lone_borrower, tiny_model_dir, step_timeout=5.0)
+    try:
+        out, recoveries, _ = _generate(client, fault=another_lender_then_kill)
+    finally:
+        client.close()
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW)
+    assert len(recoveries) == 1
+
+
 def test_a_cache_node_takes_no_layers(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--role", "cache", "--layers", "0:2"])

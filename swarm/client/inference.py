@@ -17,6 +17,7 @@ from swarm.client.session import RemoteSession
 from swarm.client.verify import Verdict, check_last_step
 from swarm.errors import (
     FingerprintMismatch,
+    LenderFailed,
     ProtocolError,
     RewindRefused,
     SpanError,
@@ -257,8 +258,10 @@ class InferenceSession:
         time.sleep(min(0.25 * 2**attempt, 4.0))
 
     def _blame(self, exc: SwarmError) -> None:
-        if isinstance(exc, RewindRefused):
-            return  # an honest node, short of history: the replay (there too) rebuilds it
+        if isinstance(exc, (RewindRefused, LenderFailed)):
+            # an honest node, short of history or of the lender it borrowed from: the replay
+            # (there too) rebuilds it
+            return
         peer = getattr(exc, "peer", None)
         if peer:
             self.excluded.add(peer)

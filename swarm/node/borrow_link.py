@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import trio
 
-from swarm.errors import LendRefused, PeerFailed, ProtocolError, SwarmError
+from swarm.errors import LenderFailed, LendRefused, PeerFailed, ProtocolError, SwarmError
 from swarm.lending import Lend, LendLeaving, Lent, LentPartial, Reclaim
 from swarm.node.borrow import attend_request, lend_frames, partial_of
 from swarm.protocol import Error, KvChunk
@@ -103,8 +103,8 @@ class Link:
     async def aclose(self) -> None:
         await self.conn.aclose()
 
-    def _gone(self) -> PeerFailed:
-        return PeerFailed(
+    def _gone(self) -> LenderFailed:
+        return LenderFailed(
             f"the lender {self.peer[:16]} holding this session's oldest KV blocks is gone"
         )
 
@@ -214,7 +214,7 @@ class Lender:
         """The lender's piece of `layer`'s attention for rows q [rows, heads, head_dim]."""
         async with self._lock:
             if self.link is None:
-                raise PeerFailed("this session's lender is gone")
+                raise LenderFailed("this session's lender is gone")
             ask = attend_request(self.sid, layer, upto, q, block)
             (reply,) = await self.link.exchange([ask], LentPartial)
         return partial_of(reply, q.shape[0], block)
