@@ -10,6 +10,7 @@ from typing import Any
 from swarm.address import join_host_port
 from swarm.errors import SwarmError, error_from_code
 from swarm.lending import AttendLent, Lend, LendLeaving, Lent, LentPartial, Reclaim
+from swarm.protocol_spread import SpreadKv, SpreadOpen, SpreadRows, SpreadTaken
 from swarm.schema import (
     AnyTrue,
     Codec,
@@ -374,6 +375,10 @@ Message = (
     | LentPartial
     | LendLeaving
     | Reclaim
+    | SpreadOpen
+    | SpreadTaken
+    | SpreadRows
+    | SpreadKv
 )
 _CODEC = Codec(*typing.get_args(Message))
 
