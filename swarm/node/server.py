@@ -343,11 +343,8 @@ class Node:
 
     def _holds(self, conn: FramedStream) -> bool:
         """The connection holds a session here, or KV blocks it lent: never closed as idle."""
-        return (
-            self.lends.holds(conn)
-            or self.spreads.holds(conn)
-            or any(s.owner is conn or s.sink is conn for s in self.sessions)
-        )
+        held = self.lends.holds(conn) or self.spreads.holds(conn)  # or a spread it asked for
+        return held or any(s.owner is conn or s.sink is conn for s in self.sessions)
 
     async def _lend(self, conn: FramedStream, msg: Lend) -> None:
         await conn.send(self.lends.lend(conn, peer_host(conn), msg))

@@ -73,10 +73,7 @@ class SpreadReplica:
         self.span, self.fingerprint, self.compute = span, fingerprint, compute
         self.sessions, self.spawn = sessions, spawn
         self._jobs: dict[object, Job] = {}
-
-    @property
-    def handlers(self) -> dict:
-        return {SpreadOpen: self.open, SpreadRows: self.rows, SpreadKv: self.kv}
+        self.handlers = {SpreadOpen: self.open, SpreadRows: self.rows, SpreadKv: self.kv}
 
     def holds(self, conn: object) -> bool:
         return conn in self._jobs
