@@ -20,7 +20,7 @@ from swarm.node.passes import DecodeItem, decode_pass, forward_pass, verify_pass
 from swarm.node.prompt import PromptPieces
 from swarm.node.session_state import Copy, SessionState
 from swarm.node.signal import Signal
-from swarm.node.spread import spread_pass, spreadable
+from swarm.node.spread import candidates, spread_pass, spreadable
 from swarm.node.uplink import CLIENTS, Payload
 from swarm.protocol import DECODE, MAX_REWIND, PREFILL, Error, Open, Step
 
@@ -169,7 +169,7 @@ class StepWork:
             self._tickets.append(compute.reserve(PREFILL, self._rank()))
         ticket = self._tickets[0]
         await ticket.turn()
-        spread = self._spreads()  # a long prompt: gathered for one pass over two nodes
+        spread = await self._spreads()  # a long prompt: gathered for one pass over two nodes
         least = config.spread_tokens if spread else config.min_pass_tokens
         wait = self.pieces.wait(time.monotonic(), least, config.gather_s)
         if wait > 0:  # a few tokens only: let more come, a little while
@@ -212,13 +212,16 @@ class StepWork:
                 done.usage,
             )
 
-    def _spreads(self) -> bool:
+    async def _spreads(self) -> bool:
         """The oldest prompt waiting is long enough to spread over a replica
-        (swarm/node/spread.py), and this session's blocks compute it in split rows."""
+        (swarm/node/spread.py), this session's blocks compute it in split rows, and some
+        replica of them is announced."""
         least = self.ctx.config.compute.spread_tokens
         if not least or self.lender is not None or self.pieces.tokens_left() < max(2, least):
             return False
-        return spreadable(self.ctx.span.config, self.start, self.end, self.max_length)
+        if not spreadable(self.ctx.span.config, self.start, self.end, self.max_length):
+            return False
+        return bool(await candidates(self.ctx, self.start, self.end, 0))
 
     def _pass(self, cache, pos: int, hidden: torch.Tensor, ids=None):
         """The compute of one forward pass from `pos`, for a lane; `ids`: its tokens' (a
