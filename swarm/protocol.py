@@ -10,7 +10,6 @@ from typing import Any
 from swarm.address import join_host_port
 from swarm.errors import SwarmError, error_from_code
 from swarm.lending import AttendLent, Lend, LendLeaving, Lent, LentPartial, Reclaim
-from swarm.protocol_spread import SpreadKv, SpreadOpen, SpreadRows, SpreadTaken
 from swarm.schema import (
     AnyTrue,
     Codec,
@@ -25,6 +24,7 @@ from swarm.schema import (
     text,
     unchecked,
 )
+from swarm.spreading import SpreadKv, SpreadOpen, SpreadRows, SpreadTaken
 
 PREFILL = "prefill"
 DECODE = "decode"

@@ -19,7 +19,7 @@ import trio
 from devtools.launch import start_node, start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.protocol import Error
-from swarm.protocol_spread import SpreadKv, SpreadOpen, SpreadRows
+from swarm.spreading import SpreadKv, SpreadOpen, SpreadRows
 from swarm.transport import connect
 from swarm.wire import pack_tensor
 from tests.conftest import reference_greedy

@@ -39,8 +39,8 @@ from swarm.model.config import ModelConfig
 from swarm.node.handover.cache import dtype_name
 from swarm.node.passes import forward_pass
 from swarm.protocol import Error
-from swarm.protocol_spread import SpreadKv, SpreadOpen, SpreadRows, SpreadTaken
 from swarm.records import CACHE, ONLINE, NodeRecord
+from swarm.spreading import SpreadKv, SpreadOpen, SpreadRows, SpreadTaken
 from swarm.transport import FramedStream, dial_hop
 from swarm.wire import pack_tensor, unpack_tensor
 

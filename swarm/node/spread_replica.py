@@ -29,7 +29,7 @@ from swarm.model.blocks import KVCache, Span
 from swarm.node.context import send_quietly
 from swarm.node.spread import REPLY_S, kv_frames, rows_frames, spreadable, take_kv, through
 from swarm.protocol import PREFILL, Error
-from swarm.protocol_spread import SpreadKv, SpreadOpen, SpreadRows, SpreadTaken
+from swarm.spreading import SpreadKv, SpreadOpen, SpreadRows, SpreadTaken
 from swarm.wire import unpack_tensor
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""Frames of a prompt pass spread over two nodes serving the same blocks (swarm.node.spread).
+"""Data-plane messages of a prompt pass spread over two nodes serving the same blocks
+(swarm.node.spread, swarm.node.spread_replica); swarm.protocol parses them with the rest.
 
 The owner of a session computes rows [pos, at) of a long prompt pass and asks a replica of its
 blocks for rows [at, at + rows) (`SpreadOpen`, answered `SpreadTaken` or an Error): the replica's
