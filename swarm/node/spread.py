@@ -49,6 +49,9 @@ log = logging.getLogger("swarm.node")
 FRAME_BYTES = 4 << 20  # tensor bytes a frame carries at most: the link interleaves others
 DIAL_S = 10.0  # to reach a replica and hear it take the rows
 REPLY_S = 60.0  # between two frames of the other side: a layer of its rows, at most
+# an attention flop's time over a matmul flop's: fitted to the owner's and the replica's times
+# of an 8190-token spread pass of the default model (int4, --threads 1, 2-core AMD EPYC)
+ATTENTION = 1.8
 
 
 def spreadable(config: ModelConfig, start: int, end: int, length: int) -> bool:
@@ -64,8 +67,8 @@ def spreadable(config: ModelConfig, start: int, end: int, length: int) -> bool:
 def split(config: ModelConfig, layers: int, pos: int, n: int) -> int:
     """Where rows [pos, pos + n) split, `at`: the owner's [pos, at) through `layers` layers
     taking as long as the replica's [at, pos + n) a layer behind. A row costs its matmuls
-    and 4 x heads x head_dim per position it attends to; SDPA skips the masked half only in a
-    pass from position 0, and the replica's always starts later."""
+    and ATTENTION x 4 x heads x head_dim per position it attends to; SDPA skips the masked
+    half only in a pass from position 0, and the replica's always starts later."""
     ffn = config.intermediate
     if config.experts:
         ffn = config.experts_used * config.expert_intermediate + config.shared_intermediate
@@ -74,7 +77,7 @@ def split(config: ModelConfig, layers: int, pos: int, n: int) -> int:
         config.hidden * (width + 2 * config.kv_heads * config.head_dim) + width * config.hidden
     )
     row += 6 * config.hidden * ffn
-    pair = 4 * width
+    pair = ATTENTION * 4 * width
 
     def owner(m: int) -> float:
         seen = m / 2 if pos == 0 else pos + m

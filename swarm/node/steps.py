@@ -170,7 +170,7 @@ class StepWork:
         ticket = self._tickets[0]
         await ticket.turn()
         spread = await self._spreads()  # a long prompt: gathered for one pass over two nodes
-        least = config.spread_tokens if spread else config.min_pass_tokens
+        least = self.pieces.tokens_left() if spread else config.min_pass_tokens  # all of it
         wait = self.pieces.wait(time.monotonic(), least, config.gather_s)
         if wait > 0:  # a few tokens only: let more come, a little while
             self._tickets.pop(0).release()
