@@ -16,7 +16,7 @@ Longest session: a node of --max-cache-tokens --longest-cache and a cache node (
 --max-lend): sessions of 2, 4, 8... times that length, each a prompt of its length and 2 decode
 steps, until one fails or --longest-max is passed; the ratio to what the node alone holds.
 
-Not measured (not built): a long prompt's pass spread over replicas of the span.
+A long prompt's pass spread over two replicas of the span: scripts/bench_spread.py.
 
     .venv/bin/python scripts/bench_distkv.py [--models default,8b] [--links 0,1,20]
         [--borrowed 0,50,90] [--context 512] [--new 32] [--files DIR]
@@ -166,7 +166,7 @@ def main() -> None:
                 )
     print(f"\n{date.today()}, {cpu_name()}, {a.context}-token context, {a.new} steps, --threads 1")
     print_table(["model", "lender link", "borrowed", "TPOT ms", "x unborrowed", "goal"], rows)
-    print("a long prompt spread over replicas: not built")
+    print("a long prompt spread over two replicas: scripts/bench_spread.py")
 
 
 if __name__ == "__main__":

@@ -157,6 +157,14 @@ class LendRefused(NodeBusy):
     code = "lend_refused"
 
 
+class SpreadRefused(NodeBusy):
+    """A replica will not compute part of a prompt pass: other weights or blocks, a pass
+    longer than it takes, or one spread already running for it. The owner asks another
+    replica, or computes the pass alone."""
+
+    code = "spread_refused"
+
+
 class BlocksNotHeld(SwarmError):
     """A query for KV blocks this lender does not hold for that session and layer (never lent
     on this connection, or fewer positions than the query names)."""
@@ -200,6 +208,7 @@ ERRORS_BY_CODE: dict[str, type[SwarmError]] = {
         PlaintextRefused,
         HandoverRefused,
         LendRefused,
+        SpreadRefused,
         BlocksNotHeld,
         DhtUnavailable,
     )

@@ -24,6 +24,7 @@ from swarm.schema import (
     text,
     unchecked,
 )
+from swarm.spreading import SpreadKv, SpreadOpen, SpreadRows, SpreadTaken
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -374,6 +375,10 @@ Message = (
     | LentPartial
     | LendLeaving
     | Reclaim
+    | SpreadOpen
+    | SpreadTaken
+    | SpreadRows
+    | SpreadKv
 )
 _CODEC = Codec(*typing.get_args(Message))
 

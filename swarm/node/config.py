@@ -189,6 +189,13 @@ class ComputeConfig:
         flag="--prefill-gather-ms",
         ms=True,
     )
+    spread_tokens: int = option(
+        4096,
+        "a prompt of at least this many tokens ready at once is computed in one pass, its"
+        " later rows by a replica of this node's blocks alongside (0: never)",
+        flag="--spread-prompt-tokens",
+        type=non_negative_int,
+    )
     max_batch: int = option(
         4,
         "most decode steps of different sessions computed as one pass (1: each alone)",

@@ -43,6 +43,15 @@ class PromptPieces:
         first = self.pending[0][0]
         return first.end - first.pos
 
+    def ready(self) -> int:
+        """Tokens one pass could take now: the oldest prompt's, arrived in order."""
+        tokens = 0
+        for step, hidden in self.pending:
+            if step.end != self.pending[0][0].end or step.pos != self.pending[0][0].pos + tokens:
+                break
+            tokens += hidden.shape[1]
+        return tokens
+
     def wait(self, now: float, min_tokens: int, gather_s: float) -> float:
         return gather_wait(self.pending, self.since, now, min_tokens, gather_s)
 

@@ -42,6 +42,7 @@ from swarm.node.lender import INLINE_ATTEND, LendTable, attend
 from swarm.node.observer import NoObserver, StepObserver
 from swarm.node.session import Session
 from swarm.node.session_table import SessionTable
+from swarm.node.spread_replica import SpreadReplica
 from swarm.node.uplink import Uplink
 from swarm.protocol import (
     Attach,
@@ -117,6 +118,7 @@ class Node:
             lambda s, moved: follow(self.context, s, moved),
         )
         self.counters = Counters()
+        self.spreads = SpreadReplica(span, fingerprint, self.compute, self.sessions, self._spawn)
         self.context = SessionContext(
             config,
             span,
@@ -153,6 +155,7 @@ class Node:
             Lend: self._lend,
             AttendLent: self._attend_lent,
             Reclaim: self._reclaim,
+            **self.spreads.handlers,  # a replica's rows of another node's prompt pass
         }
 
     # ---- lifetime -------------------------------------------------------------------------
@@ -226,6 +229,7 @@ class Node:
         finally:
             self.connections.remove(inbound)
             self.lends.forget(conn)
+            self.spreads.forget(conn)
             conn.closed = True
             self.uplink.forget_client(conn)
             for s in self.sessions:
@@ -339,9 +343,8 @@ class Node:
 
     def _holds(self, conn: FramedStream) -> bool:
         """The connection holds a session here, or KV blocks it lent: never closed as idle."""
-        return self.lends.holds(conn) or any(
-            s.owner is conn or s.sink is conn for s in self.sessions
-        )
+        held = self.lends.holds(conn) or self.spreads.holds(conn)  # or a spread it asked for
+        return held or any(s.owner is conn or s.sink is conn for s in self.sessions)
 
     async def _lend(self, conn: FramedStream, msg: Lend) -> None:
         await conn.send(self.lends.lend(conn, peer_host(conn), msg))

@@ -20,6 +20,7 @@ from swarm.node.passes import DecodeItem, decode_pass, forward_pass, verify_pass
 from swarm.node.prompt import PromptPieces
 from swarm.node.session_state import Copy, SessionState
 from swarm.node.signal import Signal
+from swarm.node.spread import candidates, spread_pass, spreadable
 from swarm.node.uplink import CLIENTS, Payload
 from swarm.protocol import DECODE, MAX_REWIND, PREFILL, Error, Open, Step
 
@@ -168,21 +169,28 @@ class StepWork:
             self._tickets.append(compute.reserve(PREFILL, self._rank()))
         ticket = self._tickets[0]
         await ticket.turn()
-        wait = self.pieces.wait(time.monotonic(), config.min_pass_tokens, config.gather_s)
+        spread = await self._spreads()  # a long prompt: gathered for one pass over two nodes
+        least = self.pieces.tokens_left() if spread else config.min_pass_tokens  # all of it
+        wait = self.pieces.wait(time.monotonic(), least, config.gather_s)
         if wait > 0:  # a few tokens only: let more come, a little while
             self._tickets.pop(0).release()
             with trio.move_on_after(wait):
-                while (
-                    self.pieces.wait(time.monotonic(), config.min_pass_tokens, config.gather_s) > 0
-                ):
+                while self.pieces.wait(time.monotonic(), least, config.gather_s) > 0:
                     await self._woken()
             return
-        step, hidden = self.pieces.take(config.pass_tokens, time.monotonic())
+        spread = spread and self.pieces.ready() >= config.spread_tokens
+        limit = self.max_length if spread else config.pass_tokens
+        step, hidden = self.pieces.take(limit, time.monotonic())
         self.prompt_end = step.end
         if self.pieces:  # more than one pass waits: queue the next, behind any decode step
             self._tickets.append(compute.reserve(PREFILL, self._rank()))
         try:
-            done = await ticket.run(self._pass(cache, step.pos, hidden, step.ids), hidden.shape[1])
+            if spread:
+                args = (cache, self.sid, self.start, self.end, step.pos, hidden)
+                done = await spread_pass(self.ctx, ticket, *args)
+            else:
+                fn = self._pass(cache, step.pos, hidden, step.ids)
+                done = await ticket.run(fn, hidden.shape[1])
         except Exception as exc:
             await self._compute_failed(exc)
             return
@@ -203,6 +211,17 @@ class StepWork:
                 done.elapsed,
                 done.usage,
             )
+
+    async def _spreads(self) -> bool:
+        """The oldest prompt waiting is long enough to spread over a replica
+        (swarm/node/spread.py), this session's blocks compute it in split rows, and some
+        replica of them is announced."""
+        least = self.ctx.config.compute.spread_tokens
+        if not least or self.lender is not None or self.pieces.tokens_left() < max(2, least):
+            return False
+        if not spreadable(self.ctx.span.config, self.start, self.end, self.max_length):
+            return False
+        return bool(await candidates(self.ctx, self.start, self.end, 0))
 
     def _pass(self, cache, pos: int, hidden: torch.Tensor, ids=None):
         """The compute of one forward pass from `pos`, for a lane; `ids`: its tokens' (a
