@@ -131,6 +131,35 @@ def test_a_probe_with_a_draft_accepted_lets_rounds_go_on():
     assert tuner.plan(13 + Tuner.PROBE_EVERY)[0] > 0
 
 
+def failed_probe(tuner: Tuner, produced: int) -> int:
+    """Off from `produced`, the next probe sent and all its drafts rejected: the token count
+    when its answer came (off again from there)."""
+    at = next(n for n in range(produced, produced + 1000) if tuner.plan(n) == (2, 1))
+    tuner.observe(1, 0)
+    tuner.plan(at + 1)
+    return at + 1
+
+
+def test_each_failed_probe_doubles_the_tokens_to_the_next_up_to_a_limit():
+    tuner = loopback(acceptance=0.0)
+    tuner.plan(10)
+    off = [10]
+    for _ in range(4):
+        off.append(failed_probe(tuner, off[-1]))
+    waits = [b - a - 1 for a, b in zip(off, off[1:])]  # tokens off before each probe
+    assert waits == [32, 64, 128, 128]
+
+
+def test_a_probe_with_a_draft_accepted_brings_the_next_probe_back_to_32_tokens():
+    tuner = loopback(acceptance=0.0)
+    tuner.plan(10)
+    at = failed_probe(tuner, failed_probe(tuner, 10))
+    assert tuner.probe_every == 4 * Tuner.PROBE_EVERY
+    at = next(n for n in range(at, at + 1000) if tuner.plan(n) == (2, 1))
+    tuner.observe(2, 1)
+    assert tuner.probe_every == Tuner.PROBE_EVERY
+
+
 def test_a_drafter_that_costs_what_a_round_saves_is_not_used():
     free, costly = loopback(0.4), loopback(0.4)
     for _ in range(10):

@@ -25,6 +25,7 @@ class Tuner:
     beats it (speculation off, tried again every PROBE_EVERY tokens)."""
 
     PROBE_EVERY = 32
+    PROBE_MOST = 128  # tokens between probes after failed ones (each doubles the wait)
     DECAY = 0.8  # weight of the past in the averages, a round at a time
     SHRINK = 2.0  # tokens^2 of spread at no cost a token, in the fit of a round's cost
 
@@ -48,6 +49,10 @@ class Tuner:
         # (sent when `_probe_at` tokens were decided), then whether a draft of it was accepted
         self._probe: str | bool | None = None
         self._probe_at = 0
+        # tokens off before the next probe: each failed probe doubles it (a draft model whose
+        # drafts never pass costs its compute and a longer round at every probe; loopback,
+        # 47-token replies, 2-3 probes a reply cost 2-10%), one with a draft accepted resets it
+        self.probe_every = self.PROBE_EVERY
         self._before_probe: tuple[int, tuple[float, float] | None] = (0, None)  # kind, theirs
         # decayed (tokens, seconds) produced with rounds and with plain steps: what each paid
         self._produced = {True: (0.0, 0.0), False: (0.0, 0.0)}
@@ -62,6 +67,8 @@ class Tuner:
         equal."""
         if self._probe == "out":
             self._probe = accepted > 0
+            if accepted:
+                self.probe_every = self.PROBE_EVERY
         if checked:
             hits, checks = self._accepted.get(kind, (self.prior, 1.0))
             self._accepted[kind] = (
@@ -180,6 +187,7 @@ class Tuner:
             # one to decay below what pays (each slower than a plain step: 0.8-0.9x where the
             # drafts are never right)
             best, self.off_since = (0, 1), produced
+            self.probe_every = min(2 * self.probe_every, self.PROBE_MOST)
             probed, before = self._before_probe
             if before is not None:
                 self._accepted[probed] = before
@@ -188,7 +196,7 @@ class Tuner:
             self.off_since = -1
         elif self.off_since < 0:
             self.off_since = produced
-        elif produced - self.off_since >= self.PROBE_EVERY:  # try again: texts change
+        elif produced - self.off_since >= self.probe_every:  # try again: texts change
             self.off_since = produced
             self._before_probe = (kind, self._accepted.get(kind))
             self._accepted[kind] = (max(self.acceptance(kind), 0.5), 1.0)
