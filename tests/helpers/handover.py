@@ -151,3 +151,29 @@ def generate_across_a_leave(
 
 def client_of(peers, model_dir) -> Client:
     return Client(peers, model=str(model_dir), wire_dtype="float32", step_timeout=10)
+
+
+def handed_over_across_a_leave(model_dir, dht_peers, prompts, grace: int) -> list[list[int]]:
+    """One session per prompt on a node that gets SIGTERM mid-generation once a replica is up:
+    their greedy tokens, each checked to have moved to the replica (no recovery, no prompt pass
+    there) and the leaving node to have exited cleanly."""
+    leaving = start_full_node(model_dir, dht_peers, "--grace", str(grace))
+    client = client_of(dht_peers, model_dir)
+    replica = None
+    try:
+
+        def leave() -> None:
+            nonlocal replica
+            replica = start_full_node(model_dir, dht_peers)
+            leaving.proc.send_signal(signal.SIGTERM)
+            wait_for_lines(leaving, "handed over to", len(prompts))
+
+        out, sessions = generate_across_a_leave(client, prompts, leave)
+        moved = [([], 1, [replica.peer])] * len(prompts)
+        assert [(s.recoveries, s.moves, s.peers) for s in sessions] == moved
+        assert leaving.proc.wait(60) == 0
+        assert left_with(replica) == (0, len(prompts), 0)  # no prompt pass there: no replay
+    finally:
+        client.close()
+        stop_all([leaving] + ([replica] if replica else []))
+    return out
