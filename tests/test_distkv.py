@@ -20,6 +20,7 @@ from swarm.protocol import Error, Open
 from swarm.transport import connect
 from tests.conftest import reference_greedy
 from tests.helpers.flags import exact_flags
+from tests.helpers.relay import free_port, shaped_relay
 
 PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
 NEW = 40  # 80 tokens in all: more than any node's cache
@@ -199,6 +200,50 @@ def test_a_lender_killed_under_the_only_serving_node_replays_there_to_the_same_t
         client.close()
     assert out == reference_greedy(tiny_reference, PROMPT, NEW)
     assert len(recoveries) == 1
+
+
+def test_a_session_borrows_from_the_lender_with_the_shorter_round_trip(
+    tiny_model_dir, tiny_reference, tmp_path
+):
+    """Of two lenders, the one 30 ms away announces more free memory; the near one lends."""
+    port = free_port()
+    log_path = tmp_path / "borrower.stderr"
+    flags = [*exact_flags(ttl=20), *SHORT]
+    with open(log_path, "w") as log:
+        nodes = [start_node((0, 6), model=str(tiny_model_dir), extra=flags, stderr=log)]
+    with shaped_relay(port, rate_mbps=100, delay_ms=15) as public:
+        out, recoveries = _borrow_beside(nodes, tiny_model_dir, port, public)
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW) and recoveries == []
+    lends = [line for line in log_path.read_text().splitlines() if "lends its oldest" in line]
+    assert lends and not any(f"127.0.0.1:{public}" in line for line in lends)
+
+
+def _borrow_beside(nodes, tiny_model_dir, port: int, public: int):
+    """A long session through nodes[0] beside two cache lenders: one behind the relay at
+    `public` with more memory to lend, one on loopback."""
+    cache = [*exact_flags(ttl=20), "--role", "cache"]
+    try:
+        nodes[0].wait_serving()  # its address, which the lenders join by, comes with it
+        peers, model = nodes[0].maddrs[:1], str(tiny_model_dir)
+        far = [*cache, "--max-lend", "512", "--port", str(port)]
+        far += ["--public-address", f"127.0.0.1:{public}"]
+        nodes.append(start_node(None, peers, model=model, extra=far))
+        nodes.append(start_node(None, peers, model=model, extra=cache))
+        for n in nodes[1:]:
+            n.wait_serving()
+        client = _client(nodes, tiny_model_dir)
+        try:
+            deadline = time.monotonic() + 30
+            while len(read_lenders(client.dht, client.config.name)) < 2:  # both announced
+                seen = [(r.addr, r.role) for r in read_lenders(client.dht, client.config.name)]
+                assert time.monotonic() < deadline, f"the lenders never all came: {seen}"
+                time.sleep(0.5)
+            out, recoveries, _ = _generate(client)
+        finally:
+            client.close()
+    finally:
+        stop_all(nodes)
+    return out, recoveries
 
 
 def test_a_cache_node_takes_no_layers(capsys):

@@ -4,7 +4,6 @@ sessions go on there without replaying a token, and every failure falls back to 
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 
 import torch
@@ -24,6 +23,7 @@ from tests.helpers.handover import (
     start_full_node,
     wait_for_lines,
 )
+from tests.helpers.relay import free_port
 
 
 def test_a_drained_node_hands_its_sessions_over_and_they_go_on_without_replay(
@@ -139,12 +139,6 @@ class CuttingProxy:
         if self._stop is not None:
             trio.from_thread.run_sync(self._stop.cancel, trio_token=self._token)
         self._thread.join(5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_transfer_cut_half_way_falls_back_to_replay_with_the_same_tokens(

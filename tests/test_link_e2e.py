@@ -10,7 +10,6 @@ Both sessions' greedy tokens must equal the unsplit model's, and the first node'
 from __future__ import annotations
 
 import itertools
-import socket
 import subprocess
 import sys
 import threading
@@ -23,18 +22,13 @@ from devtools.launch import start_node, stop_all
 from swarm.client.client import Client
 from tests.conftest import reference_greedy
 from tests.helpers.flags import exact_flags
+from tests.helpers.relay import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_LOG_NODE = str(ROOT / "devtools" / "step_log.py")
 
 RATE_MBPS = 1.0
 DELAY_MS = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # the opt-in pacing, timed chunk floor, prompts in arrival order and gathered prompt passes must

@@ -5,9 +5,6 @@ Real DHT, node processes, TLS."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,8 +21,8 @@ from swarm.transport import connect
 from swarm.wire import pack_tensor
 from tests.conftest import reference_greedy
 from tests.helpers.flags import exact_flags
+from tests.helpers.relay import free_port, shaped_relay
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [(7 * i + 3) % 500 + 5 for i in range(120)]
 NEW = 8
 SPREAD = ["--spread-prompt-tokens", "32"]  # the 120-token prompt spreads
@@ -71,44 +68,28 @@ def test_a_prompt_spread_over_two_replicas_gives_the_unsplit_tokens(
     assert not recoveries
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def slow_replica(tiny_model_dir, tmp_path):
     """A node, and (started by the test) a replica behind a 1 Mbit/s relay: its part of a pass
     takes seconds to cross, time to kill it mid-pass."""
-    port, public = free_port(), free_port()
-    relay = subprocess.Popen(
-        [sys.executable, "-m", "devtools.link_proxy", "--listen", f"127.0.0.1:{public}"]
-        + ["--target", f"127.0.0.1:{port}", "--rate-mbps", "1", "--delay-ms", "5"],
-        cwd=ROOT,  # devtools/ is not installed: the relay runs from this checkout
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    port = free_port()
     log_path = tmp_path / "owner.stderr"
-    log = open(log_path, "w")  # noqa: SIM115
-    nodes = [start_node((0, 6), model=str(tiny_model_dir), extra=FLAGS, stderr=log)]
-    extra = [*FLAGS, "--port", str(port), "--public-address", f"127.0.0.1:{public}"]
+    with shaped_relay(port, rate_mbps=1, delay_ms=5) as public, open(log_path, "w") as log:
+        nodes = [start_node((0, 6), model=str(tiny_model_dir), extra=FLAGS, stderr=log)]
+        extra = [*FLAGS, "--port", str(port), "--public-address", f"127.0.0.1:{public}"]
 
-    def start_replica():
-        nodes.append(
-            start_node((0, 6), nodes[0].maddrs[:1], model=str(tiny_model_dir), extra=extra)
-        )
-        nodes[-1].wait_serving()
-        return nodes[-1]
+        def start_replica():
+            nodes.append(
+                start_node((0, 6), nodes[0].maddrs[:1], model=str(tiny_model_dir), extra=extra)
+            )
+            nodes[-1].wait_serving()
+            return nodes[-1]
 
-    try:
-        nodes[0].wait_serving()
-        yield nodes[0], start_replica, log_path
-    finally:
-        stop_all(nodes)
-        log.close()
-        relay.kill()
-        relay.wait()
+        try:
+            nodes[0].wait_serving()
+            yield nodes[0], start_replica, log_path
+        finally:
+            stop_all(nodes)
 
 
 def test_a_replica_killed_mid_pass_leaves_the_owner_to_finish_with_the_same_tokens(

@@ -1,16 +1,18 @@
 """A borrowing session's connection to its lender (issue #52; the pass is swarm/node/borrow.py,
 the lender's side swarm/node/lender.py), and its move when that lender leaves.
 
-The lender: the first online node of the DHT, other than this one, that takes the blocks:
-`--role cache` nodes first, then the most free cache tokens. One connection per session, read
-by a task of its own, so the lender's notice that it leaves (`LendLeaving`) is seen between
-steps too. The session then asks its blocks back (`Reclaim`) and lends them, as they come, to
-the next candidate; once that one holds every position, the session's queries go there and
-the old connection closes. The move holds the session's exchanges with its lender: a query
-waits for it, then goes to the new lender, which holds the very bytes the old one did, so
-every answer is exact. Nowhere to go: it tries again, less and less often, while the old
-lender stays; a lender that goes first, or dies, fails the session, which the client replays
-as when a node dies.
+The lender: of the online nodes of the DHT other than this one (`--role cache` nodes first, then
+the most free cache tokens), the first PROBED are dialled at once and pinged, and the one with
+the least round trip x (1 + its load: the sessions it serves, one more if it serves blocks)
+that takes the blocks lends: every decode step waits for one trip a layer to it. One
+connection per session, read by a task of its own, so the lender's notice that it leaves
+(`LendLeaving`) is seen between steps too. The session then asks its blocks back (`Reclaim`)
+and lends them, as they come, to the next candidate; once that one holds every position, the
+session's queries go there and the old connection closes. The move holds the session's
+exchanges with its lender: a query waits for it, then goes to the new lender, which holds the
+very bytes the old one did, so every answer is exact. Nowhere to go: it tries again, less and
+less often, while the old lender stays; a lender that goes first, or dies, fails the session,
+which the client replays as when a node dies.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import trio
 from swarm.errors import LenderFailed, LendRefused, PeerFailed, ProtocolError, SwarmError
 from swarm.lending import Lend, LendLeaving, Lent, LentPartial, Reclaim
 from swarm.node.borrow import attend_request, lend_frames, partial_of
-from swarm.protocol import Error, KvChunk
+from swarm.protocol import Error, KvChunk, Ping, Pong
 from swarm.records import CACHE, ONLINE
 from swarm.transport import dial_hop
 from swarm.wire import unpack_tensor
@@ -46,6 +48,7 @@ REPLY_S = 30.0  # for a lender's answer
 RETRY_S = 1.0  # before trying again to find a leaving lender's blocks a new one, doubling
 MAX_RETRY_S = 8.0
 PENDING = 32  # lends sent to a new lender before its answers are read
+PROBED = 3  # candidate lenders whose round trip is measured before the first lend
 QUEUED = 64  # a lender's frames read ahead of whoever waits for them
 
 
@@ -107,6 +110,12 @@ class Link:
         return LenderFailed(
             f"the lender {self.peer[:16]} holding this session's oldest KV blocks is gone"
         )
+
+
+def _load(rec: NodeRecord) -> int:
+    """What else a lender answers beside this session's queries: the sessions it serves, and
+    one more for a node that computes blocks at all (a `--role cache` node only lends)."""
+    return rec.sessions + (rec.role != CACHE)
 
 
 def check_notice(sid: str, msg: LendLeaving) -> None:
@@ -226,26 +235,66 @@ class Lender:
             await link.aclose()
 
     async def _first_lend(self, frames: list[Lend], tokens: int) -> None:
-        tried = []
-        for rec in await self._candidates():
-            try:
-                link = await self._open(rec)
-            except PeerFailed as exc:
-                tried.append(f"{rec.addr}: {exc}")
-                continue
-            try:
-                await link.exchange(frames, Lent)
-            except (LendRefused, PeerFailed) as exc:
-                tried.append(f"{rec.addr}: {exc}")
-                await link.aclose()
-                continue
-            self.link = link
-            log.info("session %s... lends its oldest KV blocks to %s", self.sid[:8], rec.addr)
-            return
+        tried: list[str] = []
+        ranked = await self._ranked(await self._candidates(), tried)
+        try:
+            for rec, link in ranked:
+                if link is None:
+                    try:
+                        link = await self._open(rec)
+                    except PeerFailed as exc:
+                        tried.append(f"{rec.addr}: {exc}")
+                        continue
+                try:
+                    await link.exchange(frames, Lent)
+                except (LendRefused, PeerFailed) as exc:
+                    tried.append(f"{rec.addr}: {exc}")
+                    await link.aclose()
+                    continue
+                self.link = link
+                log.info("session %s... lends its oldest KV blocks to %s", self.sid[:8], rec.addr)
+                return
+        finally:
+            for _, link in ranked:
+                if link is not None and link is not self.link:
+                    await link.aclose()
         raise LendRefused(
             f"this node's cache is short for a session of {tokens} tokens and no"
             f" lender took its oldest blocks ({'; '.join(tried) or 'none announced'})"
         )
+
+    async def _ranked(
+        self, records: list[NodeRecord], tried: list[str]
+    ) -> list[tuple[NodeRecord, Link | None]]:
+        """`records` best first: the first PROBED dialled at once and pinged, by round trip x
+        (1 + their load, `_load`), with their open links (those unreachable noted in `tried`);
+        the rest after them, in their order, not dialled yet."""
+        probed, found = records[:PROBED], {}
+
+        async def probe(i: int, rec: NodeRecord) -> None:
+            try:
+                link = await self._open(rec)
+            except PeerFailed as exc:
+                tried.append(f"{rec.addr}: {exc}")
+                return
+            failed = f"no answer to a ping in {DIAL_S:.0f} s"
+            with trio.move_on_after(DIAL_S):
+                try:
+                    start = trio.current_time()
+                    await link.send(Ping(nonce=i))
+                    await link.answer(Pong)
+                    found[i] = ((trio.current_time() - start) * (1 + _load(rec)), link)
+                    return
+                except SwarmError as exc:
+                    failed = str(exc)
+            tried.append(f"{rec.addr}: {failed}")
+            await link.aclose()
+
+        async with trio.open_nursery() as nursery:
+            for i, rec in enumerate(probed):
+                nursery.start_soon(probe, i, rec)
+        best = sorted(found, key=lambda i: found[i][0])
+        return [(probed[i], found[i][1]) for i in best] + [(r, None) for r in records[PROBED:]]
 
     async def _open(self, rec: NodeRecord) -> Link:
         """A connection to `rec`, read by its task; and, when it says it leaves, the move."""
