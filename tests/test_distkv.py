@@ -86,7 +86,7 @@ def test_records_say_what_a_node_lends_and_how_many_of_its_sessions_borrow(
 @pytest.fixture(scope="module")
 def lending_swarm(tiny_model_dir):
     """Two nodes serving every block with a cache of 64 tokens each, and a `--role cache` node:
-    the lender their long sessions pick first."""
+    a long session's lender is the cache node or the other serving node."""
     nodes = start_swarm(
         [(0, 6), (0, 6)], model=str(tiny_model_dir), extra=[*exact_flags(ttl=20), *SHORT]
     )
@@ -170,10 +170,21 @@ def test_a_cache_node_serves_no_blocks_and_announces_itself_as_a_lender(
 def test_a_lender_killed_mid_session_replays_to_the_same_tokens(
     lending_swarm, tiny_model_dir, tiny_reference
 ):
-    cache = lending_swarm[-1]
     client = _client(lending_swarm, tiny_model_dir, step_timeout=5.0)
+
+    def kill_the_lender(_session) -> None:
+        by_peer = {n.peer: n for n in lending_swarm}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # records say what each node lends (every ttl/3)
+            records = client.nodes() + read_lenders(client.dht, client.config.name)
+            if lending := [r.peer for r in records if r.lent_mb > 0]:
+                by_peer[lending[0]].proc.kill()
+                return
+            time.sleep(0.5)
+        raise AssertionError("no node says it lends")
+
     try:
-        out, recoveries, _ = _generate(client, fault=lambda s: cache.proc.kill())
+        out, recoveries, _ = _generate(client, fault=kill_the_lender)
     finally:
         client.close()
     assert out == reference_greedy(tiny_reference, PROMPT, NEW)

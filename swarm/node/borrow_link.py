@@ -3,8 +3,8 @@ the lender's side swarm/node/lender.py), and its move when that lender leaves.
 
 The lender: of the online nodes of the DHT other than this one (`--role cache` nodes first, then
 the most free cache tokens), the first PROBED are dialled at once and pinged, and the one with
-the least round trip x (1 + its load: the sessions it serves, one more if it serves blocks)
-that takes the blocks lends: every decode step waits for one trip a layer to it. One
+the least trip (round trip + TRIP_S) x (1 + its load: the sessions it serves, one more if it
+serves blocks) that takes the blocks lends: every decode step waits for one trip a layer to it. One
 connection per session, read by a task of its own, so the lender's notice that it leaves
 (`LendLeaving`) is seen between steps too. The session then asks its blocks back (`Reclaim`)
 and lends them, as they come, to the next candidate; once that one holds every position, the
@@ -49,6 +49,10 @@ RETRY_S = 1.0  # before trying again to find a leaving lender's blocks a new one
 MAX_RETRY_S = 8.0
 PENDING = 32  # lends sent to a new lender before its answers are read
 PROBED = 3  # candidate lenders whose round trip is measured before the first lend
+# what a layer's trip to a lender costs beside the wire, both ends' work and wake-ups (~2.5 ms
+# on loopback, docs/benchmarks.md 2026-11-28): pings a millisecond apart are alike, and load
+# tells them apart
+TRIP_S = 0.0025
 QUEUED = 64  # a lender's frames read ahead of whoever waits for them
 
 
@@ -266,9 +270,9 @@ class Lender:
     async def _ranked(
         self, records: list[NodeRecord], tried: list[str]
     ) -> list[tuple[NodeRecord, Link | None]]:
-        """`records` best first: the first PROBED dialled at once and pinged, by round trip x
-        (1 + their load, `_load`), with their open links (those unreachable noted in `tried`);
-        the rest after them, in their order, not dialled yet."""
+        """`records` best first: the first PROBED dialled at once and pinged, by (round trip +
+        TRIP_S) x (1 + their load, `_load`), with their open links (those unreachable noted in
+        `tried`); the rest after them, in their order, not dialled yet."""
         probed, found = records[:PROBED], {}
 
         async def probe(i: int, rec: NodeRecord) -> None:
@@ -283,7 +287,8 @@ class Lender:
                     start = trio.current_time()
                     await link.send(Ping(nonce=i))
                     await link.answer(Pong)
-                    found[i] = ((trio.current_time() - start) * (1 + _load(rec)), link)
+                    trip = trio.current_time() - start + TRIP_S
+                    found[i] = (trip * (1 + _load(rec)), link)
                     return
                 except SwarmError as exc:
                     failed = str(exc)
