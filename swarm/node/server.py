@@ -144,7 +144,7 @@ class Node:
             Ping: self._ping,
             Open: self._open,
             KvChunk: partial(receive.take_chunk, self.context),
-            StateChunk: partial(receive.take_state, self.context),
+            StateChunk: partial(receive.take_chunk, self.context),
             Handover: self._take_handover,
             HandoverTail: partial(receive.take_tail, self.context),
             HandoverEnd: partial(receive.end, self.context),

@@ -2,7 +2,7 @@
 
 `take` admits it like an open (no one is evicted for it) with its cache still `coming`; its
 chunks (`take_chunk`), if the session went on meanwhile a tail (`take_tail`), and its Gated
-DeltaNet states (`take_state`) fill the cache through its `CacheIntake` (cache.py); `end`
+DeltaNet states (`take_chunk` too) fill the cache through its `CacheIntake` (cache.py); `end`
 checks the sender's signature over the digest and its record, installs the cache and answers
 `Taken`. The session then waits for
 both its next owner (`resume`; steps it sends meanwhile wait) and the sender's last steps
@@ -105,25 +105,14 @@ def _coming(ctx: SessionContext, conn: FramedStream, sid: str) -> Session:
     return s
 
 
-async def take_chunk(ctx: SessionContext, conn: FramedStream, msg: KvChunk) -> None:
-    """A piece of the cache; anything that does not fit ends the handover."""
+async def take_chunk(ctx: SessionContext, conn: FramedStream, msg: KvChunk | StateChunk) -> None:
+    """A piece of the cache, or rows of a Gated DeltaNet layer's state after the cache's last
+    positions; anything that does not fit what this node allocated ends the handover."""
     s = ctx.sessions.get(msg.sid, conn)
     try:
         intake = _coming(ctx, conn, msg.sid).intake
         assert intake is not None
-        intake.take(msg)
-    except SwarmError as exc:
-        await refuse(ctx, conn, s, exc)
-
-
-async def take_state(ctx: SessionContext, conn: FramedStream, msg: StateChunk) -> None:
-    """Rows of a Gated DeltaNet layer's state, after the cache's last positions; anything that
-    does not fit the state this node allocated for that layer ends the handover."""
-    s = ctx.sessions.get(msg.sid, conn)
-    try:
-        intake = _coming(ctx, conn, msg.sid).intake
-        assert intake is not None
-        intake.take_state(msg)
+        intake.take(msg) if isinstance(msg, KvChunk) else intake.take_state(msg)
     except SwarmError as exc:
         await refuse(ctx, conn, s, exc)
 
