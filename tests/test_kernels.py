@@ -156,7 +156,9 @@ def test_a_small_matmul_does_not_wait_for_a_long_one_on_another_thread(threads):
     lib = kernels.load()
     big = lib.pack("Q4_K", random_blocks("Q4_K", 4096, 4096, seed=7), 4096)
     small = lib.pack("Q4_K", random_blocks("Q4_K", 256, 4096, seed=8), 4096)
-    xb, xs = torch.randn(128, 4096), torch.randn(1, 4096)
+    # 1024 rows: the long call must outlast the 5 ms head start and five small calls by far
+    # on the fastest kernels (128 rows took 8 ms at 2 threads with one input term)
+    xb, xs = torch.randn(1024, 4096), torch.randn(1, 4096)
     want_b = lib.matmul("Q4_K", big, 4096, 4096, xb, threads)
     want_s = lib.matmul("Q4_K", small, 256, 4096, xs, 1)
     started, done = threading.Event(), {}
