@@ -21,7 +21,8 @@ step queues for the decode lane as before, and the first whose turn comes takes 
 waiting with the same key (up to `max_batch`) into one call; the others get their share of its
 results without a turn of their own. Nothing waits to fill a batch: a step that arrives while a
 pass runs joins the next one. (Decode is memory-bound: reading a layer's weights once for eight
-rows costs little more than for one.)"""
+rows costs little more than for one.) With `gather` the pass whose turn has come may wait a
+little for steps due soon (gather.py: only where that finishes them all sooner)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import trio
 
 from swarm.link.estimator import ewma
 from swarm.node.config import PASS_ORDERS, ComputeConfig
+from swarm.node.gather import Forecast
 from swarm.protocol import DECODE
 
 log = logging.getLogger("swarm.node")
@@ -175,6 +177,7 @@ class _Rider:
     step's pass has computed it (then `done` holds its share)."""
 
     item: Any
+    who: Hashable = None  # its session, for the forecast of arrivals
     ready: trio.Event = field(default_factory=trio.Event)
     ticket: Ticket | None = None
     done: Done | None = None
@@ -219,9 +222,10 @@ class ComputeQueue:
         prefill_order: str = ComputeConfig.prefill_order,
         observe: Callable[[str, int, float], None] | None = None,
         max_batch: int = ComputeConfig.max_batch,
+        gather: bool = False,
     ) -> None:
         """`observe(phase, tokens, seconds)`: told of each job that succeeded; `max_batch`: most
-        decode steps in one pass."""
+        decode steps in one pass; `gather`: a pass may wait for steps due soon."""
         if lanes not in (1, 2):
             raise ValueError(f"a node computes in 1 or 2 lanes, not {lanes}")
         if prefill_order not in PASS_ORDERS:
@@ -235,6 +239,11 @@ class ComputeQueue:
         self.observe = observe
         self.max_batch = max_batch
         self._riders: dict[Hashable, list[_Rider]] = {}
+        self.gather = gather
+        self._forecasts: dict[Hashable, Forecast] = {}
+        self._joined: dict[Hashable, trio.Event] = {}  # set when a step joins a key's queue
+        self.holds = 0  # passes that waited for a step due, and their seconds waiting
+        self.hold_seconds = 0.0
         self.decode_passes = 0
         self.decode_pass_rows = 0
         self._order = itertools.count()
@@ -291,14 +300,20 @@ class ComputeQueue:
         key: Hashable,
         item: Any,
         run_batch: Callable[[list[Any]], list[outcome.Outcome]],
+        who: Hashable = None,
     ) -> Done:
         """One decode step, `item`, computed in a pass with whatever other steps of the same
         `key` wait when the lane comes free: `run_batch(items)` runs in the lane's thread and
         returns an outcome per item, so one item's failure is its own. Returns this item's
-        Done (its outcome unwrapped: raises what its item raised)."""
-        rider = _Rider(item)
+        Done (its outcome unwrapped: raises what its item raised). `who`: the step's session,
+        whose next step the pass of others may wait for."""
+        rider = _Rider(item, who)
         waiting = self._riders.setdefault(key, [])
         waiting.append(rider)
+        forecast = self._forecasts.setdefault(key, Forecast()) if who is not None else None
+        if forecast is not None:
+            forecast.arrived(who, time.monotonic())
+            self._joined.pop(key, trio.Event()).set()
         ticket = rider.ticket = self.reserve(DECODE, go=rider.ready)
         try:
             try:
@@ -311,8 +326,12 @@ class ComputeQueue:
                         await rider.ready.wait()
                 raise
             if rider.done is None:  # our turn: take everything waiting with us
-                await self._decode_pass(rider, waiting, run_batch)
+                if self.gather and forecast is not None:
+                    await self._gather(key, forecast, waiting)
+                await self._decode_pass(rider, waiting, run_batch, forecast)
         finally:
+            if forecast is not None:
+                forecast.left(who, time.monotonic())
             if rider in waiting:
                 waiting.remove(rider)
             if not waiting and self._riders.get(key) is waiting:
@@ -320,11 +339,26 @@ class ComputeQueue:
             ticket.release()
         return Done(rider.done.result.unwrap(), rider.done.elapsed, rider.done.usage)
 
+    async def _gather(self, key: Hashable, forecast: Forecast, waiting: list[_Rider]) -> None:
+        """Hold the lane, unused, for the steps the forecast says are worth waiting for; go as
+        soon as they have all come (or the pass is full)."""
+        started = time.monotonic()
+        hold = forecast.hold((r.who for r in waiting), started)
+        if not hold.expected:
+            return
+        self.holds += 1
+        with trio.move_on_after(hold.until - started):
+            while len(waiting) < self.max_batch and not hold.expected <= {r.who for r in waiting}:
+                joined = self._joined.setdefault(key, trio.Event())
+                await joined.wait()
+        self.hold_seconds += time.monotonic() - started
+
     async def _decode_pass(
         self,
         leader: _Rider,
         waiting: list[_Rider],
         run_batch: Callable[[list[Any]], list[outcome.Outcome]],
+        forecast: Forecast | None = None,
     ) -> None:
         waiting.remove(leader)
         batch = [leader, *waiting[: self.max_batch - 1]]
@@ -347,6 +381,8 @@ class ComputeQueue:
         outs = ran.unwrap() if isinstance(ran, outcome.Value) else [ran] * len(batch)
         self.decode_passes += 1
         self.decode_pass_rows += len(batch)
+        if forecast is not None and isinstance(ran, outcome.Value):
+            forecast.passed(len(batch), elapsed)
         self._account(DECODE, len(batch), elapsed, ran)
         for rider, out in zip(batch, outs):
             rider.done = Done(out, elapsed, usage)

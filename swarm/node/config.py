@@ -201,6 +201,13 @@ class ComputeConfig:
         "most decode steps of different sessions computed as one pass (1: each alone)",
         type=positive_int,
     )
+    decode_gather: str = option(
+        "measured",
+        "measured: a decode pass whose lane is free waits for other sessions' steps due"
+        " sooner than the pass's fixed cost (times measured here), so few sessions share"
+        " passes; off: a pass takes only what waits",
+        choices=["measured", "off"],
+    )
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,7 @@ class Node:
             config.compute.prefill_order,
             observe=self.uplink.observe_compute,
             max_batch=config.compute.max_batch,
+            gather=config.compute.decode_gather == "measured",
         )
         self.downstream = Downstream(
             self.uplink,

@@ -146,7 +146,7 @@ class StepWork:
             elif hidden.shape[1] == 1:  # joins other sessions' steps through the same blocks
                 run = functools.partial(decode_pass, span, self.start, self.end)
                 item = DecodeItem(cache, step.pos, hidden, step.ids)
-                done = await compute.decode((self.start, self.end), item, run)
+                done = await compute.decode((self.start, self.end), item, run, self.sid)
             else:
                 run_pass = verify_pass if step.spec is not None else forward_pass
                 fn = functools.partial(
