@@ -16,6 +16,7 @@ from swarm.schema import (
     Integer,
     ListOf,
     Nested,
+    OneOf,
     Row,
     declare,
     integer,
@@ -95,6 +96,9 @@ class Open:
 @dataclass(frozen=True)
 class Opened:
     sid: str = text(64)
+    # from the route's first hop to the client: its blocks start at 0 and it holds the
+    # embedding table, so steps may carry token ids alone (Step.hidden left out)
+    embeds: bool = declare(OneOf((False, True)), default=False)
     t: str = tag("opened")
 
 
@@ -123,11 +127,12 @@ class Step:
     phase: str = one_of(PHASES)
     pos: int = integer()
     end: int = integer(1)
-    # a wire tensor map: the receiver, which knows the shape expected, decodes and checks it
+    # a wire tensor map: the receiver, which knows the shape expected, decodes and checks it;
+    # None to a first hop that embeds (Opened.embeds): it looks `ids` up itself
     hidden: Any = unchecked()
     spec: int | None = integer(1, default=None)
-    # the tokens' ids, one a position, where the model's layers read them (Gemma 4's per-layer
-    # inputs): every hop computes its own from them; otherwise left out
+    # the tokens' ids, one a position: to a first hop that embeds them, and where the model's
+    # layers read them (Gemma 4's per-layer inputs) to every hop; otherwise left out
     ids: tuple[int, ...] | None = declare(
         ListOf(Integer(0, 2**31 - 1), 1, 1 << 20, "token ids"), default=None
     )

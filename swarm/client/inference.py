@@ -174,11 +174,11 @@ class InferenceSession:
         if self.remote is None:
             self._open(pos + len(ids))
             replay = self.history[:pos]
-            self.client.loop.run(self.remote.step, self._head().embed_tokens(replay), replay)
+            self.client.loop.run(self.remote.step, self._activations(replay), replay)
         self._spec += 1
         r = Round(self._spec, pos, tuple(ids))
         self._sent_to = pos + len(ids)
-        hidden = self._head().embed_tokens(list(ids))
+        hidden = self._activations(list(ids))
         self.client.loop.run(self.remote.send_round, hidden, pos, r.spec, r.ids)
         return r
 
@@ -210,6 +210,11 @@ class InferenceSession:
     def _head(self):
         return self.client.head(self.remote.route)
 
+    def _activations(self, ids: list[int]) -> torch.Tensor | None:
+        """What a step of `ids` carries: nothing but the ids where the route's first hop embeds
+        them, else their embeddings."""
+        return None if self.remote.embeds else self._head().embed_tokens(ids)
+
     def _step(self, ids: list[int]) -> torch.Tensor:
         """One try at feeding `ids`; on a new route, the tokens so far go first."""
         if self.remote is not None and self._sent_to > len(self.history):
@@ -223,7 +228,7 @@ class InferenceSession:
             self._open(len(self.history) + len(ids))
             replay = self.history  # a new route: rebuild its caches from the tokens so far
         head = self.client.head(self.remote.route)
-        hidden = head.embed_tokens(replay + ids)
+        hidden = self._activations(replay + ids)
         started = time.perf_counter()
         out = self.last_hidden = self.client.loop.run(self.remote.step, hidden, replay + ids)
         if len(replay) + len(ids) == 1:  # a decode step: its time is the route's cost a token

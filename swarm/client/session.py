@@ -69,6 +69,7 @@ class RemoteSession:
         self._token = ""  # the sink token, which also claims the session where it moves
         self.moves = 0  # hops handed over to another node (their caches moved; no replay)
         self.handoff = handoff  # where the last hop hands the session once the prompt is in
+        self.embeds = False  # the first hop looks token ids up itself: steps carry ids alone
         self._rounds: dict[int, Result] = {}  # verification rounds' results read early
 
     async def open(self) -> None:
@@ -87,7 +88,8 @@ class RemoteSession:
                 handoff=self.handoff,
             )
         )
-        await self._expect(self.first, Opened, 0, timeout=60 + 5 * len(self.route))
+        opened = await self._expect(self.first, Opened, 0, timeout=60 + 5 * len(self.route))
+        self.embeds = opened.embeds
         if len(self.route) == 1:
             self.last = self.first
         else:
@@ -137,10 +139,11 @@ class RemoteSession:
                     return msg
         raise self._failed(hop, f"no {kind.__name__.lower()} within {timeout:.0f} s")
 
-    async def step(self, hidden: torch.Tensor, ids=None) -> torch.Tensor:
+    async def step(self, hidden: torch.Tensor | None, ids=None) -> torch.Tensor:
         """Activations [1, tokens, hidden] in; the last token's final hidden [1, hidden] out.
-        `ids`: the tokens' ids, sent along where the model's layers read them (Gemma 4)."""
-        n = hidden.shape[1]
+        `ids`: the tokens' ids, sent along where the model's layers read them (Gemma 4), and
+        alone, `hidden` None, to a first hop that embeds them (`embeds`)."""
+        n = self._tokens(hidden, ids)
         if self.position + n > self.max_length:
             raise ProtocolError(
                 f"session holds {self.max_length} tokens; {self.position + n} requested"
@@ -151,15 +154,15 @@ class RemoteSession:
         # pieces and other sessions' decode steps run in between (the nodes' queues put decode
         # first); only the step reaching `end` comes back as a Result.
         for lo in range(0, n, self.prefill_chunk):
-            piece = hidden[:, lo : lo + self.prefill_chunk]
+            hi = min(n, lo + self.prefill_chunk)
             await self._send_first(
                 Step(
                     sid=self.sid,
                     phase=phase,
                     pos=self.position + lo,
                     end=end,
-                    hidden=pack_tensor(piece, self.wire_dtype or self.own_dtype),
-                    ids=self._ids(ids, lo, lo + piece.shape[1]),
+                    hidden=self._packed(hidden, lo, hi),
+                    ids=self._ids(ids, lo, hi, alone=hidden is None),
                 )
             )
         timeout = self.step_timeout + 0.05 * n
@@ -175,22 +178,37 @@ class RemoteSession:
         out = unpack_tensor(result.hidden, hidden=self.hidden, max_tokens=1)
         return out[:, -1]
 
-    def _ids(self, ids, lo: int, hi: int) -> tuple[int, ...] | None:
-        """ids[lo:hi] where the model's layers read them (Gemma 4's per-layer inputs), else
-        None: other models' steps travel without them."""
-        if ids is None or not self.with_ids:
+    def _tokens(self, hidden: torch.Tensor | None, ids) -> int:
+        if hidden is not None:
+            return hidden.shape[1]
+        if ids is None or not self.embeds:
+            raise ValueError("steps without activations need token ids and a hop that embeds")
+        return len(ids)
+
+    def _packed(self, hidden: torch.Tensor | None, lo: int, hi: int):
+        if hidden is None:
+            return None
+        return pack_tensor(hidden[:, lo:hi], self.wire_dtype or self.own_dtype)
+
+    def _ids(self, ids, lo: int, hi: int, alone: bool = False) -> tuple[int, ...] | None:
+        """ids[lo:hi] where they travel `alone` (the first hop embeds them) or the model's
+        layers read them (Gemma 4's per-layer inputs), else None: other models' steps travel
+        without them."""
+        if ids is None or not (alone or self.with_ids):
             return None
         return tuple(int(i) for i in ids[lo:hi])
 
-    async def send_round(self, hidden: torch.Tensor, pos: int, spec: int, ids=None) -> None:
+    async def send_round(self, hidden: torch.Tensor | None, pos: int, spec: int, ids=None) -> None:
         """Send verification round `spec`: tokens [1, n, hidden] at positions [pos, pos + n),
         drafts after a token the client has decided; rounds before it need not be answered
-        yet, and a round at a position before the last one's end rewinds the route there."""
-        end = pos + hidden.shape[1]
+        yet, and a round at a position before the last one's end rewinds the route there.
+        `hidden` None: the ids alone, as `step`'s."""
+        n = self._tokens(hidden, ids)
+        end = pos + n
         if end > self.max_length:
             raise ProtocolError(f"session holds {self.max_length} tokens; {end} requested")
-        packed = pack_tensor(hidden, self.wire_dtype or self.own_dtype)
-        ids = self._ids(ids, 0, hidden.shape[1])
+        packed = self._packed(hidden, 0, n)
+        ids = self._ids(ids, 0, n, alone=hidden is None)
         await self._send_first(Step(self.sid, DECODE, pos, end, packed, spec=spec, ids=ids))
         self.position = end
 

@@ -96,7 +96,7 @@ def recompute(
     remote = client.remote_session(route, len(history))
     try:
         client.loop.run(remote.open)
-        hidden = client.head(route).embed_tokens(history)
+        hidden = None if remote.embeds else client.head(route).embed_tokens(history)
         return route, client.loop.run(remote.step, hidden, history)
     except SwarmError as exc:
         log.info("a check's route failed (%s); the check is left undecided", exc)

@@ -17,6 +17,7 @@ from swarm.model import kernels, qwen35
 from swarm.model.config import ModelConfig
 from swarm.model.deltanet import GatedDeltaNet
 from swarm.model.eager import eager_attention
+from swarm.model.embedding import Embedding
 from swarm.model.experts import MLP, Experts
 from swarm.model.families import block_tensors
 from swarm.model.gemma4 import PerLayerInputs, Tail
@@ -315,8 +316,10 @@ class Span:
         blocks: list[Block],
         weights: str,
         per_layer: PerLayerInputs | None = None,
+        embedding: Embedding | None = None,
     ):
         self.config, self.start, self.end, self.blocks = config, start, end, blocks
+        self.embedding = embedding  # block 0's span: token ids in (a route's first hop)
         self.weights = weights  # as asked for: "auto" keeps each tensor's own format
         ropes = {config.rotary_of(i) for i in range(start, end)}  # (rope, dims turned)
         self.rotaries = {rope: Rotary(*rope) for rope in ropes}
@@ -351,7 +354,8 @@ class Span:
         per_layer = None
         if source.config.per_layer:
             per_layer = PerLayerInputs.load(source, start, end, weights, usable)
-        return cls(source.config, start, end, blocks, weights, per_layer)
+        embedding = Embedding.load(source) if start == 0 else None
+        return cls(source.config, start, end, blocks, weights, per_layer, embedding)
 
     @property
     def nbytes(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from swarm.model.config import ModelConfig
+from swarm.model.embedding import embed_rows
 from swarm.model.gguf_file import unmap_pages
 from swarm.model.linear import Dense, Linear
 from swarm.model.norm import rms_norm
@@ -62,10 +63,7 @@ class Head:
 
     @torch.inference_mode()
     def embed_tokens(self, ids: list[int]) -> torch.Tensor:
-        rows = self.embed.rows(ids)
-        if self.config.embed_scale is not None:  # Gemma: the scale rounded to float32 first
-            rows = rows * torch.tensor(self.config.embed_scale, dtype=rows.dtype)
-        return rows.unsqueeze(0)  # [1, tokens, hidden]
+        return embed_rows(self.embed, self.config, ids)  # [1, tokens, hidden]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -127,9 +127,7 @@ class Session(StepWork):
 
     def take_step(self, msg: Step) -> None:
         """Check and queue a step from the owner; raises the SwarmError the owner gets."""
-        hidden = unpack_tensor(
-            msg.hidden, hidden=self.ctx.span.config.hidden, max_tokens=self.max_length
-        )
+        wire, (msg, hidden) = msg, self._input(msg)
         n, now = hidden.shape[1], time.monotonic()
         spec = msg.spec is not None
         if spec and self.borrow_cap:
@@ -141,7 +139,7 @@ class Session(StepWork):
             )
         self.state.handle(StepIn(msg.phase, msg.pos, n, msg.end, now, spec=spec))
         if self.state.holds_steps:  # handing over: the replica computes it
-            self.held.append(msg)
+            self.held.append(wire)
             return
         if spec:  # a rewind makes the rounds queued after its position stale: dropped
             self._drop_decodes_from(msg.pos)
@@ -178,10 +176,28 @@ class Session(StepWork):
         self.moved(Unpause())
         held, self.held = self.held, []
         for msg in held:
-            hidden = unpack_tensor(
-                msg.hidden, hidden=self.ctx.span.config.hidden, max_tokens=self.max_length
+            self._queue(*self._input(msg), time.monotonic())
+
+    def _input(self, msg: Step) -> tuple[Step, torch.Tensor]:
+        """The step's activations [1, tokens, hidden]: off the wire, or at a first hop that
+        embeds, its token ids looked up here (the ids then go on only where the model's layers
+        read them)."""
+        config = self.ctx.span.config
+        if msg.hidden is not None or msg.ids is None:  # (neither: unpack names what is wrong)
+            return msg, unpack_tensor(msg.hidden, hidden=config.hidden, max_tokens=self.max_length)
+        embedding = self.ctx.span.embedding
+        if self.hop != 0 or embedding is None:
+            raise ProtocolError(
+                "a step of token ids without activations: only a route's first hop holding"
+                " the embedding table (Opened.embeds) takes them"
             )
-            self._queue(msg, hidden, time.monotonic())
+        if len(msg.ids) > self.max_length or max(msg.ids) >= embedding.vocab:
+            raise ShapeMismatch(
+                f"a step of {len(msg.ids)} token ids, the largest {max(msg.ids)}: this session"
+                f" holds {self.max_length} tokens of a {embedding.vocab}-token vocabulary"
+            )
+        hidden = embedding(list(msg.ids))
+        return (msg if config.per_layer else replace(msg, ids=None)), hidden
 
     def sink_gone(self) -> None:
         self.sink = None
@@ -324,7 +340,8 @@ class Session(StepWork):
             self.start,
             self.end,
         )
-        await send_quietly(self.owner, Opened(sid=self.sid))
+        embeds = self.hop == 0 and self.ctx.span.embedding is not None
+        await send_quietly(self.owner, Opened(sid=self.sid, embeds=embeds))
         return True
 
     async def _ask_next_hop(self, nxt: Hop) -> bool:
