@@ -12,9 +12,9 @@ swarm.model.partial_attention), which is the attention over every position: a bo
 session's greedy tokens are an unborrowed one's.
 
 The lender, its connection, and the move of what it holds when it leaves:
-swarm/node/borrow_link.py. The pass runs in a compute lane as any other; its lender's round
-trips go through the trio thread (`trio.from_thread`), the lane computing a layer's local piece
-meanwhile, then waiting for the lender's.
+swarm/node/borrow_link.py. The pass runs in a compute thread; its lender's round trips go
+through the trio thread (handed over without waiting), the compute thread computing a layer's
+local piece meanwhile, then waiting for the lender's.
 """
 
 from __future__ import annotations
