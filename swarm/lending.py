@@ -10,6 +10,9 @@ from typing import Any
 from swarm.schema import integer, number, tag, text, unchecked
 
 MAX_LENT_ROWS = 4096  # query rows in one AttendLent: a prompt pass's, at most
+# query rows whose AttendLent and LentPartial each go in one write (swarm.transport `at_once`):
+# a decode step's or a verification round's, 16 KiB a row at 8B size
+AT_ONCE_ROWS = 16
 
 
 @dataclass(frozen=True)

@@ -65,20 +65,23 @@ class FramedStream:
         except (OSError, AttributeError):
             return "?"
 
-    async def send(self, message: Message) -> None:
-        await self.send_raw(encode_frame(to_wire(message)))
+    async def send(self, message: Message, at_once: bool = False) -> None:
+        await self.send_raw(encode_frame(to_wire(message)), at_once)
 
-    async def send_raw(self, frame: bytes) -> None:
+    async def send_raw(self, frame: bytes, at_once: bool = False) -> None:
         """Send one encoded frame whole. A cancelled send would leave part of a frame on the
         wire (and breaks a TLS stream even before its first byte), so a cancel waits for the
-        frame to go; only a deadline stops it (at most SEND_GRACE_S on), closing the stream."""
+        frame to go; only a deadline stops it (at most SEND_GRACE_S on), closing the stream.
+        `at_once`: in one write, TLS's largest records, for a small frame that someone waits
+        for at every step (a lender's query and answer): each write wakes the receiver, and
+        any relay on the way, once more, while its arrival's spread is not needed."""
         async with self._send_lock:
             # (a task already cancelled sees -inf here: it gets the grace too)
             grace = trio.current_time() + SEND_GRACE_S
             deadline = trio.current_effective_deadline()
             deadline = grace if deadline == -math.inf else min(deadline, grace)
             with trio.CancelScope(shield=True, deadline=deadline) as scope:
-                if self.encrypted:
+                if self.encrypted and not at_once:
                     # small TLS records: a receiver decrypts nothing of a record before all of
                     # it is in, and times a frame's arrival by its reads (see `pong`)
                     view = memoryview(frame)

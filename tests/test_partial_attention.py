@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.model.eager import eager_attention
-from swarm.model.partial_attention import merge, partial_attention, sink_partial
+from swarm.model.partial_attention import cache_partial, merge, partial_attention, sink_partial
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 16  # grouped: four query heads a key head
 SCALE = HEAD_DIM**-0.5
@@ -53,6 +53,18 @@ def test_merged_pieces_of_a_decode_step_equal_attention_over_all_positions():
     q, keys, values = _inputs(1, 100)
     out, _ = merge(_split(q, keys, values, [16, 48, 64]))
     torch.testing.assert_close(out, _sdpa(q, keys, values), rtol=0, atol=1e-5)
+
+
+def test_a_decode_rows_piece_over_a_bfloat16_caches_first_positions_is_torchs():
+    """cache_partial (swarm's kernels where they run) over the positions a cache holds so far
+    is partial_attention's piece over them: the same output and log-sum-exp."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 32, 128, generator=g)
+    keys, values = (torch.randn(1, 8, 96, 128, generator=g).bfloat16() for _ in range(2))
+    out, lse = cache_partial(q, keys, values, 70, 128**-0.5)
+    want_out, want_lse = partial_attention(q, keys[0, :, :70], values[0, :, :70], 128**-0.5)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-5)
 
 
 def test_merged_lse_is_the_lse_over_all_positions():

@@ -18,8 +18,8 @@ from swarm.dht import announce, node_id, read_nodes, start_dht
 from swarm.errors import RouteUnavailable, WrongPeer
 from swarm.protocol import Error, Ping, Pong, Step
 from swarm.records import NodeRecord
-from swarm.tls import Identity
-from swarm.transport import FramedStream, connect, dial_hop, ping
+from swarm.tls import Identity, dial
+from swarm.transport import TLS_RECORD, FramedStream, connect, dial_hop, ping
 from tests.conftest import reference_greedy, swarm_greedy
 from tests.helpers.flags import exact_flags
 
@@ -185,3 +185,54 @@ async def test_a_cancelled_send_still_sends_its_frame_whole_and_the_stream_lives
         nursery.cancel_scope.cancel()
     assert [getattr(m, "sid", None) for m in got[:-1]] == ["big"] * 4
     assert all(len(m.hidden) == 3 << 20 for m in got[:4])
+
+
+class _CountedWrites(trio.abc.Stream):
+    """A TCP stream that counts the writes TLS makes to it."""
+
+    def __init__(self, stream: trio.abc.Stream):
+        self.stream, self.writes = stream, 0
+
+    async def send_all(self, data) -> None:
+        self.writes += 1
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None) -> bytes:
+        return await self.stream.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def test_a_frame_sent_at_once_is_one_write_and_arrives_whole():
+    """A lender's query and answer go in one write each (one wake-up of the receiver, and of a
+    relay on the way); other frames in small TLS records, whose reads time their arrival."""
+    identity = Identity.generate()
+    got = []
+
+    async def serve(stream):
+        conn = FramedStream(await identity.accept(stream))
+        while (msg := await conn.receive()) is not None:
+            got.append(msg)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        tcp = _CountedWrites(await trio.open_tcp_stream("127.0.0.1", port))
+        conn = FramedStream(await dial(tcp, identity.key_id, "the test's server"))
+        frame = Step(sid="q", phase="prefill", pos=0, end=1, hidden=b"q" * 40_000)
+        writes = tcp.writes
+        await conn.send(frame, at_once=True)
+        assert tcp.writes - writes == 1
+        writes = tcp.writes
+        await conn.send(frame)
+        assert tcp.writes - writes >= 40_000 // TLS_RECORD
+        await conn.aclose()
+        with trio.fail_after(30):
+            while len(got) < 2:
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert got == [frame, frame]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from swarm.model import kernels
+
 Partial = tuple[torch.Tensor, torch.Tensor]  # out [rows, heads, head_dim], lse [rows, heads]
 
 
@@ -43,6 +45,28 @@ def partial_attention(
     out = weights @ values.float()  # a row seeing nothing: all weights 0
     out = out.view(heads, rows, width).transpose(0, 1).contiguous()
     return out, lse.view(heads, rows).transpose(0, 1).contiguous()
+
+
+def cache_partial(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    seen: int,
+    scale: float,
+    softcap: float | None = None,
+) -> Partial:
+    """One row q [1, heads, head_dim] over the first `seen` positions of a cache, keys and
+    values [1, kv_heads, capacity, head_dim], as `partial_attention`: on swarm's kernels where
+    a decode step's attention runs on them (a bfloat16 cache, no softcap), half torch's time
+    at 8B shape over 256 positions, and every lender trip waits for it."""
+    lib = None
+    if keys.dtype == torch.bfloat16 and softcap is None:
+        if keys.is_contiguous() and values.is_contiguous():
+            lib = kernels.load()
+    if lib is None:
+        return partial_attention(q, keys[0, :, :seen], values[0, :, :seen], scale, None, softcap)
+    out, lse = lib.partial(q[0], keys, values, seen, scale)
+    return out[None], lse[None]
 
 
 def sink_partial(sinks: torch.Tensor, rows: int, head_dim: int) -> Partial:

@@ -12,9 +12,9 @@ swarm.model.partial_attention), which is the attention over every position: a bo
 session's greedy tokens are an unborrowed one's.
 
 The lender, its connection, and the move of what it holds when it leaves:
-swarm/node/borrow_link.py. The pass runs in a compute lane as any other; its lender's round
-trips go through the trio thread (`trio.from_thread`), the lane computing a layer's local piece
-meanwhile, then waiting for the lender's.
+swarm/node/borrow_link.py. The pass runs in a compute thread; its lender's round trips go
+through the trio thread (handed over without waiting), the compute thread computing a layer's
+local piece meanwhile, then waiting for the lender's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,13 @@ import torch
 
 from swarm.errors import ProtocolError
 from swarm.lending import AttendLent, Lend, LentPartial
-from swarm.model.partial_attention import Partial, merge, partial_attention, sink_partial
+from swarm.model.partial_attention import (
+    Partial,
+    cache_partial,
+    merge,
+    partial_attention,
+    sink_partial,
+)
 from swarm.node.handover.cache import dtype_name
 from swarm.wire import pack_tensor, unpack_tensor
 
@@ -200,17 +206,19 @@ def _through(span, cache: BorrowedCache, lender: Lending, start, end, pos, x) ->
 def _attend_layer(block, cache: BorrowedCache, lender: Lending, layer, x, pos, cos, sin):
     c, n = block.c, x.shape[0]
     q, k, v, gate = block._attention_inputs(x, cos, sin)  # q [n, heads, hd], k, v [n, kv, hd]
+    # the query leaves at once: the lender computes its piece while this thread computes the
+    # local one
+    lent = lender.attend_soon(layer, cache.offset, q, block) if cache.offset else None
     lo = pos - cache.offset
     k_cache, v_cache = cache.keys[layer], cache.values[layer]
     k_cache[0, :, lo : lo + n] = k.transpose(0, 1)
     v_cache[0, :, lo : lo + n] = v.transpose(0, 1)
-    mask = None
-    if n > 1:  # each row sees the positions up to its own
+    if n == 1:
+        parts = [cache_partial(q, k_cache, v_cache, lo + 1, c.scale, c.attn_softcap)]
+    else:  # each row sees the positions up to its own
         mask = torch.arange(cache.offset, pos + n) <= torch.arange(pos, pos + n)[:, None]
-    keys, values = k_cache[0, :, : lo + n], v_cache[0, :, : lo + n]
-    # the lender computes its piece while this thread computes the local one
-    lent = lender.attend_soon(layer, cache.offset, q, block) if cache.offset else None
-    parts = [partial_attention(q, keys, values, c.scale, mask, c.attn_softcap)]
+        keys, values = k_cache[0, :, : lo + n], v_cache[0, :, : lo + n]
+        parts = [partial_attention(q, keys, values, c.scale, mask, c.attn_softcap)]
     if lent is not None:
         parts.append(lent.result())
     if block.sinks is not None:

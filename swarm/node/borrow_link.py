@@ -26,7 +26,7 @@ import torch
 import trio
 
 from swarm.errors import LenderFailed, LendRefused, PeerFailed, ProtocolError, SwarmError
-from swarm.lending import Lend, LendLeaving, Lent, LentPartial, Reclaim
+from swarm.lending import AT_ONCE_ROWS, Lend, LendLeaving, Lent, LentPartial, Reclaim
 from swarm.node.borrow import attend_request, lend_frames, partial_of
 from swarm.protocol import Error, KvChunk, Ping, Pong
 from swarm.records import CACHE, ONLINE
@@ -81,9 +81,9 @@ class Link:
             self._in.close()
             self.leaving.set()  # whoever waits for its notice: nothing more comes
 
-    async def send(self, frame) -> None:
+    async def send(self, frame, at_once: bool = False) -> None:
         try:
-            await self.conn.send(frame)
+            await self.conn.send(frame, at_once)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             raise self._gone() from None
 
@@ -202,7 +202,14 @@ class Lender:
             except BaseException as exc:  # noqa: BLE001 (the compute thread raises it)
                 done.set_exception(exc)
 
-        trio.from_thread.run_sync(trio.lowlevel.spawn_system_task, run, trio_token=self.token)
+        def spawn() -> None:  # in the trio thread, where what it raises would end the run
+            try:
+                trio.lowlevel.spawn_system_task(run)
+            except BaseException as exc:  # noqa: BLE001 (the compute thread raises it)
+                done.set_exception(exc)
+
+        # without waiting for the trio thread to take it: the local piece starts at once
+        self.token.run_sync_soon(spawn)
         return done
 
     async def lend(self, cache: BorrowedCache, n: int) -> None:
@@ -229,7 +236,8 @@ class Lender:
             if self.link is None:
                 raise LenderFailed("this session's lender is gone")
             ask = attend_request(self.sid, layer, upto, q, block)
-            (reply,) = await self.link.exchange([ask], LentPartial)
+            await self.link.send(ask, at_once=q.shape[0] <= AT_ONCE_ROWS)
+            reply = await self.link.answer(LentPartial, ask)
         return partial_of(reply, q.shape[0], block)
 
     async def aclose(self) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from swarm.errors import BlocksNotHeld, LendRefused, ProtocolError, ShapeMismatch
 from swarm.lending import MAX_LENT_ROWS, AttendLent, Lend, Lent, LentPartial, Reclaim
-from swarm.model.partial_attention import partial_attention
+from swarm.model.partial_attention import cache_partial, partial_attention
 from swarm.node.handover.cache import dtype_name
 from swarm.protocol import KvChunk
 from swarm.wire import pack_tensor, unpack_tensor
@@ -166,7 +166,11 @@ class LendTable:
 
 def attend(msg: AttendLent, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
     """The rows' attention over the lent positions, as the reply (in a worker thread)."""
-    out, lse = partial_attention(q, keys, values, msg.scale, softcap=msg.softcap)
+    if q.shape[0] == 1:  # a decode step's
+        n = keys.shape[1]
+        out, lse = cache_partial(q, keys[None], values[None], n, msg.scale, msg.softcap)
+    else:
+        out, lse = partial_attention(q, keys, values, msg.scale, softcap=msg.softcap)
     rows = q.shape[0]
     return LentPartial(
         sid=msg.sid,

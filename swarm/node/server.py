@@ -27,7 +27,7 @@ from swarm.errors import (
     SpanError,
     SwarmError,
 )
-from swarm.lending import AttendLent, Lend, Reclaim
+from swarm.lending import AT_ONCE_ROWS, AttendLent, Lend, Reclaim
 from swarm.model.blocks import Span
 from swarm.node.admission import ConnectionTable, Inbound, Throttle, peer_host
 from swarm.node.compute import ComputeQueue
@@ -353,9 +353,10 @@ class Node:
     async def _attend_lent(self, conn: FramedStream, msg: AttendLent) -> None:
         q, keys, values = self.lends.query(conn, msg)
         if q.shape[0] * keys.shape[1] <= INLINE_ATTEND:  # a decode step's: a thread costs more
-            await conn.send(attend(msg, q, keys, values))
+            reply = attend(msg, q, keys, values)
         else:
-            await conn.send(await trio.to_thread.run_sync(attend, msg, q, keys, values))
+            reply = await trio.to_thread.run_sync(attend, msg, q, keys, values)
+        await conn.send(reply, at_once=q.shape[0] <= AT_ONCE_ROWS)
 
     async def _reclaim(self, conn: FramedStream, msg: Reclaim) -> None:
         for chunk in self.lends.reclaim(conn, msg, self.config.limits.max_frame // 2):

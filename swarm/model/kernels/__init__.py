@@ -131,6 +131,20 @@ class Kernels:
         """One decode step's attention: q [heads, d] float32 against the first `seen` rows of a
         bfloat16 cache, keys and values [1, kv_heads, capacity, d] (head h reads kv head
         h // (heads / kv_heads)) -> [heads, d] float32, softmax(scale q K^T) V."""
+        scores = self._scores(q, keys, values, seen, scale)
+        return self._mix(torch.softmax(scores, dim=-1), values, seen)
+
+    def partial(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: int, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attend`'s piece over these positions only, as swarm.model.partial_attention
+        gives it: (out [heads, d] float32, normalised over them; lse [heads], the log-sum-exp
+        of the scores)."""
+        scores = self._scores(q, keys, values, seen, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        return self._mix(torch.exp(scores - lse[:, None]), values, seen), lse
+
+    def _scores(self, q, keys, values, seen: int, scale: float) -> torch.Tensor:
         heads, d = q.shape
         _, kv_heads, capacity, d_cache = keys.shape
         if (
@@ -147,26 +161,37 @@ class Kernels:
                 f" {tuple(keys.shape)}, {seen} rows seen"
             )
         q = q.float().contiguous()
-        group, stride = heads // kv_heads, capacity * d
         scores = torch.empty(heads, seen, dtype=torch.float32)
         self._check(
             self.lib.swq_attn_scores(
                 q.data_ptr(),
                 keys.data_ptr(),
-                stride,
+                capacity * d,
                 kv_heads,
-                group,
+                heads // kv_heads,
                 d,
                 seen,
                 scale,
                 scores.data_ptr(),
             )
         )
-        p = torch.softmax(scores, dim=-1)
+        return scores
+
+    def _mix(self, p: torch.Tensor, values: torch.Tensor, seen: int) -> torch.Tensor:
+        """p [heads, seen] float32 (contiguous) weighing the first `seen` rows of values."""
+        heads = p.shape[0]
+        _, kv_heads, capacity, d = values.shape
         out = torch.empty(heads, d, dtype=torch.float32)
         self._check(
             self.lib.swq_attn_mix(
-                p.data_ptr(), values.data_ptr(), stride, kv_heads, group, d, seen, out.data_ptr()
+                p.data_ptr(),
+                values.data_ptr(),
+                capacity * d,
+                kv_heads,
+                heads // kv_heads,
+                d,
+                seen,
+                out.data_ptr(),
             )
         )
         return out
