@@ -399,6 +399,22 @@ def test_the_cap_floor_is_counted_in_the_smallest_chunks_the_link_allows():
     assert sched.next_send(10.0) is None and sched.holding
 
 
+def test_the_cap_floor_holds_a_round_trip_of_chunks_so_the_link_never_waits_for_an_ack():
+    # 8 ms chunks on a 10 ms round trip: the first chunk's acknowledgement comes 18 ms after it
+    # went, when 2 chunks have drained already; a third keeps the link busy till then
+    sched = thin_link_with_a_prompt(2, prefill_in_flight=16_000, prefill_frames=2)
+    sched.update_link(DEST, rtt=0.01, min_rtt=0.01)  # cap: 2 x 1 MB/s x 10 ms = 20 kB
+    assert send_now(sched, 10.0).phase == "prefill"  # 16 kB + 8 kB > 20 kB, but 2 < 3 chunks
+    sched.update_link(DEST, prefill_in_flight=24_000, prefill_frames=3)
+    assert sched.next_send(10.0) is None and sched.holding
+    # told no count, the floor is the same 3 chunks' bytes
+    bytes_only = thin_link_with_a_prompt(2, prefill_in_flight=16_000)
+    bytes_only.update_link(DEST, rtt=0.01, min_rtt=0.01)
+    assert send_now(bytes_only, 10.0).phase == "prefill"  # 16 kB + 8 kB <= 3 x 8 kB
+    bytes_only.update_link(DEST, prefill_in_flight=16_001)
+    assert bytes_only.next_send(10.0) is None and bytes_only.holding
+
+
 def test_a_paced_link_holds_the_floor_chunks_on_top_of_the_cap():
     # cap 2 kB (2 x 1 MB/s x 1 ms); unpaced, two 8 kB chunks in flight stop a third
     plain = thin_link_with_a_prompt(2, prefill_in_flight=9_000, prefill_frames=2)
