@@ -971,3 +971,18 @@ def test_sim_pacing_costs_nothing_on_a_true_estimate_but_idles_the_link_on_a_low
     # (the last prompt finished at 23.7 s, then at 34.0 s)
     _, slow_completion = run(0.005, 0.5 * SLOW.bandwidth)
     assert slow_completion > 1.3 * plain_completion
+
+
+def test_sim_a_capped_prompt_at_real_size_never_leaves_the_link_idle_for_acknowledgements():
+    # 8 KiB a token (an 8B model's activations), 40 Mbit/s, 30 ms: a floor chunk takes 13 ms, so
+    # two of them drained before the first's acknowledgement came back (idle 0.15 s, the prompt
+    # 1.18x fifo's)
+    link = SimLink(bandwidth=5_000_000, latency=0.015, acks=True)
+    decodes = [DecodeStream(f"chat{i}", 0.05 * i, 300, 0.01, 0.09, 8192) for i in range(2)]
+    prompt = [PrefillArrival("prompt", 1.0, 850, 8192)]
+    sched = LinkScheduler(LinkOptions(inflight_gain=2.0, inflight_floor_chunks=2))
+    molink = simulate(sched, link, decodes, prompt)
+    fifo = simulate(LinkScheduler(LinkOptions(policy="fifo")), link, decodes, prompt)
+    assert sched.stats()["chunks_sent"] > 50  # in chunks between decode steps, under the cap
+    assert sched.stats()["prefill_idle_s"] == pytest.approx(0.0, abs=1e-6)
+    assert molink.prefill_completion() < 1.05 * fifo.prefill_completion()
