@@ -6,6 +6,10 @@ for `compute_s`, its volume queues on the link, and the next step arrives `ring_
 volume reached the next node (ring_s is the rest of the pipeline and the client), so delaying a
 decode volume here slows its session, as it would in a swarm. Prefill volumes appear at given
 times. Events at the same instant are all applied before the link picks its next send.
+
+With `acks`, the simulation is also the driver that tells the scheduler what is unacknowledged,
+as the node's uplink does: a send is in flight from its first byte until a round trip after its
+last (the next hop reads it, its acknowledgement comes back), so the in-flight cap works on it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class SimLink:
     bandwidth: float  # bytes per second
     latency: float = 0.0  # one-way, seconds
     believed_bandwidth: float | None = None  # what the scheduler is told, if not the truth
+    acks: bool = False  # tell the scheduler what is unacknowledged (its in-flight cap)
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,9 @@ class _Simulation:
         self._events: list[tuple[float, int, Callable[[float], None]]] = []
         self._traces: dict[int, VolumeTrace] = {}
         self._steps: dict[int, tuple[DecodeStream, int]] = {}  # decode vid -> stream, step number
-        self._wire: list[tuple[float, Send]] = []  # at most one (start, send) in flight
+        self._wire: list[tuple[float, int, Send]] = []  # at most one (start, number, send)
+        self._sends = itertools.count()
+        self._unacked: dict[int, Send] = {}  # with `acks`: sends not yet acknowledged, by number
 
     def run(
         self, decodes: list[DecodeStream], prefills: list[PrefillArrival], until: float
@@ -171,15 +178,41 @@ class _Simulation:
             if trace.first_start is None:
                 trace.first_start = now
             trace.sends += 1
-            self._wire.append((now, send))
+            number = next(self._sends)
+            self._wire.append((now, number, send))
             self._at(now + send.nbytes / self.link.bandwidth, self._free)
+            if self.link.acks:
+                self._unacked[number] = send
+                self._tell_in_flight(send.dest, now)
         elif self.scheduler.hold_until is not None:  # pacing: look again when it says
             self._at(max(self.scheduler.hold_until, now + 1e-6), lambda now: None)
 
+    def _tell_in_flight(self, dest: str, now: float) -> None:
+        sends = [s for s in self._unacked.values() if s.dest == dest]
+        prompts = [s.nbytes for s in sends if s.phase == PREFILL]
+        self.scheduler.update_link(
+            dest,
+            now=now,
+            in_flight=sum(s.nbytes for s in sends),
+            prefill_in_flight=sum(prompts),
+            prefill_frames=len(prompts),
+        )
+
+    def _acked(self, number: int, dest: str, mark: int) -> Callable[[float], None]:
+        def event(now: float) -> None:
+            del self._unacked[number]
+            self._tell_in_flight(dest, now)
+            self.scheduler.acked(dest, mark, now)
+
+        return event
+
     def _free(self, now: float) -> None:
-        start, send = self._wire.pop()
+        start, number, send = self._wire.pop()
         self.scheduler.sent(send, start, now)
         self.result.sends.append((start, now, send))
+        if self.link.acks:
+            mark = self.scheduler.bytes_sent_to(send.dest)
+            self._at(now + 2 * self.link.latency, self._acked(number, send.dest, mark))
         if not send.last:
             return
         self._traces[send.vid].finished = now

@@ -399,6 +399,22 @@ def test_the_cap_floor_is_counted_in_the_smallest_chunks_the_link_allows():
     assert sched.next_send(10.0) is None and sched.holding
 
 
+def test_the_cap_floor_holds_a_round_trip_of_chunks_so_the_link_never_waits_for_an_ack():
+    # 8 ms chunks on a 10 ms round trip: the first chunk's acknowledgement comes 18 ms after it
+    # went, when 2 chunks have drained already; a third keeps the link busy till then
+    sched = thin_link_with_a_prompt(2, prefill_in_flight=16_000, prefill_frames=2)
+    sched.update_link(DEST, rtt=0.01, min_rtt=0.01)  # cap: 2 x 1 MB/s x 10 ms = 20 kB
+    assert send_now(sched, 10.0).phase == "prefill"  # 16 kB + 8 kB > 20 kB, but 2 < 3 chunks
+    sched.update_link(DEST, prefill_in_flight=24_000, prefill_frames=3)
+    assert sched.next_send(10.0) is None and sched.holding
+    # told no count, the floor is the same 3 chunks' bytes
+    bytes_only = thin_link_with_a_prompt(2, prefill_in_flight=16_000)
+    bytes_only.update_link(DEST, rtt=0.01, min_rtt=0.01)
+    assert send_now(bytes_only, 10.0).phase == "prefill"  # 16 kB + 8 kB <= 3 x 8 kB
+    bytes_only.update_link(DEST, prefill_in_flight=16_001)
+    assert bytes_only.next_send(10.0) is None and bytes_only.holding
+
+
 def test_a_paced_link_holds_the_floor_chunks_on_top_of_the_cap():
     # cap 2 kB (2 x 1 MB/s x 1 ms); unpaced, two 8 kB chunks in flight stop a third
     plain = thin_link_with_a_prompt(2, prefill_in_flight=9_000, prefill_frames=2)
@@ -955,3 +971,18 @@ def test_sim_pacing_costs_nothing_on_a_true_estimate_but_idles_the_link_on_a_low
     # (the last prompt finished at 23.7 s, then at 34.0 s)
     _, slow_completion = run(0.005, 0.5 * SLOW.bandwidth)
     assert slow_completion > 1.3 * plain_completion
+
+
+def test_sim_a_capped_prompt_at_real_size_never_leaves_the_link_idle_for_acknowledgements():
+    # 8 KiB a token (an 8B model's activations), 40 Mbit/s, 30 ms: a floor chunk takes 13 ms, so
+    # two of them drained before the first's acknowledgement came back (idle 0.15 s, the prompt
+    # 1.18x fifo's)
+    link = SimLink(bandwidth=5_000_000, latency=0.015, acks=True)
+    decodes = [DecodeStream(f"chat{i}", 0.05 * i, 300, 0.01, 0.09, 8192) for i in range(2)]
+    prompt = [PrefillArrival("prompt", 1.0, 850, 8192)]
+    sched = LinkScheduler(LinkOptions(inflight_gain=2.0, inflight_floor_chunks=2))
+    molink = simulate(sched, link, decodes, prompt)
+    fifo = simulate(LinkScheduler(LinkOptions(policy="fifo")), link, decodes, prompt)
+    assert sched.stats()["chunks_sent"] > 50  # in chunks between decode steps, under the cap
+    assert sched.stats()["prefill_idle_s"] == pytest.approx(0.0, abs=1e-6)
+    assert molink.prefill_completion() < 1.05 * fifo.prefill_completion()

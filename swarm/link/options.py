@@ -60,7 +60,8 @@ class LinkOptions:
     inflight_floor_chunks: int = option(
         2,
         "with --link-inflight-gain: a connection may always hold this many smallest prompt"
-        " chunks unacknowledged (decode frames do not count)",
+        " chunks unacknowledged, or one more than a round trip carries if that is more (decode"
+        " frames do not count)",
         flag="--link-inflight-floor-chunks",
         type=positive_int,
     )
