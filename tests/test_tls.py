@@ -153,20 +153,27 @@ def test_a_plaintext_node_says_so_and_is_used_only_when_asked(
         willing.close()
 
 
-async def test_a_cancelled_send_still_sends_its_frame_whole_and_the_stream_lives():
-    """Cancelling a task mid-send (a step's result came, a session closed) must neither break
-    the TLS stream nor leave half a frame on it."""
-    identity = Identity.generate()
-    got = []
+async def collecting_server(nursery, identity: Identity, got: list) -> int:
+    """A TLS server of `identity` on loopback appending every message it receives to `got`;
+    its port."""
 
     async def serve(stream):
         conn = FramedStream(await identity.accept(stream))
         while (msg := await conn.receive()) is not None:
             got.append(msg)
 
+    listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+    return listeners[0].socket.getsockname()[1]
+
+
+async def test_a_cancelled_send_still_sends_its_frame_whole_and_the_stream_lives():
+    """Cancelling a task mid-send (a step's result came, a session closed) must neither break
+    the TLS stream nor leave half a frame on it."""
+    identity = Identity.generate()
+    got = []
+
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
-        port = listeners[0].socket.getsockname()[1]
+        port = await collecting_server(nursery, identity, got)
         conn = await connect("127.0.0.1", port, tls=identity.key_id)
         big = Step(sid="big", phase="prefill", pos=0, end=1, hidden=b"z" * (3 << 20))
         for _ in range(4):  # each sender cancelled while its 3 MiB cross
@@ -213,14 +220,8 @@ async def test_a_frame_sent_at_once_is_one_write_and_arrives_whole():
     identity = Identity.generate()
     got = []
 
-    async def serve(stream):
-        conn = FramedStream(await identity.accept(stream))
-        while (msg := await conn.receive()) is not None:
-            got.append(msg)
-
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
-        port = listeners[0].socket.getsockname()[1]
+        port = await collecting_server(nursery, identity, got)
         tcp = _CountedWrites(await trio.open_tcp_stream("127.0.0.1", port))
         conn = FramedStream(await dial(tcp, identity.key_id, "the test's server"))
         frame = Step(sid="q", phase="prefill", pos=0, end=1, hidden=b"q" * 40_000)
