@@ -19,10 +19,10 @@ cap, so a long prompt becomes several passes.
 Decode steps of different sessions batch (`await queue.decode(key, item, run_batch)`): each
 step queues for the decode lane as before, and the first whose turn comes takes every step
 waiting with the same key (up to `max_batch`) into one call; the others get their share of its
-results without a turn of their own. Nothing waits to fill a batch: a step that arrives while a
-pass runs joins the next one. (Decode is memory-bound: reading a layer's weights once for eight
-rows costs little more than for one.) With `gather` the pass whose turn has come may wait a
-little for steps due soon (gather.py: only where that finishes them all sooner)."""
+results without a turn of their own. A step that arrives while a pass runs joins the next
+one. (Decode is memory-bound: reading a layer's weights once for eight rows costs little more
+than for one.) With `gather` the pass whose turn has come may wait a little for steps due soon
+(gather.py: only where that finishes them all sooner)."""
 
 from __future__ import annotations
 
@@ -242,8 +242,6 @@ class ComputeQueue:
         self.gather = gather
         self._forecasts: dict[Hashable, Forecast] = {}
         self._joined: dict[Hashable, trio.Event] = {}  # set when a step joins a key's queue
-        self.holds = 0  # passes that waited for a step due, and their seconds waiting
-        self.hold_seconds = 0.0
         self.decode_passes = 0
         self.decode_pass_rows = 0
         self._order = itertools.count()
@@ -346,12 +344,10 @@ class ComputeQueue:
         hold = forecast.hold((r.who for r in waiting), started)
         if not hold.expected:
             return
-        self.holds += 1
         with trio.move_on_after(hold.until - started):
             while len(waiting) < self.max_batch and not hold.expected <= {r.who for r in waiting}:
                 joined = self._joined.setdefault(key, trio.Event())
                 await joined.wait()
-        self.hold_seconds += time.monotonic() - started
 
     async def _decode_pass(
         self,
