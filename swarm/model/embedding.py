@@ -37,7 +37,7 @@ class Embedding:
         """`source`'s table, or None where this node cannot read it (a split file's shard
         holding it is missing here): then the client sends activations, as before."""
         try:
-            table = source.head_raw()["embed"]
+            table = source.embed_raw()
         except (OSError, KeyError, ValueError) as exc:
             logging.getLogger("swarm.model").info("no embedding table here (%s)", exc)
             return None

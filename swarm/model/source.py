@@ -277,19 +277,24 @@ class GGUFSource:
     def head_raw(self) -> dict[str, RawTensor]:
         """Embeddings and LM head mapped from the file: a client looks up a few rows of them
         a token (a 262k-row table is 170 MB at Q8_0) and keeps them for its whole life."""
-
-        def mapped(name: str) -> RawTensor:
-            kind = self._tensors[name].kind
-            if not kind.startswith(("Q", "IQ")):  # float tables are converted whole anyway
-                return self.raw(name)
-            return RawTensor(name, kind, self.file.mapped(name))
-
         self.file.need({"token_embd.weight", "output_norm.weight"}, "the client's head")
         if not self._known(("output.weight",)):
             raise self._cannot_tell("an LM head of its own (output.weight)")
-        embed = mapped("token_embd.weight")
-        lm_head = mapped("output.weight") if "output.weight" in self._tensors else embed
+        embed = self._mapped("token_embd.weight")
+        lm_head = self._mapped("output.weight") if "output.weight" in self._tensors else embed
         return {"embed": embed, "norm": self.raw("output_norm.weight"), "lm_head": lm_head}
+
+    def embed_raw(self) -> RawTensor:
+        """The embedding table alone, mapped (a node serving block 0 looks its rows up): only
+        its own shard is needed."""
+        self.file.need({"token_embd.weight"}, "the embedding table")
+        return self._mapped("token_embd.weight")
+
+    def _mapped(self, name: str) -> RawTensor:
+        kind = self._tensors[name].kind
+        if not kind.startswith(("Q", "IQ")):  # float tables are converted whole anyway
+            return self.raw(name)
+        return RawTensor(name, kind, self.file.mapped(name))
 
     def tokenizer(self):
         """The file's tokenizer. Reading it from GGUF metadata takes transformers seconds (16 s
@@ -378,12 +383,16 @@ class SafetensorsSource:
         return block_names(self.config, False, block)
 
     def head_raw(self) -> dict[str, RawTensor]:
-        embed = self.raw(f"{self.prefix}embed_tokens.weight")
+        embed = self.embed_raw()
         lm_head = (
             embed if self.tie or "lm_head.weight" not in self._where else self.raw("lm_head.weight")
         )
         norm = self.raw(f"{self.prefix}norm.weight")
         return {"embed": embed, "norm": norm, "lm_head": lm_head}
+
+    def embed_raw(self) -> RawTensor:
+        """The embedding table alone, without reading the LM head and norm beside it."""
+        return self.raw(f"{self.prefix}embed_tokens.weight")
 
     def tokenizer(self):
         from transformers import AutoTokenizer
