@@ -308,10 +308,13 @@ class ComputeQueue:
         rider = _Rider(item, who)
         waiting = self._riders.setdefault(key, [])
         waiting.append(rider)
-        forecast = self._forecasts.setdefault(key, Forecast()) if who is not None else None
-        if forecast is not None:
+        forecast = None
+        if who is not None:
+            if (forecast := self._forecasts.get(key)) is None:
+                forecast = self._forecasts[key] = Forecast()
             forecast.arrived(who, time.monotonic())
-            self._joined.pop(key, trio.Event()).set()
+            if (joined := self._joined.pop(key, None)) is not None:  # a pass holds for steps
+                joined.set()
         ticket = rider.ticket = self.reserve(DECODE, go=rider.ready)
         try:
             try:
