@@ -19,6 +19,7 @@ import random
 import statistics
 from types import SimpleNamespace
 
+from bench.stats import percentile
 from bench_link import draw_trace
 
 from devtools.sim import DecodeStream, PrefillArrival, SimLink, SimResult, simulate
@@ -116,8 +117,8 @@ def main() -> None:
             out = {}
             for policy in ("molink", "fifo"):
                 result = run(policy, link, a, trace, pass_s)
-                delays = sorted(result.decode_delays())
-                p99 = delays[round(0.99 * (len(delays) - 1))] if delays else 0.0
+                delays = result.decode_delays()
+                p99 = percentile(delays, 0.99) if delays else 0.0
                 out[policy] = (statistics.fmean(crossing(result, trace)), p99, link_use(result))
             (m, m99, mu), (f, f99, fu) = out["molink"], out["fifo"]
             print(
