@@ -18,6 +18,7 @@ Non-compute per hop = in + wait (the issue's goal: p50 <= 0.5 ms). Unsplit: Span
 every layer and the head, greedy, in this process at the same threads.
 
     .venv/bin/python scripts/bench_hop.py [--nodes 2] [--threads 1] [--new-tokens 100]
+        [--model FILE]      (a GGUF file, e.g. 16 8B-shaped layers; default: the default model)
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ from swarm.model.source import open_model
 STEP_LOG_NODE = (str(ROOT / "devtools" / "step_log.py"),)
 
 
-def prompt_ids(n: int) -> list[int]:
-    return [(i * 7919) % 40000 + 100 for i in range(n)]
+def prompt_ids(n: int, vocab: int = 49152) -> list[int]:
+    return [(i * 7919) % min(40000, vocab - 100) + 100 for i in range(n)]
 
 
-def unsplit_tpot(ids: list[int], new: int, threads: int) -> tuple[float, float]:
+def unsplit_tpot(ids: list[int], new: int, threads: int, model: str | None) -> tuple[float, float]:
     """Seconds a token, wall and on this thread's CPU."""
     torch.set_num_threads(threads)
-    source = open_model(None)
+    source = open_model(model)
     span = Span.load(source, 0, source.config.num_layers)
     head = Head.load(source)
     cache = span.allocate_cache(span.start, span.end, len(ids) + new + 1)
@@ -79,11 +80,14 @@ def read_steps(path: str) -> list[tuple[float, float, float, float, float]]:
 def swarm_timeline(a, folder: str) -> tuple[float, list[dict[str, float]]]:
     """TPOT and each token's timeline through a fresh swarm."""
     logs = [os.path.join(folder, f"node{i}.log") for i in range(a.nodes)]
+    layers = open_model(a.model).config.num_layers
     with LocalSwarm() as swarm:
-        for span, log in zip(even_spans(30, a.nodes), logs):
+        for span, log in zip(even_spans(layers, a.nodes), logs):
             extra = ["--step-log", log, "--threads", str(a.threads)]
+            if a.model:
+                extra += ["--model", a.model]
             swarm.node(span, extra=extra, program=STEP_LOG_NODE)
-        client = Client(swarm.peers)
+        client = Client(swarm.peers, model=a.model)
         stamps: list[tuple[float, float]] = []
         run = client.loop.run
 
@@ -95,7 +99,7 @@ def swarm_timeline(a, folder: str) -> tuple[float, list[dict[str, float]]]:
             return out
 
         try:
-            ids = prompt_ids(20)
+            ids = prompt_ids(20, open_model(a.model).config.vocab)
             with client.session(len(ids) + a.new_tokens + 1, "off") as s:
                 logits = s.feed(ids)
                 client.loop.run = stamped
@@ -130,8 +134,10 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--new-tokens", type=int, default=100)
+    p.add_argument("--model", help="a GGUF file; default: the default model")
     a = p.parse_args()
-    unsplit, unsplit_cpu = unsplit_tpot(prompt_ids(20), a.new_tokens, a.threads)
+    vocab = open_model(a.model).config.vocab
+    unsplit, unsplit_cpu = unsplit_tpot(prompt_ids(20, vocab), a.new_tokens, a.threads, a.model)
     with tempfile.TemporaryDirectory() as folder:
         tpot, rows = swarm_timeline(a, folder)
     print(f"{cpu_name()}; {a.nodes} nodes x {a.threads} thread(s), {a.new_tokens} tokens")

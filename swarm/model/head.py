@@ -7,6 +7,7 @@ import torch
 from swarm.model.config import ModelConfig
 from swarm.model.embedding import embed_rows
 from swarm.model.gguf_file import unmap_pages
+from swarm.model.kept_rows import KeptRows
 from swarm.model.linear import Dense, Linear
 from swarm.model.norm import rms_norm
 from swarm.model.weights import RawTensor, make_linear, release_freed_memory
@@ -33,7 +34,8 @@ class Head:
         exact: RawTensor | None = None,
     ):
         self.config, self.embed, self.norm, self.lm_head = config, embed, norm, lm_head
-        self.exact = exact  # the LM head's rows as the file holds them, for rescoring
+        # the LM head's rows as the file holds them, for rescoring (those rescored kept)
+        self.exact = None if exact is None else KeptRows(exact)
         self.weights = lm_head.format
 
     @classmethod
