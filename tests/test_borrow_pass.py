@@ -9,7 +9,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from swarm.model.blocks import Span
+from swarm.model.blocks import KVCache, Span
 from swarm.model.source import open_model
 from swarm.model.tiny import save_tiny
 from swarm.node.borrow import (
@@ -19,6 +19,7 @@ from swarm.node.borrow import (
     borrowed_pass,
     lend_frames,
     local_tokens,
+    longest_borrowing,
     partial_of,
 )
 from swarm.node.lender import LendTable, attend
@@ -30,8 +31,8 @@ CAP = 2 * BLOCK  # positions kept here: the rest lent
 class InProcessLender:
     """A lender's table driven with the borrower's own messages, in this thread."""
 
-    def __init__(self):
-        self.table = LendTable(1 << 30, 1 << 30)
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.table = LendTable(max_bytes, max_bytes)
         self.conn = object()
         self.lends = 0
 
@@ -96,3 +97,22 @@ def test_a_windowed_layer_lends_nothing(span):
 def test_a_session_that_fits_borrows_nothing(span):
     assert local_tokens(span.config, 4096, 4096) is None
     assert local_tokens(span.config, 64, 100) == 32  # half the node's cache, whole blocks
+
+
+@pytest.mark.parametrize("chunks", [[1] * 200, [200], [25, 35, 140], [47, 1, 49, 1, 102]])
+def test_a_session_as_long_as_longest_borrowing_never_lends_more_than_offered(span, chunks):
+    """A node announces how long a session it could take from what a lender offers
+    (swarm.node.status.borrowable): lending whole blocks, a quarter of the local ones at a
+    time, such a session's passes never ask the lender for more."""
+    cap, end = 4 * BLOCK, span.config.num_layers
+    per_token = KVCache.bytes_per_token(span.config, end, span.cache_dtype)
+    offered = 200 - longest_borrowing(cap, 0)  # positions: the session is 200 long
+    assert longest_borrowing(cap, offered) == 200 == sum(chunks)
+    lender = InProcessLender(max_bytes=offered * per_token)
+    cache = BorrowedCache.allocate(span, 0, end, 200, cap)
+    hidden = torch.randn(1, 200, span.config.hidden, generator=torch.Generator().manual_seed(2))
+    pos = 0
+    for n in chunks:  # LendRefused if a lend asked for more than offered
+        borrowed_pass(span, cache, lender, 0, end, pos, hidden[:, pos : pos + n])
+        pos += n
+    assert cache.offset > 200 - cap  # most of it lent

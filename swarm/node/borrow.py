@@ -59,6 +59,15 @@ def local_tokens(config: ModelConfig, max_cache_tokens: int, max_length: int) ->
     return cap if cap >= 2 * BLOCK else None
 
 
+def longest_borrowing(cap: int, lendable: int) -> int:
+    """The longest session keeping `cap` positions here whose lent positions all fit in
+    `lendable` at one lender. A pass lends whole blocks, a quarter of the local positions at
+    least (`_make_room`), so what is lent runs ahead of `max_length - cap` by less than that
+    quarter rounded up to a block."""
+    ahead = -(-(cap // 4) // BLOCK) * BLOCK
+    return max(0, lendable + cap - ahead)
+
+
 @dataclass
 class BorrowedCache:
     """A borrowing session's cache on this hop: `keys`, `values` per layer [1, kv_heads, slots,

@@ -116,6 +116,12 @@ class Link:
         )
 
 
+def lenders_of(records: list[NodeRecord], me: str, plaintext: bool) -> list[NodeRecord]:
+    """The nodes of `records` a session here may borrow from: online, not this one (`me`),
+    over TLS unless this node runs plaintext."""
+    return [r for r in records if r.state == ONLINE and r.peer != me and (r.tls or plaintext)]
+
+
 def _load(rec: NodeRecord) -> int:
     """What else a lender answers beside this session's queries: the sessions it serves, and
     one more for a node that computes blocks at all (a `--role cache` node only lends)."""
@@ -397,14 +403,10 @@ class Lender:
         return refused
 
     async def _candidates(self, exclude: str = "") -> list[NodeRecord]:
-        ctx = self.ctx
-        records = await ctx.directory.fresh()
-        plaintext = ctx.directory.plaintext
-        ok = [
-            r
-            for r in records
-            if r.state == ONLINE and r.peer not in (ctx.key.peer, exclude) and (r.tls or plaintext)
-        ]
+        directory = self.ctx.directory
+        records = await directory.fresh()
+        ok = lenders_of(records, self.ctx.key.peer, directory.plaintext)
+        ok = [r for r in ok if r.peer != exclude]
         return sorted(ok, key=lambda r: (r.role != CACHE, -r.free_cache_tokens))
 
     async def _dial(self, rec: NodeRecord) -> FramedStream:
