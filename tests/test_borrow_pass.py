@@ -18,6 +18,7 @@ from swarm.node.borrow import (
     attend_request,
     borrowed_pass,
     lend_frames,
+    lent_at_most,
     local_tokens,
     longest_borrowing,
     partial_of,
@@ -105,14 +106,25 @@ def test_a_session_as_long_as_longest_borrowing_never_lends_more_than_offered(sp
     (swarm.node.status.borrowable): lending whole blocks, a quarter of the local ones at a
     time, such a session's passes never ask the lender for more."""
     cap, end = 4 * BLOCK, span.config.num_layers
-    per_token = KVCache.bytes_per_token(span.config, end, span.cache_dtype)
     offered = 200 - longest_borrowing(cap, 0)  # positions: the session is 200 long
     assert longest_borrowing(cap, offered) == 200 == sum(chunks)
-    lender = InProcessLender(max_bytes=offered * per_token)
+    assert lent_at_most(cap, 200) == offered
     cache = BorrowedCache.allocate(span, 0, end, 200, cap)
+    lender = InProcessLender(max_bytes=offered * cache.position_bytes)
     hidden = torch.randn(1, 200, span.config.hidden, generator=torch.Generator().manual_seed(2))
     pos = 0
     for n in chunks:  # LendRefused if a lend asked for more than offered
         borrowed_pass(span, cache, lender, 0, end, pos, hidden[:, pos : pos + n])
         pos += n
     assert cache.offset > 200 - cap  # most of it lent
+
+
+def test_a_lent_position_takes_the_keys_and_values_of_every_lending_layer(span):
+    """What a node announces it could borrow and what a lender holds count the same bytes."""
+    end = span.config.num_layers
+    cache = BorrowedCache.allocate(span, 0, end, LENGTH, CAP)
+    lender = InProcessLender()
+    _run(span, cache, lambda c, p, h: borrowed_pass(span, c, lender, 0, end, p, h), [60])
+    assert lender.table.lent_bytes == cache.offset * cache.position_bytes
+    if all(cache.lent):
+        assert cache.position_bytes == KVCache.bytes_per_token(span.config, end, span.cache_dtype)

@@ -230,9 +230,26 @@ def test_a_session_borrows_from_the_lender_with_the_shorter_round_trip(
     assert lends and not any(f"127.0.0.1:{public}" in line for line in lends)
 
 
-def _borrow_beside(nodes, tiny_model_dir, port: int, public: int):
+def test_a_session_borrows_from_a_farther_lender_with_room_for_all_it_lends(
+    tiny_model_dir, tiny_reference, tmp_path
+):
+    """The near lender offers 0.03 MB: its first 16 positions (24 KB), not the 64 the session
+    lends at most; it would refuse the next ones and the session would replay."""
+    port = free_port()
+    log_path = tmp_path / "borrower.stderr"
+    flags = [*exact_flags(ttl=20), *SHORT]
+    with open(log_path, "w") as log:
+        nodes = [start_node((0, 6), model=str(tiny_model_dir), extra=flags, stderr=log)]
+    with shaped_relay(port, rate_mbps=100, delay_ms=15) as public:
+        out, recoveries = _borrow_beside(nodes, tiny_model_dir, port, public, near_mb="0.03")
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW) and recoveries == []
+    lends = [line for line in log_path.read_text().splitlines() if "lends its oldest" in line]
+    assert lends and all(f"127.0.0.1:{public}" in line for line in lends)
+
+
+def _borrow_beside(nodes, tiny_model_dir, port: int, public: int, near_mb: str = "256"):
     """A long session through nodes[0] beside two cache lenders: one behind the relay at
-    `public` with more memory to lend, one on loopback."""
+    `public` with more memory to lend, one on loopback lending `near_mb`."""
     cache = [*exact_flags(ttl=20), "--role", "cache"]
     try:
         nodes[0].wait_serving()  # its address, which the lenders join by, comes with it
@@ -240,7 +257,7 @@ def _borrow_beside(nodes, tiny_model_dir, port: int, public: int):
         far = [*cache, "--max-lend", "512", "--port", str(port)]
         far += ["--public-address", f"127.0.0.1:{public}"]
         nodes.append(start_node(None, peers, model=model, extra=far))
-        nodes.append(start_node(None, peers, model=model, extra=cache))
+        nodes.append(start_node(None, peers, model=model, extra=[*cache, "--max-lend", near_mb]))
         for n in nodes[1:]:
             n.wait_serving()
         client = _client(nodes, tiny_model_dir)
