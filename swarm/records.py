@@ -31,6 +31,8 @@ MAX_WEIGHTS_NAME = 32
 MAX_ARCH = 40  # characters of an arch description kept
 MAX_TTL_S = 300.0  # ten default TTLs: every DHT peer of a swarm refuses a record living longer
 MAX_REPORTED = 16  # nodes one reporter's record may name
+MAX_TOKENS = 1 << 30  # a record's token counts (cache, sessions) above this are lies
+MAX_LEND_MB = float(1 << 30)  # a petabyte: a record's lendable memory above this is a lie
 DEFAULT_WEIGHTS = "float32"  # what a record from before the field existed was serving
 
 
@@ -82,6 +84,13 @@ class NodeRecord:
     role: str = BOTH  # PREFILL: clients send it long prompts, it hands their caches on
     lent_mb: float = 0.0  # KV blocks it holds for other nodes' sessions (swarm.node.lender)
     borrowing: int = 0  # its sessions whose oldest KV blocks are at a lender
+    # what it could lend one more borrowing node now (0: lends none, or leaves)
+    lend_free_mb: float = 0.0
+    # its whole cache (--max-cache-tokens): a session longer than this keeps part of its cache
+    # there and borrows the rest (swarm.node.borrow), up to `borrow_tokens` (0: none now), the
+    # longest such session it could take now (swarm.node.status.borrowable)
+    cache_tokens: int = 0
+    borrow_tokens: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,6 +149,11 @@ class NodeRecord:
                 role=_typed(raw, "role", str) if "role" in raw else BOTH,
                 lent_mb=float(_typed(raw, "lent_mb", (int, float))) if "lent_mb" in raw else 0.0,
                 borrowing=_typed(raw, "borrowing", int) if "borrowing" in raw else 0,
+                lend_free_mb=float(_typed(raw, "lend_free_mb", (int, float)))
+                if "lend_free_mb" in raw
+                else 0.0,
+                cache_tokens=_typed(raw, "cache_tokens", int) if "cache_tokens" in raw else 0,
+                borrow_tokens=_typed(raw, "borrow_tokens", int) if "borrow_tokens" in raw else 0,
                 **{k: _typed(raw, k, int) for k in HANDOVER_FIGURES if k in raw},
             )
         except KeyError as exc:
@@ -158,8 +172,26 @@ class NodeRecord:
             raise ValueError(f"record tls {rec.tls[:40]!r} is not a key id")
         if len(rec.relay) > MAX_NAME:
             raise ValueError("record relay is not a peer id")
+        _check_borrowing(rec)
         parse_host_port(rec.addr)  # its ValueError names the address
         return rec
+
+    def borrows_for(self, max_length: int) -> bool:
+        """It could take a session of `max_length` now only by borrowing KV blocks."""
+        return self.cache_tokens < max_length <= self.borrow_tokens
+
+
+def _check_borrowing(rec: NodeRecord) -> None:
+    if not 0.0 <= rec.lend_free_mb <= MAX_LEND_MB:  # NaN fails too
+        raise ValueError(f"record lend_free_mb {rec.lend_free_mb} is not in 0..{MAX_LEND_MB:g}")
+    for name in ("cache_tokens", "borrow_tokens"):
+        if not 0 <= getattr(rec, name) <= MAX_TOKENS:
+            raise ValueError(f"record {name} {getattr(rec, name)} is not in 0..{MAX_TOKENS}")
+    if rec.borrow_tokens and rec.borrow_tokens <= rec.cache_tokens:
+        raise ValueError(
+            f"record borrow_tokens {rec.borrow_tokens} is not past its cache_tokens"
+            f" {rec.cache_tokens}: a node borrows only for sessions longer than its cache"
+        )
 
 
 def _typed(raw: dict, key: str, kind: type | tuple[type, ...]) -> Any:

@@ -9,7 +9,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from swarm.model.blocks import Span
+from swarm.model.blocks import KVCache, Span
 from swarm.model.source import open_model
 from swarm.model.tiny import save_tiny
 from swarm.node.borrow import (
@@ -18,7 +18,9 @@ from swarm.node.borrow import (
     attend_request,
     borrowed_pass,
     lend_frames,
+    lent_at_most,
     local_tokens,
+    longest_borrowing,
     partial_of,
 )
 from swarm.node.lender import LendTable, attend
@@ -30,8 +32,8 @@ CAP = 2 * BLOCK  # positions kept here: the rest lent
 class InProcessLender:
     """A lender's table driven with the borrower's own messages, in this thread."""
 
-    def __init__(self):
-        self.table = LendTable(1 << 30, 1 << 30)
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.table = LendTable(max_bytes, max_bytes)
         self.conn = object()
         self.lends = 0
 
@@ -96,3 +98,33 @@ def test_a_windowed_layer_lends_nothing(span):
 def test_a_session_that_fits_borrows_nothing(span):
     assert local_tokens(span.config, 4096, 4096) is None
     assert local_tokens(span.config, 64, 100) == 32  # half the node's cache, whole blocks
+
+
+@pytest.mark.parametrize("chunks", [[1] * 200, [200], [25, 35, 140], [47, 1, 49, 1, 102]])
+def test_a_session_as_long_as_longest_borrowing_never_lends_more_than_offered(span, chunks):
+    """A node announces how long a session it could take from what a lender offers
+    (swarm.node.status.borrowable): lending whole blocks, a quarter of the local ones at a
+    time, such a session's passes never ask the lender for more."""
+    cap, end = 4 * BLOCK, span.config.num_layers
+    offered = 200 - longest_borrowing(cap, 0)  # positions: the session is 200 long
+    assert longest_borrowing(cap, offered) == 200 == sum(chunks)
+    assert lent_at_most(cap, 200) == offered
+    cache = BorrowedCache.allocate(span, 0, end, 200, cap)
+    lender = InProcessLender(max_bytes=offered * cache.position_bytes)
+    hidden = torch.randn(1, 200, span.config.hidden, generator=torch.Generator().manual_seed(2))
+    pos = 0
+    for n in chunks:  # LendRefused if a lend asked for more than offered
+        borrowed_pass(span, cache, lender, 0, end, pos, hidden[:, pos : pos + n])
+        pos += n
+    assert cache.offset > 200 - cap  # most of it lent
+
+
+def test_a_lent_position_takes_the_keys_and_values_of_every_lending_layer(span):
+    """What a node announces it could borrow and what a lender holds count the same bytes."""
+    end = span.config.num_layers
+    cache = BorrowedCache.allocate(span, 0, end, LENGTH, CAP)
+    lender = InProcessLender()
+    _run(span, cache, lambda c, p, h: borrowed_pass(span, c, lender, 0, end, p, h), [60])
+    assert lender.table.lent_bytes == cache.offset * cache.position_bytes
+    if all(cache.lent):
+        assert cache.position_bytes == KVCache.bytes_per_token(span.config, end, span.cache_dtype)

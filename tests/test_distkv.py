@@ -25,6 +25,7 @@ from tests.helpers.relay import free_port, shaped_relay
 PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
 NEW = 40  # 80 tokens in all: more than any node's cache
 SHORT = ["--max-cache-tokens", "64"]
+ROUTE_TTL = 9  # s: records (and what they say a node could borrow) come every 3 s
 
 
 @pytest.fixture(scope="module")
@@ -229,9 +230,26 @@ def test_a_session_borrows_from_the_lender_with_the_shorter_round_trip(
     assert lends and not any(f"127.0.0.1:{public}" in line for line in lends)
 
 
-def _borrow_beside(nodes, tiny_model_dir, port: int, public: int):
+def test_a_session_borrows_from_a_farther_lender_with_room_for_all_it_lends(
+    tiny_model_dir, tiny_reference, tmp_path
+):
+    """The near lender offers 0.03 MB: its first 16 positions (24 KB), not the 64 the session
+    lends at most; it would refuse the next ones and the session would replay."""
+    port = free_port()
+    log_path = tmp_path / "borrower.stderr"
+    flags = [*exact_flags(ttl=20), *SHORT]
+    with open(log_path, "w") as log:
+        nodes = [start_node((0, 6), model=str(tiny_model_dir), extra=flags, stderr=log)]
+    with shaped_relay(port, rate_mbps=100, delay_ms=15) as public:
+        out, recoveries = _borrow_beside(nodes, tiny_model_dir, port, public, near_mb="0.03")
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW) and recoveries == []
+    lends = [line for line in log_path.read_text().splitlines() if "lends its oldest" in line]
+    assert lends and all(f"127.0.0.1:{public}" in line for line in lends)
+
+
+def _borrow_beside(nodes, tiny_model_dir, port: int, public: int, near_mb: str = "256"):
     """A long session through nodes[0] beside two cache lenders: one behind the relay at
-    `public` with more memory to lend, one on loopback."""
+    `public` with more memory to lend, one on loopback lending `near_mb`."""
     cache = [*exact_flags(ttl=20), "--role", "cache"]
     try:
         nodes[0].wait_serving()  # its address, which the lenders join by, comes with it
@@ -239,7 +257,7 @@ def _borrow_beside(nodes, tiny_model_dir, port: int, public: int):
         far = [*cache, "--max-lend", "512", "--port", str(port)]
         far += ["--public-address", f"127.0.0.1:{public}"]
         nodes.append(start_node(None, peers, model=model, extra=far))
-        nodes.append(start_node(None, peers, model=model, extra=cache))
+        nodes.append(start_node(None, peers, model=model, extra=[*cache, "--max-lend", near_mb]))
         for n in nodes[1:]:
             n.wait_serving()
         client = _client(nodes, tiny_model_dir)
@@ -255,6 +273,51 @@ def _borrow_beside(nodes, tiny_model_dir, port: int, public: int):
     finally:
         stop_all(nodes)
     return out, recoveries
+
+
+@pytest.fixture(scope="module")
+def one_can_borrow(tiny_model_dir):
+    """Two nodes serving every block with a cache of 64 tokens each, and a `--role cache` node;
+    the second node allows no session longer than its cache: only the first can borrow."""
+    flags, model = [*exact_flags(ttl=ROUTE_TTL), *SHORT], str(tiny_model_dir)
+    nodes = [start_node((0, 6), model=model, extra=flags)]
+    try:
+        nodes[0].wait_serving()
+        peers = nodes[0].maddrs[:1]
+        capped = [*flags, "--max-session-tokens", "64"]
+        nodes.append(start_node((0, 6), peers, model=model, extra=capped))
+        cache = [*exact_flags(ttl=ROUTE_TTL), "--role", "cache"]
+        nodes.append(start_node(None, peers, model=model, extra=cache))
+        for n in nodes[1:]:
+            n.wait_serving()
+    except BaseException:
+        stop_all(nodes)
+        raise
+    yield nodes
+    stop_all(nodes)
+
+
+def test_a_session_longer_than_every_nodes_cache_goes_first_to_the_node_that_can_borrow_it(
+    one_can_borrow, tiny_model_dir, tiny_reference
+):
+    borrower, capped = one_can_borrow[0].peer, one_can_borrow[1].peer
+    length = len(PROMPT) + NEW
+    client = _client(one_can_borrow, tiny_model_dir)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the borrower's record counts the lender once it has read it
+            said = {r.peer: (r.cache_tokens, r.borrow_tokens) for r in client.nodes()}
+            if said.get(borrower, (0, 0))[1] >= length and capped in said:
+                break
+            assert time.monotonic() < deadline, f"no node says it could borrow: {said}"
+            time.sleep(0.5)
+        routes = {tuple(h.peer for h in client.route(max_length=length)) for _ in range(20)}
+        out, recoveries, _ = _generate(client)
+    finally:
+        client.close()
+    assert said[capped] == (64, 0) and said[borrower][0] == 64
+    assert routes == {(borrower,)}  # without the figure, half of them went to the other node
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW) and recoveries == []
 
 
 def test_a_cache_node_takes_no_layers(capsys):

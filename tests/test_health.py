@@ -202,6 +202,22 @@ def test_page_and_json_show_kv_blocks_lent_and_sessions_borrowing():
     assert (nodes["c"]["lent_mb"], nodes["b"]["borrowing"], nodes["q"]["lent_mb"]) == (12.5, 2, 0)
 
 
+def test_page_shows_the_session_a_node_could_take_by_borrowing_beside_its_free_cache():
+    borrower = rec("b", 0, 4, free_cache_tokens=48, cache_tokens=64, borrow_tokens=1040)
+    same = rec("s", 4, 8, free_cache_tokens=4096, cache_tokens=64, borrow_tokens=1040)
+    quiet = rec("q", 0, 8, free_cache_tokens=64)
+    snap = Snapshot(
+        taken_at=1001.0,
+        dht=DhtStatus("ok", 1001.0, 0.01),
+        models=(view(borrower, same, quiet),),
+    )
+    page = render_page(snap, 10)
+    badges = re.findall(r'<span class="muted borrowable"[^>]*>· ([^<]*)</span>', page)
+    assert badges == ["1,040 by borrowing"]  # not beside a free cache that holds more
+    nodes = {n["peer"]: n for n in snap.to_json()["models"][0]["nodes"]}
+    assert (nodes["b"]["borrow_tokens"], nodes["q"]["borrow_tokens"]) == (1040, 0)
+
+
 def test_page_and_json_show_prefill_and_decode_roles():
     snap = Snapshot(
         taken_at=1001.0,

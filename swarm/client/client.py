@@ -23,6 +23,7 @@ from swarm.client.routing import (
     find_route,
     missing_blocks,
     pick_prefill,
+    session_nodes,
     usable,
 )
 from swarm.client.runtime import TrioThread
@@ -106,8 +107,9 @@ class Client:
             return self._records[1]
 
     def route(self, exclude: set[str] = frozenset(), max_length: int = 0) -> list[Hop]:
-        """A route for a new session (of `max_length` tokens: nodes announcing less free cache
-        are left out while others cover their blocks), through none of `exclude`."""
+        """A route for a new session (of `max_length` tokens: nodes announcing room for it
+        first, then those that could borrow it, swarm.client.routing.session_nodes), through
+        none of `exclude`."""
         return self._route(exclude, max_length, hold=False)[0]
 
     def hold_route(self, exclude: set[str], max_length: int) -> tuple[list[Hop], float]:
@@ -137,9 +139,7 @@ class Client:
             if without_tls:
                 model += f" ({without_tls} nodes run without TLS: Client(plaintext=True) uses them)"
             find_route(records, self.config.num_layers, self.fingerprint, model=model)
-        roomy = [r for r in records if r.free_cache_tokens >= max_length]
-        if not missing_blocks(roomy, self.config.num_layers):
-            records = roomy  # a full node says so in its record; else it may have room by now
+        records = session_nodes(records, self.config.num_layers, max_length)
         self._weights.update({r.peer: r.weights for r in records})
         records = decode_nodes(records, self.config.num_layers)
         name = self.config.name

@@ -151,6 +151,18 @@ def handoff_seconds(r: NodeRecord, cache_bytes: int) -> float:
     return cache_bytes * (1 + r.transfers) / bandwidth
 
 
+def session_nodes(records: list[NodeRecord], num_layers: int, max_length: int) -> list[NodeRecord]:
+    """The records a route for a session of `max_length` tokens draws from: those holding it
+    in their free cache, if they cover every block; else those holding it or able to by
+    borrowing KV blocks (`NodeRecord.borrows_for`), a route mixing both; else all (a full
+    node says so in its record, but may have room by now)."""
+    holds = [r for r in records if r.free_cache_tokens >= max_length]
+    if not missing_blocks(holds, num_layers):
+        return holds
+    takes = [r for r in records if r.free_cache_tokens >= max_length or r.borrows_for(max_length)]
+    return records if missing_blocks(takes, num_layers) else takes
+
+
 def decode_nodes(records: list[NodeRecord], num_layers: int) -> list[NodeRecord]:
     """The records routes decode on: all but prefill nodes, unless only those cover a block."""
     others = [r for r in records if r.role != PREFILL]

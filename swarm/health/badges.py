@@ -1,5 +1,6 @@
 """The badges beside a node's figures on the health page: what it turned away, moved, lends and
-borrows, its role, and what clients reported of it. Every string from a record is escaped."""
+borrows (or could), its role, and what clients reported of it. Every string from a record is
+escaped."""
 
 from __future__ import annotations
 
@@ -67,4 +68,16 @@ def kv_lending(r: NodeRecord) -> str:
         ' <span class="muted lending" title="KV blocks it holds for other nodes\' sessions'
         ' (lends), and its sessions whose oldest KV blocks are at a lender (borrowing)">'
         f"· {', '.join(parts)}</span>"
+    )
+
+
+def borrowable(r: NodeRecord) -> str:
+    """The longest session it could take now by lending its oldest KV blocks to another node,
+    beside its free cache where that is more (swarm.node.status.borrowable)."""
+    if r.borrow_tokens <= r.free_cache_tokens:
+        return ""
+    return (
+        ' <span class="muted borrowable" title="the longest session it could take now, keeping'
+        ' part of its cache and lending the oldest KV blocks to another node">'
+        f"· {r.borrow_tokens:,} by borrowing</span>"
     )

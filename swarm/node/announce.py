@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import trio
@@ -79,6 +80,9 @@ class Announcer:
             role=self.role,
             lent_mb=round(status.lent_mb, 2),
             borrowing=status.borrowing,
+            lend_free_mb=math.floor(status.lend_free_mb * 100) / 100,  # never more than it has
+            cache_tokens=status.cache_tokens,
+            borrow_tokens=status.borrow_tokens,
             updated=get_dht_time(),
         )
 

@@ -59,6 +59,24 @@ def local_tokens(config: ModelConfig, max_cache_tokens: int, max_length: int) ->
     return cap if cap >= 2 * BLOCK else None
 
 
+def longest_borrowing(cap: int, lendable: int) -> int:
+    """The longest session keeping `cap` positions here whose lent positions all fit in
+    `lendable` at one lender (`lent_at_most`'s inverse)."""
+    return max(0, lendable + cap - _ahead(cap))
+
+
+def lent_at_most(cap: int, max_length: int) -> int:
+    """The most positions a session of `max_length` keeping `cap` here ever lends."""
+    return max(0, max_length - cap + _ahead(cap))
+
+
+def _ahead(cap: int) -> int:
+    """A pass lends whole blocks, a quarter of the local positions at least (`_make_room`), so
+    what is lent runs ahead of `max_length - cap` by less than that quarter rounded up to a
+    block."""
+    return -(-(cap // 4) // BLOCK) * BLOCK
+
+
 @dataclass
 class BorrowedCache:
     """A borrowing session's cache on this hop: `keys`, `values` per layer [1, kv_heads, slots,
@@ -86,6 +104,15 @@ class BorrowedCache:
             values.append(torch.zeros((1, v_heads, slots, v_width), dtype=span.cache_dtype))
             lent.append(not ring)
         return cls(keys, values, lent, cap)
+
+    @property
+    def position_bytes(self) -> int:
+        """What one lent position takes: every lending layer's keys and values."""
+        return sum(
+            k[0, :, 0].nbytes + v[0, :, 0].nbytes
+            for k, v, lent in zip(self.keys, self.values, self.lent)
+            if lent
+        )
 
     def oldest(self, n: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """The `n` oldest local positions of each lending layer, as the wire carries them: [1,

@@ -4,7 +4,8 @@ the lender's side swarm/node/lender.py), and its move when that lender leaves.
 The lender: of the online nodes of the DHT other than this one (`--role cache` nodes first, then
 the most free cache tokens), the first PROBED are dialled at once and pinged, and the one with
 the least trip (round trip + TRIP_S) x (1 + its load: the sessions it serves, one more if it
-serves blocks) that takes the blocks lends: every decode step waits for one trip a layer to it. One
+serves blocks) that takes the blocks lends: every decode step waits for one trip a layer to it
+(those whose records offer less than the session lends at most after the others). One
 connection per session, read by a task of its own, so the lender's notice that it leaves
 (`LendLeaving`) is seen between steps too. The session then asks its blocks back (`Reclaim`)
 and lends them, as they come, to the next candidate; once that one holds every position, the
@@ -116,6 +117,12 @@ class Link:
         )
 
 
+def lenders_of(records: list[NodeRecord], me: str, plaintext: bool) -> list[NodeRecord]:
+    """The nodes of `records` a session here may borrow from: online, not this one (`me`),
+    over TLS unless this node runs plaintext."""
+    return [r for r in records if r.state == ONLINE and r.peer != me and (r.tls or plaintext)]
+
+
 def _load(rec: NodeRecord) -> int:
     """What else a lender answers beside this session's queries: the sessions it serves, and
     one more for a node that computes blocks at all (a `--role cache` node only lends)."""
@@ -170,8 +177,10 @@ class Lender:
     """One session's lender, driven from the trio thread (a compute lane calls `lend_sync` and
     `attend_soon`); its connection's tasks run in `nursery`, the session's."""
 
-    def __init__(self, ctx: SessionContext, sid: str, nursery: trio.Nursery):
+    def __init__(self, ctx: SessionContext, sid: str, nursery: trio.Nursery, need: int = 0):
+        """`need`: the bytes the session lends at most; lenders offering that come first."""
         self.ctx, self.sid, self._nursery = ctx, sid, nursery
+        self.need = need
         self.token = trio.lowlevel.current_trio_token()
         self.link: Link | None = None
         self._lock = trio.Lock()  # one exchange at a time; a move between two
@@ -306,7 +315,7 @@ class Lender:
         async with trio.open_nursery() as nursery:
             for i, rec in enumerate(probed):
                 nursery.start_soon(probe, i, rec)
-        best = sorted(found, key=lambda i: found[i][0])
+        best = sorted(found, key=lambda i: (self._short(probed[i]), found[i][0]))
         return [(probed[i], found[i][1]) for i in best] + [(r, None) for r in records[PROBED:]]
 
     async def _open(self, rec: NodeRecord) -> Link:
@@ -397,15 +406,16 @@ class Lender:
         return refused
 
     async def _candidates(self, exclude: str = "") -> list[NodeRecord]:
-        ctx = self.ctx
-        records = await ctx.directory.fresh()
-        plaintext = ctx.directory.plaintext
-        ok = [
-            r
-            for r in records
-            if r.state == ONLINE and r.peer not in (ctx.key.peer, exclude) and (r.tls or plaintext)
-        ]
-        return sorted(ok, key=lambda r: (r.role != CACHE, -r.free_cache_tokens))
+        directory = self.ctx.directory
+        records = await directory.fresh()
+        ok = lenders_of(records, self.ctx.key.peer, directory.plaintext)
+        ok = [r for r in ok if r.peer != exclude]
+        return sorted(ok, key=lambda r: (self._short(r), r.role != CACHE, -r.free_cache_tokens))
+
+    def _short(self, rec: NodeRecord) -> bool:
+        """`rec` offers less than the session lends at most (it may take the first blocks and
+        refuse later ones: the session then replays)."""
+        return rec.lend_free_mb * 2**20 < self.need
 
     async def _dial(self, rec: NodeRecord) -> FramedStream:
         try:

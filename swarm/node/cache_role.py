@@ -73,7 +73,14 @@ async def serve_cache(life: Joined, listeners, say) -> None:
     def report() -> Status:  # no sessions, no weights: what it lends
         lent = node.lends.lent_bytes
         free = max(0, node.lends.max_bytes - lent) // per_token
-        return Status(0, free, link=node.uplink.stats(), weights="none", lent_mb=lent / 2**20)
+        return Status(
+            0,
+            free,
+            link=node.uplink.stats(),
+            weights="none",
+            lent_mb=lent / 2**20,
+            lend_free_mb=node.lends.free_for_one / 2**20,
+        )
 
     async with trio.open_nursery() as nursery:
         await nursery.start(node.serve, listeners)

@@ -113,6 +113,13 @@ class PeerDirectory:
                 await self._refresh()
         return self.records()
 
+    async def keep_read(self, every: float) -> None:
+        """Read the DHT every `every` seconds, whether or not anything asks: what the node
+        announces it could borrow counts the lenders as last read (swarm.node.status)."""
+        while True:
+            await self.fresh()
+            await trio.sleep(every)
+
     def records(self) -> list[NodeRecord]:
         """The records as last read."""
         return list(self._records.values())

@@ -68,6 +68,14 @@ class LendTable:
         return sum(loan.nbytes for loan in self._loans.values())
 
     @property
+    def free_for_one(self) -> int:
+        """Bytes one more borrowing node could get now: its share, or what is left if less
+        (one already borrowing here gets less; a record says this)."""
+        if self.leaving:
+            return 0
+        return max(0, min(self.max_bytes - self.lent_bytes, self.max_host_bytes))
+
+    @property
     def loans(self) -> int:
         return len(self._loans)
 

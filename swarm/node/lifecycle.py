@@ -39,7 +39,7 @@ from swarm.node.measure import blocks_that_fit, measure_throughput
 from swarm.node.observer import StepObserver
 from swarm.node.placement import better_span, choose_span, coverage, gaps, settled_span
 from swarm.node.server import Node
-from swarm.node.status import Status, log_status, status_of
+from swarm.node.status import Status, log_status, may_borrow, status_of
 from swarm.records import CACHE, JOINING, OFFLINE, ONLINE, NodeRecord, format_blocks
 from swarm.relay import check_reachable, stay_relayed
 from swarm.tls import Identity
@@ -188,6 +188,8 @@ class Lifecycle:
                 f" (peer {self.me}), {secured}{via}"
             )
             nursery.start_soon(log_status, report)
+            if may_borrow(node):  # its record counts the memory it could borrow
+                nursery.start_soon(node.directory.keep_read, self.cfg.limits.announce_ttl_s / 3)
             # held through the drain: a second signal waits for it to end instead of cutting it
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 leaving = await self._until_leaving(signals, announcer, report, span_range)

@@ -37,7 +37,7 @@ from swarm.errors import (
 )
 from swarm.model.blocks import ring_slots
 from swarm.node.admission import Share, peer_host, share_of
-from swarm.node.borrow import BorrowedCache, local_tokens
+from swarm.node.borrow import BorrowedCache, lent_at_most, local_tokens
 from swarm.node.borrow_link import Lender
 from swarm.node.context import SessionContext, send_quietly
 from swarm.node.prompt import PromptPieces
@@ -302,10 +302,11 @@ class Session(StepWork):
     def _allocate(self, lending: trio.Nursery) -> KVCache | BorrowedCache:
         if self.borrow_cap is None:
             return self.ctx.span.allocate_cache(self.start, self.end, self.max_length)
-        self.lender = Lender(self.ctx, self.sid, lending)
-        return BorrowedCache.allocate(
-            self.ctx.span, self.start, self.end, self.max_length, self.borrow_cap
-        )
+        cap = self.borrow_cap
+        cache = BorrowedCache.allocate(self.ctx.span, self.start, self.end, self.max_length, cap)
+        need = lent_at_most(cap, self.max_length) * cache.position_bytes
+        self.lender = Lender(self.ctx, self.sid, lending, need)
+        return cache
 
     async def _await_intake(self) -> bool:
         """A handed-over session waits for its cache; False if it did not come in time."""

@@ -11,7 +11,10 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from swarm.records import DEFAULT_WEIGHTS
+from swarm.model.kvcache import KVCache
+from swarm.node.borrow import local_tokens, longest_borrowing
+from swarm.node.borrow_link import lenders_of
+from swarm.records import DEFAULT_WEIGHTS, MAX_TOKENS
 
 if TYPE_CHECKING:
     from swarm.node.server import Node
@@ -46,14 +49,17 @@ class Status:
     rounds_dropped: int = 0  # of those sent here, dropped uncomputed: a rejection made them stale
     lent_mb: float = 0.0  # KV blocks it holds for other nodes' sessions, now
     borrowing: int = 0  # its sessions whose oldest KV blocks are at a lender, now
+    lend_free_mb: float = 0.0  # what one more borrowing node could get here, now
+    cache_tokens: int = 0  # --max-cache-tokens: longer sessions borrow
+    borrow_tokens: int = 0  # the longest session it could take now by borrowing (0: none)
 
 
 def status_of(node: Node) -> Status:
     """`node`'s figures now."""
-    throttle = node.throttle
+    throttle, free = node.throttle, node.sessions.free_cache_tokens
     return Status(
         sessions=len(node.sessions),
-        free_cache_tokens=node.sessions.free_cache_tokens,
+        free_cache_tokens=free,
         tokens=node.tokens_done,
         link=node.uplink.stats(),
         refused=throttle.refused,
@@ -72,7 +78,44 @@ def status_of(node: Node) -> Status:
         rounds_dropped=node.counters.steps_dropped,
         lent_mb=node.lends.lent_bytes / 2**20,
         borrowing=sum(1 for s in node.sessions if s.lender is not None and s.lender.lending),
+        lend_free_mb=node.lends.free_for_one / 2**20,
+        cache_tokens=min(node.config.limits.max_cache_tokens, MAX_TOKENS),
+        borrow_tokens=borrowable(node, free),
     )
+
+
+def may_borrow(node: Node) -> bool:
+    """Some session could borrow here: --max-session-tokens allows one longer than the cache,
+    and the model's cache can be split (swarm.node.borrow.local_tokens)."""
+    lim = node.config.limits
+    if lim.max_session_tokens <= lim.max_cache_tokens:
+        return False
+    return local_tokens(node.span.config, lim.max_cache_tokens, lim.max_session_tokens) is not None
+
+
+def borrowable(node: Node, free: int) -> int:
+    """The longest session `node` could take now by borrowing (0: none), with `free` cache
+    tokens a newcomer could reserve. Such a session, longer than the whole cache, keeps
+    `local_tokens` positions here (half the cache, whatever its length: they must be free and
+    within one address's share) and lends the rest to one lender, which keeps all of them:
+    the lender offering one borrower the most (`lend_free_mb`) among those last read bounds
+    it, each position costing the bytes of every layer of the span; --max-session-tokens
+    bounds it too. Records are seconds old and the lender is chosen by round trip: a figure
+    to route by, not a promise."""
+    lim, span = node.config.limits, node.span
+    if not may_borrow(node):
+        return 0
+    cap = local_tokens(span.config, lim.max_cache_tokens, lim.max_session_tokens) or 0
+    if cap > min(free, lim.max_host_cache_tokens):
+        return 0
+    per_token = KVCache.bytes_per_token(
+        span.config, span.end - span.start, span.cache_dtype, span.start
+    )
+    lenders = lenders_of(node.directory.records(), node.key.peer, node.directory.plaintext)
+    most = max((r.lend_free_mb for r in lenders), default=0.0)
+    lendable = int(most * 2**20) // per_token
+    longest = min(lim.max_session_tokens, MAX_TOKENS, longest_borrowing(cap, lendable))
+    return longest if longest > lim.max_cache_tokens else 0
 
 
 def status_line(now: Status, before: Status, seconds: float) -> str:
