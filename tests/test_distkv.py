@@ -435,4 +435,4 @@ async def test_a_long_session_with_no_lender_announced_is_refused_naming_both_si
     finally:
         stop_all(nodes)
     assert isinstance(reply, Error) and reply.code == "busy", reply
-    assert "80 cache tokens" in reply.message and "whole cache of 64" in reply.message
+    assert "80 cache tokens" in reply.message and "the 64 this node keeps" in reply.message
