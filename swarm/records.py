@@ -86,11 +86,13 @@ class NodeRecord:
     borrowing: int = 0  # its sessions whose oldest KV blocks are at a lender
     # what it could lend one more borrowing node now (0: lends none, or leaves)
     lend_free_mb: float = 0.0
-    # its whole cache (--max-cache-tokens): a session longer than this keeps part of its cache
-    # there and borrows the rest (swarm.node.borrow), up to `borrow_tokens` (0: none now), the
-    # longest such session it could take now (swarm.node.status.borrowable)
+    # what one session may keep there (its --max-cache-tokens, or an address's share of it if
+    # less: swarm.node.borrow.session_room): a longer session keeps part of its cache there and
+    # borrows the rest, up to `borrow_tokens` (0: none now), the longest such session it could
+    # take now (swarm.node.status.borrowable)
     cache_tokens: int = 0
     borrow_tokens: int = 0
+    session_tokens: int = 0  # its --max-session-tokens: it refuses a longer session (0: unsaid)
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +156,7 @@ class NodeRecord:
                 else 0.0,
                 cache_tokens=_typed(raw, "cache_tokens", int) if "cache_tokens" in raw else 0,
                 borrow_tokens=_typed(raw, "borrow_tokens", int) if "borrow_tokens" in raw else 0,
+                session_tokens=_typed(raw, "session_tokens", int) if "session_tokens" in raw else 0,
                 **{k: _typed(raw, k, int) for k in HANDOVER_FIGURES if k in raw},
             )
         except KeyError as exc:
@@ -180,11 +183,21 @@ class NodeRecord:
         """It could take a session of `max_length` now only by borrowing KV blocks."""
         return self.cache_tokens < max_length <= self.borrow_tokens
 
+    def holds(self, max_length: int) -> bool:
+        """It could take a session of `max_length` now in its free cache, without borrowing
+        (a record from before `cache_tokens` and `session_tokens`: as its free cache says)."""
+        whole = min(self.cache_tokens or max_length, self.session_tokens or max_length)
+        return max_length <= min(self.free_cache_tokens, whole)
+
+    def allows(self, max_length: int) -> bool:
+        """Its --max-session-tokens allows a session of `max_length` (unsaid: maybe)."""
+        return not self.session_tokens or max_length <= self.session_tokens
+
 
 def _check_borrowing(rec: NodeRecord) -> None:
     if not 0.0 <= rec.lend_free_mb <= MAX_LEND_MB:  # NaN fails too
         raise ValueError(f"record lend_free_mb {rec.lend_free_mb} is not in 0..{MAX_LEND_MB:g}")
-    for name in ("cache_tokens", "borrow_tokens"):
+    for name in ("cache_tokens", "borrow_tokens", "session_tokens"):
         if not 0 <= getattr(rec, name) <= MAX_TOKENS:
             raise ValueError(f"record {name} {getattr(rec, name)} is not in 0..{MAX_TOKENS}")
     if rec.borrow_tokens and rec.borrow_tokens <= rec.cache_tokens:

@@ -23,6 +23,7 @@ from swarm.node.borrow import (
     longest_borrowing,
     partial_of,
 )
+from swarm.node.config import Limits
 from swarm.node.lender import LendTable, attend
 
 LENGTH = 96  # prompt 60 in chunks, then decode steps
@@ -96,8 +97,21 @@ def test_a_windowed_layer_lends_nothing(span):
 
 
 def test_a_session_that_fits_borrows_nothing(span):
-    assert local_tokens(span.config, 4096, 4096) is None
-    assert local_tokens(span.config, 64, 100) == 32  # half the node's cache, whole blocks
+    assert local_tokens(span.config, Limits(max_cache_tokens=4096), 4096) is None
+    assert local_tokens(span.config, Limits(max_cache_tokens=64), 100) == 32  # half, in blocks
+
+
+def test_a_session_longer_than_an_addresss_share_borrows_keeping_that_share_here(span):
+    """The defaults: a cache of 32768, of which one address may reserve 8192. A session past
+    the share borrows (refused, it would need --max-host-cache-tokens raised too), keeping the
+    share here rather than half the cache (16384, past the share)."""
+    limits = Limits()
+    assert (limits.max_cache_tokens, limits.max_host_cache_tokens) == (32768, 8192)
+    assert local_tokens(span.config, limits, 8192) is None
+    assert local_tokens(span.config, limits, 8193) == 8192
+    assert local_tokens(span.config, limits, 65536) == 8192
+    wide = Limits(max_host_cache_tokens=32768, max_forwarded_cache_tokens=32768)
+    assert local_tokens(span.config, wide, 65536) == 16384  # half the cache
 
 
 @pytest.mark.parametrize("chunks", [[1] * 200, [200], [25, 35, 140], [47, 1, 49, 1, 102]])

@@ -12,7 +12,13 @@ import torch
 from swarm.client.client import InferenceSession
 from swarm.client.options import ClientOptions
 from swarm.client.session import RemoteSession
-from swarm.errors import FingerprintMismatch, PeerFailed
+from swarm.errors import (
+    CacheFull,
+    FingerprintMismatch,
+    LendRefused,
+    PeerFailed,
+    RouteUnavailable,
+)
 
 
 class Nodes:
@@ -35,13 +41,23 @@ class Nodes:
         return args[0]
 
 
-def session(errors: list[Exception], max_retries: int = 2) -> InferenceSession:
-    hop = SimpleNamespace(peer="p", addr="127.0.0.1:1", start=0, end=1)
+def session(
+    errors: list[Exception], max_retries: int = 2, peers: tuple[str, ...] = ("p", "q")
+) -> InferenceSession:
+    """A session whose routes are one hop, the first of `peers` not excluded."""
+
+    def hold_route(excluded, max_length):
+        left = [p for p in peers if p not in excluded]
+        if not left:
+            raise RouteUnavailable("every node left out")
+        return [SimpleNamespace(peer=left[0], addr="127.0.0.1:1", start=0, end=1)], 0.0
+
+    failed: list[str] = []
     client = SimpleNamespace(
         config=SimpleNamespace(max_position=100, hidden=1),
-        hold_route=lambda excluded, max_length: ([hop], 0.0),
+        hold_route=hold_route,
         release_route=lambda route, token: None,
-        router=SimpleNamespace(failed=lambda peer: None),
+        router=SimpleNamespace(failed=failed.append, failures=failed),
         fingerprint="f",
         options=ClientOptions(step_timeout=1.0, prefill_chunk=8, max_retries=max_retries),
         loop=Nodes(errors),
@@ -54,6 +70,12 @@ def session(errors: list[Exception], max_retries: int = 2) -> InferenceSession:
         ),
     )
     return InferenceSession(client, 50)
+
+
+def from_hop(exc: Exception, peer: str) -> Exception:
+    """`exc` as the client has it from a node's error frame: naming the hop's peer."""
+    exc.peer = peer
+    return exc
 
 
 @pytest.fixture(autouse=True)
@@ -88,3 +110,24 @@ def test_an_error_no_other_route_can_fix_is_raised_at_once():
     with pytest.raises(FingerprintMismatch):
         s.feed([1])
     assert s.client.loop.opened == 1
+
+
+def test_a_lender_refusing_more_blocks_replays_through_the_same_sound_node():
+    """The node that borrowed is sound; its replay borrows anew (as when its lender dies)."""
+    s = session([from_hop(LendRefused("the lender refused more"), "p")], peers=("p",))
+    s.feed([1, 2])
+    assert s.excluded == set() and s.client.router.failures == []
+    assert s.client.loop.opened == 2 and len(s.recoveries) == 1
+
+
+def test_a_node_allowing_shorter_sessions_is_left_out_of_this_session_only():
+    s = session([from_hop(CacheFull("this node allows 32 per session"), "p")])
+    s.feed([1, 2])
+    assert s.excluded == {"p"} and s.client.router.failures == []  # other sessions may use it
+    assert s.client.loop.opened == 2
+
+
+def test_a_session_every_node_refuses_as_too_long_raises_their_cache_full_not_no_route():
+    s = session([from_hop(CacheFull("this node allows 32 per session"), "p")], peers=("p",))
+    with pytest.raises(CacheFull, match="allows 32"):
+        s.feed([1])

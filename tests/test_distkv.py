@@ -16,6 +16,7 @@ from devtools.launch import start_node, start_swarm, stop_all
 from swarm.client.client import Client
 from swarm.dht import read_lenders
 from swarm.node.config import parse_args
+from swarm.node.directory import REFRESH_S
 from swarm.protocol import Error, Open
 from swarm.transport import connect
 from tests.conftest import reference_greedy
@@ -26,6 +27,7 @@ PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
 NEW = 40  # 80 tokens in all: more than any node's cache
 SHORT = ["--max-cache-tokens", "64"]
 ROUTE_TTL = 9  # s: records (and what they say a node could borrow) come every 3 s
+CAPPED = 48  # tokens a session: one_can_borrow's second node, below its cache of 64
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +44,11 @@ def _client(nodes, path, **kw) -> Client:
     return Client(nodes[0].maddrs[:1], model=str(path), wire_dtype="float32", **kw)
 
 
-def _generate(client: Client, fault=None, at: int = 10):
+def _generate(client: Client, fault=None, at: int = 10, new: int = NEW):
     out = []
-    with client.session(len(PROMPT) + NEW) as s:
+    with client.session(len(PROMPT) + new) as s:
         logits = s.feed(PROMPT)
-        for i in range(NEW):
+        for i in range(new):
             if i == at and fault is not None:
                 fault(s)
             out.append(int(logits.argmax()))
@@ -278,13 +280,14 @@ def _borrow_beside(nodes, tiny_model_dir, port: int, public: int, near_mb: str =
 @pytest.fixture(scope="module")
 def one_can_borrow(tiny_model_dir):
     """Two nodes serving every block with a cache of 64 tokens each, and a `--role cache` node;
-    the second node allows no session longer than its cache: only the first can borrow."""
+    the second node allows no session longer than CAPPED, below its cache: only the first
+    can borrow, or take a session between the two."""
     flags, model = [*exact_flags(ttl=ROUTE_TTL), *SHORT], str(tiny_model_dir)
     nodes = [start_node((0, 6), model=model, extra=flags)]
     try:
         nodes[0].wait_serving()
         peers = nodes[0].maddrs[:1]
-        capped = [*flags, "--max-session-tokens", "64"]
+        capped = [*flags, "--max-session-tokens", str(CAPPED)]
         nodes.append(start_node((0, 6), peers, model=model, extra=capped))
         cache = [*exact_flags(ttl=ROUTE_TTL), "--role", "cache"]
         nodes.append(start_node(None, peers, model=model, extra=cache))
@@ -320,6 +323,97 @@ def test_a_session_longer_than_every_nodes_cache_goes_first_to_the_node_that_can
     assert out == reference_greedy(tiny_reference, PROMPT, NEW) and recoveries == []
 
 
+def test_a_session_goes_to_the_node_whose_session_limit_allows_it_though_both_have_the_cache(
+    one_can_borrow, tiny_model_dir, tiny_reference
+):
+    """56 tokens: both nodes' caches hold them, the second allows 48 a session (`cache_full`,
+    which ended the session at once before records said so)."""
+    allows, capped = one_can_borrow[0].peer, one_can_borrow[1].peer
+    new = 16
+    client = _client(one_can_borrow, tiny_model_dir)
+    try:
+        said = _await_records(client, lambda r: {allows, capped} <= r.keys())
+        length = len(PROMPT) + new
+        routes = {tuple(h.peer for h in client.route(max_length=length)) for _ in range(20)}
+        out, recoveries, _ = _generate(client, new=new)
+    finally:
+        client.close()
+    assert said[capped].session_tokens == CAPPED < length <= said[capped].free_cache_tokens
+    assert routes == {(allows,)}
+    assert out == reference_greedy(tiny_reference, PROMPT, new) and recoveries == []
+
+
+def _await_records(client: Client, enough, seconds: float = 30) -> dict:
+    """The nodes' records by peer, read until `enough` of them holds."""
+    deadline = time.monotonic() + seconds
+    while True:
+        said = {r.peer: r for r in client.nodes()}
+        if enough(said):
+            return said
+        assert time.monotonic() < deadline, f"the records never said so: {said}"
+        time.sleep(0.5)
+
+
+def test_a_session_longer_than_an_addresss_share_borrows_instead_of_being_refused(
+    tiny_model_dir, tiny_reference
+):
+    """As at the defaults, an address's share is a quarter of the cache (here 32 of 128): a
+    session of 80 fits the cache but not the share, so it keeps the share here and borrows
+    (before, it kept all 80 and was refused for the share, whatever --max-session-tokens)."""
+    share = ["--max-cache-tokens", "128", "--max-host-cache-tokens", "32"]
+    nodes = start_swarm(
+        [(0, 6)], model=str(tiny_model_dir), extra=[*exact_flags(ttl=ROUTE_TTL), *share]
+    )
+    try:
+        extra = [*exact_flags(ttl=ROUTE_TTL), "--role", "cache"]
+        nodes.append(start_node(None, nodes[0].maddrs[:1], model=str(tiny_model_dir), extra=extra))
+        nodes[-1].wait_serving()
+        client = _client(nodes, tiny_model_dir)
+        try:
+            node = nodes[0].peer
+            said = _await_records(client, lambda r: node in r and r[node].borrow_tokens >= 80)
+            out, recoveries, _ = _generate(client)
+        finally:
+            client.close()
+    finally:
+        stop_all(nodes)
+    assert said[node].cache_tokens == 32  # what one session keeps here: longer ones borrow
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW) and recoveries == []
+
+
+def test_a_lender_refusing_later_blocks_replays_through_the_only_serving_node(
+    tiny_model_dir, tiny_reference
+):
+    """The only lender first offers 0.03 MB: the session's first 16 positions (24 KB), not the
+    next. Another comes meanwhile; the replay, through the same sound node, borrows there."""
+    flags = [*exact_flags(ttl=20), *SHORT]
+    nodes = start_swarm([(0, 6)], model=str(tiny_model_dir), extra=flags)
+    cache = [*exact_flags(ttl=20), "--role", "cache"]
+    peers, model = nodes[0].maddrs[:1], str(tiny_model_dir)
+    try:
+        nodes.append(start_node(None, peers, model=model, extra=[*cache, "--max-lend", "0.03"]))
+        nodes[-1].wait_serving()
+        client = _client(nodes, tiny_model_dir)
+
+        def another_lender(_session) -> None:
+            nodes.append(start_node(None, peers, model=model, extra=cache))
+            nodes[-1].wait_serving()
+            deadline = time.monotonic() + 30
+            while len(read_lenders(client.dht, client.config.name)) < 2:
+                assert time.monotonic() < deadline, "the second lender never came"
+                time.sleep(0.5)
+            time.sleep(REFRESH_S + 0.5)  # the node's next look for a lender reads it too
+
+        try:
+            out, recoveries, _ = _generate(client, fault=another_lender, at=2)
+        finally:
+            client.close()
+    finally:
+        stop_all(nodes)
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW)
+    assert len(recoveries) == 1  # the later lend refused: one replay, the node not left out
+
+
 def test_a_cache_node_takes_no_layers(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--role", "cache", "--layers", "0:2"])
@@ -341,4 +435,4 @@ async def test_a_long_session_with_no_lender_announced_is_refused_naming_both_si
     finally:
         stop_all(nodes)
     assert isinstance(reply, Error) and reply.code == "busy", reply
-    assert "80 cache tokens" in reply.message and "whole cache of 64" in reply.message
+    assert "80 cache tokens" in reply.message and "the 64 this node keeps" in reply.message

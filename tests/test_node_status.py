@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from swarm.model.source import open_model
+from swarm.node.config import Limits
 from swarm.node.directory import PeerDirectory
 from swarm.node.status import Status, status_line, status_of
 from tests.helpers.records import node_record
@@ -28,10 +29,16 @@ def test_a_link_not_yet_measured_says_so():
 
 
 def serving_node(
-    free: int = 900, span=None, directory=None, max_session_tokens: int = 2048
+    free: int = 900,
+    span=None,
+    directory=None,
+    max_session_tokens: int = 2048,
+    cache: int | None = None,
+    host_share: int = 8192,
 ) -> SimpleNamespace:
     """The parts of a Node its figures are read from, as a node serving two sessions holds them
-    (a cache of 4096 tokens unless `span` is given: then 64)."""
+    (a cache of `cache` tokens, else 4096 unless `span` is given: then 64; `host_share` what
+    one address may reserve of it)."""
     lending = SimpleNamespace(lending=True)
     sessions = [SimpleNamespace(lender=None), SimpleNamespace(lender=lending)]  # one borrows
     table = type(
@@ -43,9 +50,11 @@ def serving_node(
             "free_cache_tokens": free,
         },
     )()
-    cache = 4096 if span is None else 64
-    limits = SimpleNamespace(
-        max_cache_tokens=cache, max_session_tokens=max_session_tokens, max_host_cache_tokens=8192
+    cache = cache or (4096 if span is None else 64)
+    limits = Limits(
+        max_cache_tokens=cache,
+        max_session_tokens=max_session_tokens,
+        max_host_cache_tokens=host_share,
     )
     return SimpleNamespace(
         config=SimpleNamespace(limits=limits),
@@ -97,6 +106,7 @@ def test_a_serving_node_reports_every_figure_it_holds():
         lend_free_mb=5.0,
         cache_tokens=4096,
         borrow_tokens=0,  # it allows no session longer than its cache
+        session_tokens=2048,
     )
 
 
@@ -127,6 +137,16 @@ def test_a_node_that_could_borrow_announces_the_longest_session_its_roomiest_len
     block a pass may lend ahead of need."""
     node = serving_node(64, tiny_span, lenders(a=0.5, b=1.5), max_session_tokens=8192)
     assert status_of(node).borrow_tokens == 32 + 1024 - 16
+
+
+def test_a_node_whose_address_share_is_below_half_its_cache_borrows_keeping_that_share(
+    tiny_span,
+):
+    """As at the defaults (a cache of 32768, an address's share 8192): a session longer than
+    the share keeps the share here, 32 positions, and borrows the rest."""
+    node = serving_node(128, tiny_span, lenders(b=1.5), 8192, cache=128, host_share=32)
+    status = status_of(node)
+    assert (status.cache_tokens, status.borrow_tokens) == (32, 32 + 1024 - 16)
 
 
 def test_what_a_node_could_borrow_is_bounded_by_its_max_session_tokens(tiny_span):

@@ -16,10 +16,13 @@ from swarm.client.probe import round_trips
 from swarm.client.session import RemoteSession
 from swarm.client.verify import Verdict, check_last_step
 from swarm.errors import (
+    CacheFull,
     FingerprintMismatch,
     LenderFailed,
+    LendRefused,
     ProtocolError,
     RewindRefused,
+    RouteUnavailable,
     SpanError,
     SwarmError,
 )
@@ -97,6 +100,7 @@ class InferenceSession:
         self._rows: tuple[Round, torch.Tensor] | None = None  # its final hidden states
         self._attempt = 0  # failed tries of the step or round under way
         self._failed_at: float | None = None
+        self._too_long: CacheFull | None = None  # a node's refusal of a session this long
 
     def __enter__(self) -> InferenceSession:
         return self
@@ -154,9 +158,14 @@ class InferenceSession:
     def recover(self, exc: SwarmError) -> None:
         """After `exc` in a step or a round: leave the route (the next step or round opens
         another and replays the history there), or raise `exc` where another route cannot
-        help or the retries are spent."""
-        if not _route_may_help(exc) or self._attempt == self.client.options.max_retries:
-            self._attempt, self._failed_at = 0, None
+        help or the retries are spent; a node's `CacheFull` if no route is left without the
+        nodes refusing a session this long."""
+        give_up = self._attempt == self.client.options.max_retries
+        if isinstance(exc, RouteUnavailable) and self._too_long is not None:
+            # the nodes left out allow shorter sessions: the caller's fix is a shorter one
+            exc, give_up = self._too_long, True
+        if give_up or not _route_may_help(exc):
+            self._attempt, self._failed_at, self._too_long = 0, None, None
             raise exc
         self._failed_at = self._failed_at or time.monotonic()
         self._reroute(exc, self._attempt)
@@ -165,7 +174,7 @@ class InferenceSession:
     def _recovered(self) -> None:
         if self._failed_at is not None:
             self.recoveries.append(time.monotonic() - self._failed_at)
-        self._attempt, self._failed_at = 0, None
+        self._attempt, self._failed_at, self._too_long = 0, None, None
 
     def send_round(self, ids: list[int], pos: int) -> Round:
         """Send `ids` (a decided token, then drafts) for positions [pos, pos + len(ids)); `pos`
@@ -263,11 +272,17 @@ class InferenceSession:
         time.sleep(min(0.25 * 2**attempt, 4.0))
 
     def _blame(self, exc: SwarmError) -> None:
-        if isinstance(exc, (RewindRefused, LenderFailed)):
-            # an honest node, short of history or of the lender it borrowed from: the replay
-            # (there too) rebuilds it
+        if isinstance(exc, (RewindRefused, LenderFailed, LendRefused)):
+            # an honest node, short of history or of the lender it borrowed from (gone, or
+            # refusing more blocks): the replay (there too) rebuilds it, borrowing anew
             return
         peer = getattr(exc, "peer", None)
+        if peer and isinstance(exc, CacheFull):
+            # its --max-session-tokens is below this session's length: other sessions may
+            # use it, and another node may allow this one
+            self._too_long = exc
+            self.excluded.add(peer)
+            return
         if peer:
             self.excluded.add(peer)
             self.client.router.failed(peer)  # the client's other sessions wait for a pong too
@@ -302,5 +317,6 @@ def _about_our_message(exc: SwarmError) -> bool:
 
 def _route_may_help(exc: SwarmError) -> bool:
     """Whether another route may succeed: the error says so (a busy or dead peer), or leaving
-    out a hop that misbehaved may."""
-    return exc.retry_elsewhere or _misbehaved(exc)
+    out a hop that misbehaved, or one allowing shorter sessions (`CacheFull`), may."""
+    too_long = isinstance(exc, CacheFull) and bool(getattr(exc, "peer", None))
+    return exc.retry_elsewhere or _misbehaved(exc) or too_long

@@ -152,15 +152,19 @@ def handoff_seconds(r: NodeRecord, cache_bytes: int) -> float:
 
 
 def session_nodes(records: list[NodeRecord], num_layers: int, max_length: int) -> list[NodeRecord]:
-    """The records a route for a session of `max_length` tokens draws from: those holding it
-    in their free cache, if they cover every block; else those holding it or able to by
-    borrowing KV blocks (`NodeRecord.borrows_for`), a route mixing both; else all (a full
-    node says so in its record, but may have room by now)."""
-    holds = [r for r in records if r.free_cache_tokens >= max_length]
-    if not missing_blocks(holds, num_layers):
-        return holds
-    takes = [r for r in records if r.free_cache_tokens >= max_length or r.borrows_for(max_length)]
-    return records if missing_blocks(takes, num_layers) else takes
+    """The records a route for a session of `max_length` tokens draws from: the first of these
+    that covers every block: those holding it in their free cache (`NodeRecord.holds`); those
+    and the nodes able to take it by borrowing KV blocks (`NodeRecord.borrows_for`), a route
+    mixing both; those whose --max-session-tokens allows it (`NodeRecord.allows`: a full node
+    says so in its record, but may have room by now); else all (a node refusing it names its
+    limit: `CacheFull`)."""
+    holds = [r for r in records if r.holds(max_length)]
+    takes = [r for r in records if r.holds(max_length) or r.borrows_for(max_length)]
+    allows = [r for r in records if r.allows(max_length)]
+    for tier in (holds, takes, allows):
+        if not missing_blocks(tier, num_layers):
+            return tier
+    return records
 
 
 def decode_nodes(records: list[NodeRecord], num_layers: int) -> list[NodeRecord]:

@@ -83,6 +83,7 @@ class Announcer:
             lend_free_mb=math.floor(status.lend_free_mb * 100) / 100,  # never more than it has
             cache_tokens=status.cache_tokens,
             borrow_tokens=status.borrow_tokens,
+            session_tokens=status.session_tokens,
             updated=get_dht_time(),
         )
 

@@ -1,15 +1,16 @@
-"""A session longer than this node's cache, its oldest KV blocks lent to another node (DistKV's
+"""A session longer than this node keeps, its oldest KV blocks lent to another node (DistKV's
 rBlocks, issue #52; the lender's side is swarm/node/lender.py).
 
-A session opened for more tokens than `--max-cache-tokens` keeps `local_tokens` positions here
-(half the node's cache): per layer attending over the whole session, the newest `cap` positions
-[offset, offset + cap); a layer with a sliding window shorter than the session keeps its ring
-and borrows nothing (it attends to nothing older). When a pass would write past the local
-positions, the oldest whole blocks go to the lender (`Lend`), layer by layer, and the local ones
-shift down. Each layer's attention is then its local piece merged with the lender's
-(`AttendLent`: the rows' queries go there, their partial attention and log-sum-exp come back;
-swarm.model.partial_attention), which is the attention over every position: a borrowing
-session's greedy tokens are an unborrowed one's.
+A session opened for more tokens than one session may reserve here (`session_room`: the node's
+`--max-cache-tokens`, or an address's share of it if less) keeps `local_tokens` positions here
+(half the node's cache, or that share if less): per layer attending over the whole session,
+the newest `cap` positions [offset, offset + cap); a layer with a sliding window shorter than
+the session keeps its ring and borrows nothing (it attends to nothing older). When a pass would
+write past the local positions, the oldest whole blocks go to the lender (`Lend`), layer by
+layer, and the local ones shift down. Each layer's attention is then its local piece merged
+with the lender's (`AttendLent`: the rows' queries go there, their partial attention and
+log-sum-exp come back; swarm.model.partial_attention), which is the attention over every
+position: a borrowing session's greedy tokens are an unborrowed one's.
 
 The lender, its connection, and the move of what it holds when it leaves:
 swarm/node/borrow_link.py. The pass runs in a compute thread; its lender's round trips go
@@ -40,22 +41,33 @@ from swarm.wire import pack_tensor, unpack_tensor
 if TYPE_CHECKING:
     from swarm.model.blocks import Block, Span
     from swarm.model.config import ModelConfig
+    from swarm.node.config import Limits
 
 BLOCK = 16  # positions a block: what moves to a lender at least, and whole
 
 
-def local_tokens(config: ModelConfig, max_cache_tokens: int, max_length: int) -> int | None:
+def session_room(limits: Limits) -> int:
+    """The most cache tokens one session reserves here: the node's cache, within one address's
+    share and what the previous node of a route may forward (swarm.node.session_table). A
+    longer session borrows: refused past the share, it would need the operator to raise
+    --max-host-cache-tokens beside --max-session-tokens."""
+    lim = limits
+    return min(lim.max_cache_tokens, lim.max_host_cache_tokens, lim.max_forwarded_cache_tokens)
+
+
+def local_tokens(config: ModelConfig, limits: Limits, max_length: int) -> int | None:
     """The positions a session of `max_length` keeps here if it must borrow (half the node's
-    cache, whole blocks); None if it fits, or cannot borrow (latent attention, Gated
-    DeltaNet's state, Gemma 4's per-layer inputs and shared KV, or a cache too small for two
-    blocks)."""
-    if max_length <= max_cache_tokens:
+    cache, or `session_room` if less; whole blocks); None if it fits `session_room`, or cannot
+    borrow (latent attention, Gated DeltaNet's state, Gemma 4's per-layer inputs and shared
+    KV, or too little room for two blocks)."""
+    room = session_room(limits)
+    if max_length <= room:
         return None
     if config.latent is not None or config.delta is not None:
         return None
     if config.per_layer or config.kv_shared:
         return None
-    cap = max_cache_tokens // 2 // BLOCK * BLOCK
+    cap = min(limits.max_cache_tokens // 2, room) // BLOCK * BLOCK
     return cap if cap >= 2 * BLOCK else None
 
 

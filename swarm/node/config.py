@@ -52,7 +52,11 @@ class Limits:
         32768, "KV-cache tokens this node holds across all sessions", type=positive_int
     )
     max_session_tokens: int = option(
-        8192, "longest sequence one session may reserve", type=positive_int
+        8192,
+        "longest session this node takes; one longer than --max-host-cache-tokens (or"
+        " --max-cache-tokens, if less) keeps at most that many here and borrows KV blocks"
+        " for the rest from other nodes",
+        type=positive_int,
     )
     # KV blocks this node holds for sessions of other nodes short of cache (swarm.node.lender)
     max_lend_mb: float = option(
@@ -76,7 +80,10 @@ class Limits:
     # flood from one host leaves room for the others
     max_host_sessions: int = option(16, "sessions one source address may hold", type=positive_int)
     max_host_cache_tokens: int = option(
-        8192, "KV-cache tokens one source address may reserve", type=positive_int
+        8192,
+        "KV-cache tokens one source address may reserve; also the most one session keeps here"
+        " (a longer one borrows)",
+        type=positive_int,
     )
     # the node before this one on a route forwards many users' sessions, each in its user's
     # share (swarm.node.admission); all of them together get at most half the node

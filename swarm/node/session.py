@@ -37,7 +37,7 @@ from swarm.errors import (
 )
 from swarm.model.blocks import ring_slots
 from swarm.node.admission import Share, peer_host, share_of
-from swarm.node.borrow import BorrowedCache, lent_at_most, local_tokens
+from swarm.node.borrow import BorrowedCache, lent_at_most, local_tokens, session_room
 from swarm.node.borrow_link import Lender
 from swarm.node.context import SessionContext, send_quietly
 from swarm.node.prompt import PromptPieces
@@ -86,9 +86,9 @@ class Session(StepWork):
         self.start, self.end = hop.start, hop.end
         self.wire_dtype = msg.wire_dtype or ctx.config.wire_dtype or ctx.span.config.wire_dtype
         self.max_length = msg.max_length
-        # longer than the node's cache: this many positions here, the oldest lent (borrow.py)
-        limits = ctx.config.limits
-        self.borrow_cap = local_tokens(ctx.span.config, limits.max_cache_tokens, msg.max_length)
+        # longer than one session may keep here: this many positions here, the oldest lent
+        # (borrow.py)
+        self.borrow_cap = local_tokens(ctx.span.config, ctx.config.limits, msg.max_length)
         self.local_tokens = self.borrow_cap or msg.max_length
         self.lender: Lender | None = None
         self.owner = owner  # only it may send steps
@@ -323,10 +323,10 @@ class Session(StepWork):
         if self.state.closed:
             return False  # evicted before its task began
         if self.lender is not None and not await self.lender.any_announced():
+            room = session_room(self.ctx.config.limits)
             err = NodeBusy(
-                f"session wants {self.max_length} cache tokens, more than this node's whole"
-                f" cache of {self.ctx.config.limits.max_cache_tokens}, and no node to borrow"
-                " from is announced"
+                f"session wants {self.max_length} cache tokens, more than the {room} this node"
+                " keeps for one session, and no node to borrow from is announced"
             )
             await self.fail(Error.of(err, self.sid, self.hop))
             return False

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from swarm.model.kvcache import KVCache
-from swarm.node.borrow import local_tokens, longest_borrowing
+from swarm.node.borrow import local_tokens, longest_borrowing, session_room
 from swarm.node.borrow_link import lenders_of
 from swarm.records import DEFAULT_WEIGHTS, MAX_TOKENS
 
@@ -50,7 +50,8 @@ class Status:
     lent_mb: float = 0.0  # KV blocks it holds for other nodes' sessions, now
     borrowing: int = 0  # its sessions whose oldest KV blocks are at a lender, now
     lend_free_mb: float = 0.0  # what one more borrowing node could get here, now
-    cache_tokens: int = 0  # --max-cache-tokens: longer sessions borrow
+    cache_tokens: int = 0  # what one session may keep here (session_room): longer ones borrow
+    session_tokens: int = 0  # --max-session-tokens: it takes no longer session
     borrow_tokens: int = 0  # the longest session it could take now by borrowing (0: none)
 
 
@@ -79,25 +80,27 @@ def status_of(node: Node) -> Status:
         lent_mb=node.lends.lent_bytes / 2**20,
         borrowing=sum(1 for s in node.sessions if s.lender is not None and s.lender.lending),
         lend_free_mb=node.lends.free_for_one / 2**20,
-        cache_tokens=min(node.config.limits.max_cache_tokens, MAX_TOKENS),
+        cache_tokens=min(session_room(node.config.limits), MAX_TOKENS),
+        session_tokens=min(node.config.limits.max_session_tokens, MAX_TOKENS),
         borrow_tokens=borrowable(node, free),
     )
 
 
 def may_borrow(node: Node) -> bool:
-    """Some session could borrow here: --max-session-tokens allows one longer than the cache,
-    and the model's cache can be split (swarm.node.borrow.local_tokens)."""
+    """Some session could borrow here: --max-session-tokens allows one longer than one session
+    may keep here (session_room), and the model's cache can be split (local_tokens)."""
     lim = node.config.limits
-    if lim.max_session_tokens <= lim.max_cache_tokens:
+    if lim.max_session_tokens <= session_room(lim):
         return False
-    return local_tokens(node.span.config, lim.max_cache_tokens, lim.max_session_tokens) is not None
+    return local_tokens(node.span.config, lim, lim.max_session_tokens) is not None
 
 
 def borrowable(node: Node, free: int) -> int:
     """The longest session `node` could take now by borrowing (0: none), with `free` cache
-    tokens a newcomer could reserve. Such a session, longer than the whole cache, keeps
-    `local_tokens` positions here (half the cache, whatever its length: they must be free and
-    within one address's share) and lends the rest to one lender, which keeps all of them:
+    tokens a newcomer could reserve. Such a session, longer than one session may keep here
+    (`session_room`: the cache, or an address's share of it if less), keeps `local_tokens`
+    positions here (half the cache, or that share if less, whatever its length: they must be
+    free) and lends the rest to one lender, which keeps all of them:
     the lender offering one borrower the most (`lend_free_mb`) among those last read bounds
     it, each position costing the bytes of every layer of the span; --max-session-tokens
     bounds it too. Records are seconds old and the lender is chosen by round trip: a figure
@@ -105,8 +108,8 @@ def borrowable(node: Node, free: int) -> int:
     lim, span = node.config.limits, node.span
     if not may_borrow(node):
         return 0
-    cap = local_tokens(span.config, lim.max_cache_tokens, lim.max_session_tokens) or 0
-    if cap > min(free, lim.max_host_cache_tokens):
+    cap = local_tokens(span.config, lim, lim.max_session_tokens) or 0
+    if cap > free:
         return 0
     per_token = KVCache.bytes_per_token(
         span.config, span.end - span.start, span.cache_dtype, span.start
@@ -115,7 +118,7 @@ def borrowable(node: Node, free: int) -> int:
     most = max((r.lend_free_mb for r in lenders), default=0.0)
     lendable = int(most * 2**20) // per_token
     longest = min(lim.max_session_tokens, MAX_TOKENS, longest_borrowing(cap, lendable))
-    return longest if longest > lim.max_cache_tokens else 0
+    return longest if longest > session_room(lim) else 0
 
 
 def status_line(now: Status, before: Status, seconds: float) -> str:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from swarm.dht import proves
 from swarm.errors import HandoverRefused, NodeBusy, SessionNotFound, SwarmError
 from swarm.node.admission import peer_host, share_of
+from swarm.node.borrow import session_room
 from swarm.node.context import send_quietly
 from swarm.node.handover.cache import CacheIntake, refusal
 from swarm.node.session import Session
@@ -71,8 +72,8 @@ async def take(
         session = Session(ctx, conn, opening, now, share, coming=True)
         if session.borrow_cap is not None:  # its cache would have to be lent on arrival
             raise NodeBusy(
-                f"a handed-over session of {opening.max_length} tokens is longer than this"
-                f" node's cache of {ctx.config.limits.max_cache_tokens}"
+                f"a handed-over session of {opening.max_length} tokens is longer than the"
+                f" {session_room(ctx.config.limits)} this node keeps for one session"
             )
         if ctx.sessions.make_room(session, now):
             raise NodeBusy("no free place for a handed-over session without evicting one")
