@@ -218,6 +218,23 @@ def test_page_shows_the_session_a_node_could_take_by_borrowing_beside_its_free_c
     assert (nodes["b"]["borrow_tokens"], nodes["q"]["borrow_tokens"]) == (1040, 0)
 
 
+def test_page_and_json_show_a_session_cap_below_what_the_node_could_hold():
+    capped = rec("c", 0, 4, free_cache_tokens=4096, cache_tokens=8192, session_tokens=1024)
+    roomy = rec("r", 4, 8, free_cache_tokens=4096, cache_tokens=8192, session_tokens=8192)
+    unsaid = rec("u", 0, 8, free_cache_tokens=64)
+    snap = Snapshot(
+        taken_at=1001.0,
+        dht=DhtStatus("ok", 1001.0, 0.01),
+        models=(view(capped, roomy, unsaid),),
+    )
+    page = render_page(snap, 10)
+    badges = re.findall(r'<span class="muted session-cap"[^>]*>· ([^<]*)</span>', page)
+    assert badges == ["1,024 a session at most"]
+    nodes = {n["peer"]: n for n in snap.to_json()["models"][0]["nodes"]}
+    got = [(nodes[p]["cache_tokens"], nodes[p]["session_tokens"]) for p in ("c", "r", "u")]
+    assert got == [(8192, 1024), (8192, 8192), (0, 0)]
+
+
 def test_page_and_json_show_prefill_and_decode_roles():
     snap = Snapshot(
         taken_at=1001.0,

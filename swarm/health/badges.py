@@ -1,6 +1,6 @@
 """The badges beside a node's figures on the health page: what it turned away, moved, lends and
-borrows (or could), its role, and what clients reported of it. Every string from a record is
-escaped."""
+borrows (or could), the longest session it takes, its role, and what clients reported of it.
+Every string from a record is escaped."""
 
 from __future__ import annotations
 
@@ -80,4 +80,16 @@ def borrowable(r: NodeRecord) -> str:
         ' <span class="muted borrowable" title="the longest session it could take now, keeping'
         ' part of its cache and lending the oldest KV blocks to another node">'
         f"· {r.borrow_tokens:,} by borrowing</span>"
+    )
+
+
+def session_cap(r: NodeRecord) -> str:
+    """The longest session it takes (`--max-session-tokens`), beside its free cache where that
+    is less: a route for a longer session goes elsewhere (swarm.client.routing)."""
+    if not 0 < r.session_tokens < max(r.free_cache_tokens, r.borrow_tokens):
+        return ""
+    return (
+        ' <span class="muted session-cap" title="the longest session it takes'
+        ' (--max-session-tokens)">'
+        f"· {r.session_tokens:,} a session at most</span>"
     )

@@ -8,7 +8,15 @@ from __future__ import annotations
 import time
 from html import escape
 
-from swarm.health.badges import borrowable, kv_lending, moved, reported, role, throttled
+from swarm.health.badges import (
+    borrowable,
+    kv_lending,
+    moved,
+    reported,
+    role,
+    session_cap,
+    throttled,
+)
 from swarm.health.snapshot import EXPIRED, ModelView, NodeView, Snapshot, short_peer
 from swarm.records import format_blocks
 
@@ -293,7 +301,7 @@ def _row(n: NodeView, num_layers: int) -> str:
         escape(r.version[:32]),
         f"<code>{escape(r.weights)}</code>",
         f"{_num(r.throughput)} tok/s",
-        f"{r.free_cache_tokens:,}" + borrowable(r) + kv_lending(r),
+        f"{r.free_cache_tokens:,}" + session_cap(r) + borrowable(r) + kv_lending(r),
         f'{r.sessions} <span class="muted" title="decode steps per pass, on average">'
         f"· batch {r.decode_batch:.1f}</span>" + throttled(r.throttled) + moved(r),
         _link(r.link),

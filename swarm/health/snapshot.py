@@ -73,6 +73,8 @@ class NodeView:
             "lent_mb": r.lent_mb,  # KV blocks it holds for other nodes' sessions
             "borrowing": r.borrowing,  # its sessions whose oldest KV blocks are at a lender
             "borrow_tokens": r.borrow_tokens,  # the longest session it could take borrowing
+            "cache_tokens": r.cache_tokens,  # past this a session borrows (0: unsaid)
+            "session_tokens": r.session_tokens,  # the longest session it takes (0: unsaid)
             "role": r.role,  # both, prefill (hands its sessions on to decode nodes), decode
             "link": dict(r.link),
             "tls": r.tls,  # the key id it proves; "" when it runs --plaintext
