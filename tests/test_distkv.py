@@ -220,16 +220,9 @@ def test_a_session_borrows_from_the_lender_with_the_shorter_round_trip(
     tiny_model_dir, tiny_reference, tmp_path
 ):
     """Of two lenders, the one 30 ms away announces more free memory; the near one lends."""
-    port = free_port()
-    log_path = tmp_path / "borrower.stderr"
-    flags = [*exact_flags(ttl=20), *SHORT]
-    with open(log_path, "w") as log:
-        nodes = [start_node((0, 6), model=str(tiny_model_dir), extra=flags, stderr=log)]
-    with shaped_relay(port, rate_mbps=100, delay_ms=15) as public:
-        out, recoveries = _borrow_beside(nodes, tiny_model_dir, port, public)
+    out, recoveries, lends, far = _borrow_beside(tiny_model_dir, tmp_path)
     assert out == reference_greedy(tiny_reference, PROMPT, NEW) and recoveries == []
-    lends = [line for line in log_path.read_text().splitlines() if "lends its oldest" in line]
-    assert lends and not any(f"127.0.0.1:{public}" in line for line in lends)
+    assert lends and not any(far in line for line in lends)
 
 
 def test_a_session_borrows_from_a_farther_lender_with_room_for_all_it_lends(
@@ -237,21 +230,27 @@ def test_a_session_borrows_from_a_farther_lender_with_room_for_all_it_lends(
 ):
     """The near lender offers 0.03 MB: its first 16 positions (24 KB), not the 64 the session
     lends at most; it would refuse the next ones and the session would replay."""
+    out, recoveries, lends, far = _borrow_beside(tiny_model_dir, tmp_path, near_mb="0.03")
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW) and recoveries == []
+    assert lends and all(far in line for line in lends)
+
+
+def _borrow_beside(tiny_model_dir, tmp_path, near_mb: str = "256"):
+    """A long session through a node beside two cache lenders: one 30 ms away (a shaped relay)
+    with more memory to lend, one on loopback lending `near_mb`. (tokens, recoveries, the
+    borrower's log lines naming where it lent, the far lender's address)."""
     port = free_port()
     log_path = tmp_path / "borrower.stderr"
-    flags = [*exact_flags(ttl=20), *SHORT]
     with open(log_path, "w") as log:
+        flags = [*exact_flags(ttl=20), *SHORT]
         nodes = [start_node((0, 6), model=str(tiny_model_dir), extra=flags, stderr=log)]
     with shaped_relay(port, rate_mbps=100, delay_ms=15) as public:
-        out, recoveries = _borrow_beside(nodes, tiny_model_dir, port, public, near_mb="0.03")
-    assert out == reference_greedy(tiny_reference, PROMPT, NEW) and recoveries == []
+        out, recoveries = _lend_at(nodes, tiny_model_dir, port, public, near_mb)
     lends = [line for line in log_path.read_text().splitlines() if "lends its oldest" in line]
-    assert lends and all(f"127.0.0.1:{public}" in line for line in lends)
+    return out, recoveries, lends, f"127.0.0.1:{public}"
 
 
-def _borrow_beside(nodes, tiny_model_dir, port: int, public: int, near_mb: str = "256"):
-    """A long session through nodes[0] beside two cache lenders: one behind the relay at
-    `public` with more memory to lend, one on loopback lending `near_mb`."""
+def _lend_at(nodes, tiny_model_dir, port: int, public: int, near_mb: str):
     cache = [*exact_flags(ttl=20), "--role", "cache"]
     try:
         nodes[0].wait_serving()  # its address, which the lenders join by, comes with it
