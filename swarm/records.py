@@ -37,6 +37,7 @@ DEFAULT_WEIGHTS = "float32"  # what a record from before the field existed was s
 
 
 HANDOVER_FIGURES = ("prompt_passes", "moved_in", "moved_out", "transfers")
+BORROW_TOKENS = ("cache_tokens", "borrow_tokens", "session_tokens")  # 0..MAX_TOKENS, 0: unsaid
 
 
 def block_key(model: str, block: int) -> str:
@@ -154,10 +155,7 @@ class NodeRecord:
                 lend_free_mb=float(_typed(raw, "lend_free_mb", (int, float)))
                 if "lend_free_mb" in raw
                 else 0.0,
-                cache_tokens=_typed(raw, "cache_tokens", int) if "cache_tokens" in raw else 0,
-                borrow_tokens=_typed(raw, "borrow_tokens", int) if "borrow_tokens" in raw else 0,
-                session_tokens=_typed(raw, "session_tokens", int) if "session_tokens" in raw else 0,
-                **{k: _typed(raw, k, int) for k in HANDOVER_FIGURES if k in raw},
+                **{k: _typed(raw, k, int) for k in (*HANDOVER_FIGURES, *BORROW_TOKENS) if k in raw},
             )
         except KeyError as exc:
             raise ValueError(f"record lacks field {exc}") from None
@@ -197,7 +195,7 @@ class NodeRecord:
 def _check_borrowing(rec: NodeRecord) -> None:
     if not 0.0 <= rec.lend_free_mb <= MAX_LEND_MB:  # NaN fails too
         raise ValueError(f"record lend_free_mb {rec.lend_free_mb} is not in 0..{MAX_LEND_MB:g}")
-    for name in ("cache_tokens", "borrow_tokens", "session_tokens"):
+    for name in BORROW_TOKENS:
         if not 0 <= getattr(rec, name) <= MAX_TOKENS:
             raise ValueError(f"record {name} {getattr(rec, name)} is not in 0..{MAX_TOKENS}")
     if rec.borrow_tokens and rec.borrow_tokens <= rec.cache_tokens:

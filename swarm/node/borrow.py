@@ -86,7 +86,12 @@ def _ahead(cap: int) -> int:
     """A pass lends whole blocks, a quarter of the local positions at least (`_make_room`), so
     what is lent runs ahead of `max_length - cap` by less than that quarter rounded up to a
     block."""
-    return -(-(cap // 4) // BLOCK) * BLOCK
+    return _whole_blocks(cap // 4)
+
+
+def _whole_blocks(positions: int) -> int:
+    """`positions` rounded up to whole blocks."""
+    return -(-positions // BLOCK) * BLOCK
 
 
 @dataclass
@@ -220,7 +225,7 @@ def _make_room(cache: BorrowedCache, lender: Lending, upto: int) -> None:
     short = upto - cache.offset - cache.cap
     if short <= 0:
         return
-    n = -(-max(short, cache.cap // 4) // BLOCK) * BLOCK  # whole blocks, a quarter at least
+    n = max(_whole_blocks(short), _ahead(cache.cap))
     n = min(n, (cache.length - cache.offset) // BLOCK * BLOCK)
     lender.lend_sync(cache, n)
     cache.shift(n)
