@@ -232,7 +232,6 @@ class ModelRecord:
                 num_layers=_typed(raw, "num_layers", int),
                 fingerprint=_typed(raw, "fingerprint", str),
                 arch=_typed(raw, "arch", str)[:MAX_ARCH] if "arch" in raw else "",
-                **{k: _typed(raw, k, int) for k in HANDOVER_FIGURES if k in raw},
             )
         except KeyError as exc:
             raise ValueError(f"model record lacks field {exc}") from None

@@ -142,6 +142,13 @@ def test_unsigned_models_do_not_push_the_real_one_out_of_the_index(swarm):
         attacker.shutdown()
 
 
+def test_a_model_record_is_read_without_fields_it_does_not_have():
+    """A node record's figures in a model index entry are ignored like any unknown field, not
+    a TypeError escaping the index's reader (which skips only ValueErrors)."""
+    raw = {**ModelRecord("m", 4, "0" * 16).to_wire(), "moved_in": 3, "transfers": 1}
+    assert ModelRecord.from_wire(raw) == ModelRecord("m", 4, "0" * 16)
+
+
 def test_two_node_keys_in_one_process_are_two_nodes(swarm):
     """Each node signs with a key of its own: two in one process prove different ids, and one
     cannot overwrite the records the other announced."""
