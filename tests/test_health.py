@@ -70,6 +70,13 @@ def view(
     return build_model_view(model, known, reach or {}, now, reports)
 
 
+def snapshot(*records: NodeRecord, **options) -> Snapshot:
+    """A snapshot of one model's nodes (`view`'s records and options), the DHT answering."""
+    return Snapshot(
+        taken_at=1001.0, dht=DhtStatus("ok", 1001.0, 0.01), models=(view(*records, **options),)
+    )
+
+
 def test_coverage_counts_usable_nodes_per_block_and_a_gap_breaks_the_route():
     m = view(rec("a", 0, 4), rec("b", 2, 6), rec("c", 7, 8))
     assert m.coverage == (1, 1, 2, 2, 1, 1, 0, 1)
@@ -104,7 +111,7 @@ def test_unreachable_offline_expired_and_foreign_weight_nodes_do_not_count():
 
 def test_page_escapes_whatever_strangers_put_in_records():
     hostile = rec("<b>peer</b>", 0, 8, version="<script>alert(1)</script>", addr='h"x:1')
-    snap = Snapshot(taken_at=1001.0, dht=DhtStatus("ok", 1001.0, 0.01), models=(view(hostile),))
+    snap = snapshot(hostile)
     page = render_page(snap, 10)
     assert "<script" not in page
     assert "&lt;script&gt;" in page
@@ -114,11 +121,7 @@ def test_page_escapes_whatever_strangers_put_in_records():
 def test_page_shows_each_nodes_weight_format():
     # a node from before records carried the field: its weights read as float32
     old = {k: v for k, v in rec("f", 4, 8).to_wire().items() if k != "weights"}
-    snap = Snapshot(
-        taken_at=1001.0,
-        dht=DhtStatus("ok", 1001.0, 0.01),
-        models=(view(rec("q", 0, 4, weights="int4"), NodeRecord.from_wire(old)),),
-    )
+    snap = snapshot(rec("q", 0, 4, weights="int4"), NodeRecord.from_wire(old))
     page = render_page(snap, 10)
     cells = re.findall(r'<td data-label="Weights"><div><code>([^<]*)</code>', page)
     assert cells == ["int4", "float32"]
@@ -128,16 +131,10 @@ def test_page_shows_each_nodes_weight_format():
 
 def test_page_marks_relayed_and_plaintext_nodes():
     key = "ab" * 32
-    snap = Snapshot(
-        taken_at=1001.0,
-        dht=DhtStatus("ok", 1001.0, 0.01),
-        models=(
-            view(
-                rec("direct", 0, 4, tls=key),
-                rec("behind", 0, 4, tls=key, relay="12D3KooWRelayRelay"),
-                rec("clear", 4, 8),
-            ),
-        ),
+    snap = snapshot(
+        rec("direct", 0, 4, tls=key),
+        rec("behind", 0, 4, tls=key, relay="12D3KooWRelayRelay"),
+        rec("clear", 4, 8),
     )
     page = render_page(snap, 10)
     rows = {m[0]: m[1] for m in re.findall(r'data-peer="(\w+)".*?Address"><div>(.*?)</div>', page)}
@@ -156,11 +153,7 @@ def test_page_shows_each_nodes_sessions_and_mean_decode_batch():
         if k not in ("sessions", "decode_batch", "decode_passes")
     }
     busy = rec("q", 0, 4, sessions=5, decode_batch=2.46, decode_passes=300)
-    snap = Snapshot(
-        taken_at=1001.0,
-        dht=DhtStatus("ok", 1001.0, 0.01),
-        models=(view(busy, NodeRecord.from_wire(old)),),
-    )
+    snap = snapshot(busy, NodeRecord.from_wire(old))
     cells = re.findall(
         r'<td data-label="Sessions" class=num><div>(\d+) <span[^>]*>· batch ([\d.]+)',
         render_page(snap, 10),
@@ -174,11 +167,7 @@ def test_page_shows_sessions_moved_with_their_caches_and_transfers_in_flight():
     took = rec("r", 0, 4, moved_in=4)
     leaving = rec("l", 0, 4, state="offline", moved_out=3, transfers=1)
     quiet = rec("q", 4, 8)
-    snap = Snapshot(
-        taken_at=1001.0,
-        dht=DhtStatus("ok", 1001.0, 0.01),
-        models=(view(took, leaving, quiet),),
-    )
+    snap = snapshot(took, leaving, quiet)
     page = render_page(snap, 10)
     moved = re.findall(r"· moved ([^<]*)</span>", page)
     assert sorted(moved) == ["0 in, 3 out, 1 moving", "4 in, 0 out"]
@@ -190,11 +179,7 @@ def test_page_and_json_show_kv_blocks_lent_and_sessions_borrowing():
     lender = rec("c", 0, 4, lent_mb=12.5)
     borrower = rec("b", 4, 8, borrowing=2)
     quiet = rec("q", 0, 8)
-    snap = Snapshot(
-        taken_at=1001.0,
-        dht=DhtStatus("ok", 1001.0, 0.01),
-        models=(view(lender, borrower, quiet),),
-    )
+    snap = snapshot(lender, borrower, quiet)
     page = render_page(snap, 10)
     badges = re.findall(r'<span class="muted lending"[^>]*>· ([^<]*)</span>', page)
     assert sorted(badges) == ["2 borrowing", "lends 12.5 MB"]
@@ -206,11 +191,7 @@ def test_page_shows_the_session_a_node_could_take_by_borrowing_beside_its_free_c
     borrower = rec("b", 0, 4, free_cache_tokens=48, cache_tokens=64, borrow_tokens=1040)
     same = rec("s", 4, 8, free_cache_tokens=4096, cache_tokens=64, borrow_tokens=1040)
     quiet = rec("q", 0, 8, free_cache_tokens=64)
-    snap = Snapshot(
-        taken_at=1001.0,
-        dht=DhtStatus("ok", 1001.0, 0.01),
-        models=(view(borrower, same, quiet),),
-    )
+    snap = snapshot(borrower, same, quiet)
     page = render_page(snap, 10)
     badges = re.findall(r'<span class="muted borrowable"[^>]*>· ([^<]*)</span>', page)
     assert badges == ["1,040 by borrowing"]  # not beside a free cache that holds more
@@ -222,11 +203,7 @@ def test_page_and_json_show_a_session_cap_below_what_the_node_could_hold():
     capped = rec("c", 0, 4, free_cache_tokens=4096, cache_tokens=8192, session_tokens=1024)
     roomy = rec("r", 4, 8, free_cache_tokens=4096, cache_tokens=8192, session_tokens=8192)
     unsaid = rec("u", 0, 8, free_cache_tokens=64)
-    snap = Snapshot(
-        taken_at=1001.0,
-        dht=DhtStatus("ok", 1001.0, 0.01),
-        models=(view(capped, roomy, unsaid),),
-    )
+    snap = snapshot(capped, roomy, unsaid)
     page = render_page(snap, 10)
     badges = re.findall(r'<span class="muted session-cap"[^>]*>· ([^<]*)</span>', page)
     assert badges == ["1,024 a session at most"]
@@ -236,13 +213,7 @@ def test_page_and_json_show_a_session_cap_below_what_the_node_could_hold():
 
 
 def test_page_and_json_show_prefill_and_decode_roles():
-    snap = Snapshot(
-        taken_at=1001.0,
-        dht=DhtStatus("ok", 1001.0, 0.01),
-        models=(
-            view(rec("p", 0, 8, role="prefill"), rec("d", 0, 8, role="decode"), rec("b", 0, 8)),
-        ),
-    )
+    snap = snapshot(rec("p", 0, 8, role="prefill"), rec("d", 0, 8, role="decode"), rec("b", 0, 8))
     page = render_page(snap, 10)
     assert sorted(re.findall(r'<span class="badge role"[^>]*>([^<]*)</span>', page)) == [
         "decode",
@@ -254,11 +225,7 @@ def test_page_and_json_show_prefill_and_decode_roles():
 
 def test_page_flags_a_node_clients_reported_with_how_many_keys_reported_it():
     said = Reported("liar", frozenset({"k1", "k2", "k3"}), ((0, 4),), last=1000.0)
-    snap = Snapshot(
-        taken_at=1001.0,
-        dht=DhtStatus("ok", 1001.0, 0.01),
-        models=(view(rec("liar", 0, 4), rec("honest", 4, 8), reports={"liar": said}),),
-    )
+    snap = snapshot(rec("liar", 0, 4), rec("honest", 4, 8), reports={"liar": said})
     states = dict(re.findall(r'data-peer="(\w+)".*?State"><div>(.*?)</div>', render_page(snap, 10)))
     assert "reported by 3</span>" in states["liar"] and "a signal, not a verdict" in states["liar"]
     assert "reported" not in states["honest"]
@@ -268,9 +235,7 @@ def test_page_flags_a_node_clients_reported_with_how_many_keys_reported_it():
 
 
 def test_page_has_no_script_and_no_external_asset():
-    snap = Snapshot(
-        taken_at=1001.0, dht=DhtStatus("ok", 1001.0, 0.01), models=(view(rec("a", 0, 8)),)
-    )
+    snap = snapshot(rec("a", 0, 8))
     page = render_page(snap, 10)
     assert "<script" not in page
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
