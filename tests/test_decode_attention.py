@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from swarm.model import kernels
 from swarm.model.blocks import Span
+from swarm.model.fast_layers import FastLayers
 from swarm.model.source import open_model
 from tests.helpers.kernels import ISAS, lib_for, needs_kernels
 from tests.helpers.scripts import synthetic_gguf
@@ -121,6 +122,7 @@ def test_a_lone_sessions_step_takes_the_kernels_attention_as_a_batched_one(tmp_p
             from swarm.model import blocks
 
             monkeypatch.setattr(blocks.kernels, "load", lambda isa=None: None)
+            monkeypatch.setattr(span, "fast", FastLayers(0))  # blocks.py's own path
     assert torch.equal(outs["forward"], outs["decode"])
     assert not torch.equal(outs["forward"], outs["torch"])  # the kernels did take it
     torch.testing.assert_close(outs["forward"], outs["torch"], rtol=1e-4, atol=1e-4)
@@ -128,8 +130,10 @@ def test_a_lone_sessions_step_takes_the_kernels_attention_as_a_batched_one(tmp_p
 
 def test_batched_decode_through_the_kernels_matches_torchs_attention(tmp_path, monkeypatch):
     """Span.decode of three sessions at different depths, bfloat16 caches: the kernels' attention
-    against the same steps with torch's (kernels.load() returning None for attention only)."""
+    against the same steps with torch's (kernels.load() returning None for attention only), in
+    blocks.py's layer by layer path (the one layers that are not plain take)."""
     span = small_span(tmp_path)
+    span.fast = FastLayers(0)
     lengths = [1, 9, 40]
 
     def run() -> torch.Tensor:

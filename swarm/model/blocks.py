@@ -20,6 +20,7 @@ from swarm.model.eager import eager_attention
 from swarm.model.embedding import Embedding
 from swarm.model.experts import MLP, Experts
 from swarm.model.families import block_tensors
+from swarm.model.fast_layers import FastLayers
 from swarm.model.gemma4 import PerLayerInputs, Tail
 from swarm.model.gemma4_experts import DenseAndExperts
 from swarm.model.kvcache import KVCache as KVCache
@@ -326,6 +327,7 @@ class Span:
         self.per_layer = per_layer  # Gemma 4's per-layer inputs of these layers
         # float32 weights are the exact mode: its cache stays float32 too
         self.cache_dtype = torch.float32 if weights == "float32" else torch.bfloat16
+        self.fast = FastLayers.build(config, start, blocks)  # plain layers in one C call
 
     @classmethod
     def load(
@@ -360,16 +362,14 @@ class Span:
     @property
     def nbytes(self) -> int:
         """Bytes of the span's matrices and norms (and Gemma 4's per-layer tables)."""
-        extra = 0 if self.per_layer is None else self.per_layer.nbytes
-        return sum(b.nbytes for b in self.blocks) + extra
+        return sum(b.nbytes for b in self.blocks) + getattr(self.per_layer, "nbytes", 0)
 
     @property
     def formats(self) -> dict[str, int]:
         """How many of the model's matrices are held in each format."""
         counts: dict[str, int] = {}
-        for b in self.blocks:
-            for lin in b.linears:
-                counts[lin.format] = counts.get(lin.format, 0) + lin.matrices
+        for lin in (lin for b in self.blocks for lin in b.linears):
+            counts[lin.format] = counts.get(lin.format, 0) + lin.matrices
         return counts
 
     @property
@@ -403,6 +403,9 @@ class Span:
         n = h.shape[1]
         x = h.reshape(n, -1).float()
         turns = {rope: r.cos_sin(pos, n) for rope, r in self.rotaries.items()}
+        if n == 1 and (y := self.fast.run(x, [cache], [pos], start, end, turns, True)) is not None:
+            cache.length = pos + 1
+            return y.view(1, 1, -1)
         inputs = self._per_layer_inputs(ids, n, start, end)
         shared: dict | None = {} if self.config.kv_shared else None
         for i in range(start, end):
@@ -432,6 +435,8 @@ class Span:
         `ids`: each row's token id, where the model has per-layer inputs (Gemma 4)."""
         x = h.float()
         turns = {rope: r.at(positions) for rope, r in self.rotaries.items()}
+        if (y := self.fast.run(x, caches, positions, start, end, turns, False)) is not None:
+            x, end = y, start  # every layer done
         inputs = self._per_layer_inputs(ids, len(positions), start, end)
         shared: dict | None = {} if self.config.kv_shared else None
         for i in range(start, end):

@@ -73,6 +73,7 @@ class Kernels:
         ci = ctypes.c_int
         lib.swq_attn_scores.argtypes = [ptr, ptr, i64, ci, ci, ci, i64, ctypes.c_float, ptr]
         lib.swq_attn_mix.argtypes = [ptr, ptr, i64, ci, ci, ci, i64, ptr]
+        lib.swq_layers.argtypes = [ptr, ci, ptr, i64, ptr, ptr, ptr, ptr, ci]  # fast_layers.py
         return cls(lib, lib.swq_isa().decode(), lib.swq_rows())
 
     def pack(self, kind: str, blocks: np.ndarray, k: int) -> torch.Tensor:

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 # quantmm.c first: its object code and place in the library stay as they were before
-# attention.c joined
-SOURCES = [Path(__file__).with_name(name) for name in ("quantmm.c", "attention.c")]
+# attention.c and layer.c joined
+SOURCES = [Path(__file__).with_name(name) for name in ("quantmm.c", "attention.c", "layer.c")]
 
 # instruction set -> compiler flags, best first; each needs the CPU flags in ISA_CPU_FLAGS
 ISA_FLAGS = {
@@ -97,7 +97,7 @@ def build(isa: str) -> Path:
         except OSError as exc:
             last = exc
             continue
-        cmd = [cc, *COMMON_FLAGS, *ISA_FLAGS[isa], "-o", tmp, *map(str, SOURCES)]
+        cmd = [cc, *COMMON_FLAGS, *ISA_FLAGS[isa], "-o", tmp, *map(str, SOURCES), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             os.unlink(tmp)

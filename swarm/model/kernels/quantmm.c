@@ -739,10 +739,10 @@ typedef struct {
     const uint8_t *w;
     int64_t n, nb, groups;
     const Acts *A;
-    float *y; /* [rows][n] */
+    float *y; /* [rows][ldy]: row r's n outputs at y + r * ldy */
+    int64_t ldy;
     int64_t units;
     atomic_long next;
-    int helpers; /* pool threads that take part */
 } Job;
 
 /* R x rows of T terms, R * T <= TILE */
@@ -802,12 +802,12 @@ static void run_unit(Job *j, int64_t u) {
         for (int64_t g = g0; g < g1; g++) {
             const uint8_t *w = j->w + g * gbytes;
             if ((g + 1) * ROWS <= j->n) {
-                group_kernel(j->fmt, w, j->nb, j->A, r0, R, j->y + r0 * j->n + ROWS * g, j->n);
+                group_kernel(j->fmt, w, j->nb, j->A, r0, R, j->y + r0 * j->ldy + ROWS * g, j->ldy);
             } else { /* the last rows of a matrix whose height is no multiple of ROWS */
                 float part[TILE * ROWS];
                 group_kernel(j->fmt, w, j->nb, j->A, r0, R, part, ROWS);
                 for (int r = 0; r < R; r++)
-                    memcpy(j->y + (r0 + r) * j->n + ROWS * g, part + r * ROWS, (j->n - ROWS * g) * sizeof(float));
+                    memcpy(j->y + (r0 + r) * j->ldy + ROWS * g, part + r * ROWS, (j->n - ROWS * g) * sizeof(float));
             }
         }
     }
@@ -832,7 +832,14 @@ enum { MAX_THREADS = 64 };
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER, done = PTHREAD_COND_INITIALIZER;
-static Job *current;
+/* what the pool's threads run: helper(arg, i) on helper i < helpers, while the caller runs its own
+ * part of the same work */
+typedef struct {
+    void (*helper)(void *arg, int index);
+    void *arg;
+    int helpers;
+} Task;
+static Task *current;
 static unsigned long generation;
 static int workers, pending;
 
@@ -849,9 +856,9 @@ static void *worker_main(void *arg) {
     for (;;) {
         while (generation == seen) pthread_cond_wait(&wake, &mu);
         seen = generation;
-        Job *j = current;
+        Task *t = current;
         pthread_mutex_unlock(&mu);
-        if (start.index < j->helpers) run_units(j);
+        if (start.index < t->helpers) t->helper(t->arg, start.index);
         pthread_mutex_lock(&mu);
         if (--pending == 0) pthread_cond_signal(&done);
     }
@@ -887,26 +894,47 @@ static void grow_pool(int helpers) {
     pthread_mutex_unlock(&mu);
 }
 
-static void run_job(Job *j, int threads) {
+/* caller(arg) here and helper(arg, i) on up to threads - 1 pool threads; returns when all have.
+ * The caller holds call_mu. */
+static void run_task(void (*caller)(void *), void (*helper)(void *, int), void *arg, int threads) {
     int helpers = threads - 1;
     if (helpers > MAX_THREADS - 1) helpers = MAX_THREADS - 1;
-    if (helpers > 0 && j->units > 1) grow_pool(helpers);
+    if (helpers > 0) grow_pool(helpers);
     if (helpers > workers) helpers = workers;
-    if (helpers <= 0 || j->units < 2) {
-        run_units(j);
+    if (helpers <= 0) {
+        caller(arg);
         return;
     }
-    j->helpers = helpers;
+    Task t = {helper, arg, helpers};
     pthread_mutex_lock(&mu);
-    current = j;
+    current = &t;
     pending = workers;
     generation++;
     pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&mu);
-    run_units(j);
+    caller(arg);
     pthread_mutex_lock(&mu);
     while (pending > 0) pthread_cond_wait(&done, &mu);
     pthread_mutex_unlock(&mu);
+}
+
+static void units_of(void *j) { run_units((Job *)j); }
+static void units_helper(void *j, int index) { (void)index; run_units((Job *)j); }
+
+static void run_job(Job *j, int threads) {
+    if (j->units < 2) run_units(j);
+    else run_task(units_of, units_helper, j, threads);
+}
+
+/* layer.c's team: caller(arg) on this thread, helper(arg, i) on threads - 1 of the pool's, or
+ * caller alone where another call holds the pool (as swq_matmul does) */
+void swq_team(void (*caller)(void *), void (*helper)(void *, int), void *arg, int threads) {
+    if (threads > 1 && pthread_mutex_trylock(&call_mu) == 0) {
+        run_task(caller, helper, arg, threads);
+        pthread_mutex_unlock(&call_mu);
+    } else {
+        caller(arg);
+    }
 }
 
 /* ------------------------------------------------------------------ entry point */
@@ -924,6 +952,51 @@ static void *scratch_for(size_t bytes) {
     return scratch;
 }
 
+static size_t acts_bytes(int fmt, int64_t k, int64_t rows, int terms) {
+    const int64_t tr = rows * terms;
+    const size_t qb = ((size_t)(tr * k) + 63) & ~(size_t)63;
+    const size_t db = (size_t)(rows * (k / ACT_GROUP[fmt])) * sizeof(float);
+    return qb + db + (size_t)(tr * (k / 32) + tr * (k / 16)) * sizeof(int16_t) + 64;
+}
+
+/* x [rows][k] into A, its arrays carved from buf (acts_bytes) */
+static void quantize_rows(Acts *A, char *buf, int fmt, int64_t k, const float *x, int64_t rows, int terms) {
+    const int group = ACT_GROUP[fmt];
+    const int64_t tr = rows * terms;
+    const size_t qb = ((size_t)(tr * k) + 63) & ~(size_t)63;
+    const size_t db = (size_t)(rows * (k / group)) * sizeof(float);
+    const size_t sb32 = (size_t)(tr * (k / 32)) * sizeof(int16_t);
+    *A = (Acts){rows, k, group, terms, (int8_t *)buf, (float *)(buf + qb), (int16_t *)(buf + qb + db),
+                (int16_t *)(buf + qb + db + sb32)};
+    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * k, A, r);
+}
+
+/* A matmul prepared for layer.c, whose threads run its units between their other work */
+typedef struct {
+    Job j;
+    Acts A;
+} Prepared;
+
+size_t swq_mm_size(void) { return sizeof(Prepared); }
+
+size_t swq_mm_scratch(int fmt, int64_t k, int64_t rows, int terms) {
+    return fmt < 0 || fmt >= FMT_COUNT ? 0 : acts_bytes(fmt, k, rows, terms);
+}
+
+/* m: x [rows][k] quantized into scratch (swq_mm_scratch bytes), outputs to y [rows][ldy] */
+int swq_mm_prepare(Prepared *m, char *scratch, int fmt, const uint8_t *w, int64_t n, int64_t k,
+                   const float *x, int64_t rows, float *y, int64_t ldy, int terms) {
+    if (swq_packed_bytes(fmt, n, k) < 0 || terms < 1 || terms > 2 || ldy < n) return -1;
+    quantize_rows(&m->A, scratch, fmt, k, x, rows, terms);
+    m->j = (Job){fmt, w, n, k / BLOCK_ELEMS[fmt], (n + ROWS - 1) / ROWS, &m->A, y, ldy,
+                 (n + UNIT_ROWS - 1) / UNIT_ROWS, 0};
+    return 0;
+}
+
+int64_t swq_mm_units(const Prepared *m) { return m->j.units; }
+
+void swq_mm_unit(Prepared *m, int64_t u) { run_unit(&m->j, u); }
+
 /* y [rows, n] = x [rows, k] W^T for W [n, k] packed by swq_pack in format fmt, x taken as
  * `terms` int8 terms (1 or 2, see Acts), on `threads` threads. Returns 0, or -1 for an unknown
  * format, k not a multiple of its block or terms not 1 or 2; -2 when out of memory. */
@@ -931,18 +1004,11 @@ int swq_matmul(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, 
                float *y, int terms, int threads) {
     const int64_t groups = (n + ROWS - 1) / ROWS;
     if (swq_packed_bytes(fmt, n, k) < 0 || terms < 1 || terms > 2) return -1;
-    const int group = ACT_GROUP[fmt];
-    const int64_t tr = rows * terms;
-    const size_t qb = ((size_t)(tr * k) + 63) & ~(size_t)63;
-    const size_t db = (size_t)(rows * (k / group)) * sizeof(float);
-    const size_t sb32 = (size_t)(tr * (k / 32)) * sizeof(int16_t);
-    const size_t sb16 = (size_t)(tr * (k / 16)) * sizeof(int16_t);
-    char *buf = scratch_for(qb + db + sb32 + sb16 + 64);
+    char *buf = scratch_for(acts_bytes(fmt, k, rows, terms));
     if (!buf) return -2;
-    Acts A = {rows, k, group, terms, (int8_t *)buf, (float *)(buf + qb), (int16_t *)(buf + qb + db),
-              (int16_t *)(buf + qb + db + sb32)};
-    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * k, &A, r);
-    Job j = {fmt, w, n, k / BLOCK_ELEMS[fmt], groups, &A, y, (n + UNIT_ROWS - 1) / UNIT_ROWS, 0, 0};
+    Acts A;
+    quantize_rows(&A, buf, fmt, k, x, rows, terms);
+    Job j = {fmt, w, n, k / BLOCK_ELEMS[fmt], groups, &A, y, n, (n + UNIT_ROWS - 1) / UNIT_ROWS, 0};
     /* waking the pool (~60 us here) costs more than splitting a small matmul saves: one
      * Q4_K row against 1024x4096 took 88 us on 2 threads, 62 on one (4096x4096: 178 vs 230),
      * and the default model's decode (576-wide matrices) ran at 40 tok/s on 2 threads, 79 on 1 */
