@@ -16,7 +16,7 @@ from swarm.client.client import Client
 from swarm.dht import read_lenders
 from swarm.errors import ProtocolError, ShapeMismatch
 from swarm.lending import LendLeaving
-from swarm.node.borrow_link import Returned, check_notice
+from swarm.node.lender_link import Returned, check_notice
 from swarm.protocol import KvChunk
 from swarm.wire import pack_tensor
 from tests.conftest import reference_greedy
