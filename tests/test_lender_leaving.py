@@ -138,6 +138,28 @@ def test_a_lender_leaving_mid_generation_hands_its_blocks_on_without_a_replay(
     assert any("loans handed on to other lenders: 1;" in line for line in first.lines)
 
 
+def test_a_lender_leaving_while_its_borrower_idles_hands_its_blocks_on_without_a_replay(
+    nodes, tiny_model_dir, tiny_reference
+):
+    """No trip of the session reads the notice: the borrower looks for it between steps."""
+    nodes += start_swarm([(0, 6)], model=str(tiny_model_dir), extra=[*exact_flags(ttl=20), *SHORT])
+    first = _cache_node(nodes, tiny_model_dir, grace=120)
+    client = Client(nodes[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
+
+    def leave_and_wait_for_it(_session) -> None:
+        _until_announced(client, _cache_node(nodes, tiny_model_dir, grace=120))
+        first.proc.send_signal(signal.SIGTERM)
+        first.proc.wait(60)  # within its grace only once its blocks have moved
+
+    try:
+        out, recoveries = _generate(client, leave_and_wait_for_it)
+    finally:
+        client.close()
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW)
+    assert recoveries == []
+    assert any("loans handed on to other lenders: 1;" in line for line in first.lines)
+
+
 def test_a_lender_leaving_with_nowhere_to_hand_its_blocks_on_replays_to_the_same_tokens(
     nodes, tiny_model_dir, tiny_reference
 ):
