@@ -187,9 +187,11 @@ class Lender:
                         continue
                 try:
                     await trio.to_thread.run_sync(link.exchange, frames, Lent)
-                except (LendRefused, PeerFailed) as exc:
-                    tried.append(f"{rec.addr}: {exc}")
+                except SwarmError as exc:
                     link.close()
+                    if not isinstance(exc, (LendRefused, PeerFailed)):
+                        raise
+                    tried.append(f"{rec.addr}: {exc}")
                     continue
                 self._adopt(link)
                 log.info("session %s... lends its oldest KV blocks to %s", self.sid[:8], rec.addr)
