@@ -131,8 +131,9 @@ class _Recorded(trio.abc.Stream):
         await self.stream.aclose()
 
 
-def _plaintext_error(head: bytes):
-    """The error frame a node sent instead of a handshake, as its exception (or None)."""
+def refusal(head: bytes):
+    """The error frame a node sent instead of a handshake (`head`: the first bytes it sent),
+    as its exception; None if there was none."""
     from swarm.protocol import Error, parse_message
     from swarm.wire import FrameDecoder
 
@@ -156,16 +157,23 @@ async def dial(stream: trio.abc.Stream, expected_key: str, where: str) -> trio.S
         with trio.fail_after(HANDSHAKE_TIMEOUT_S):
             await tls.do_handshake()
     except trio.BrokenResourceError:
-        refused = _plaintext_error(recorded.head)
+        refused = refusal(recorded.head)
         if refused is not None:
             raise refused from None
         raise
-    der = tls.getpeercert(binary_form=True)
+    try:
+        check_key(tls.getpeercert(binary_form=True), expected_key, where)
+    except WrongPeer:
+        await trio.aclose_forcefully(tls)
+        raise
+    return tls
+
+
+def check_key(der: bytes | None, expected_key: str, where: str) -> None:
+    """Raises WrongPeer unless the certificate `der` a handshake got carries `expected_key`."""
     got = key_id(der) if der else "(none)"
     if got != expected_key:
-        await trio.aclose_forcefully(tls)
         raise WrongPeer(
             f"the peer at {where} is not the node its record names: its TLS key is"
             f" {got[:16]}…, the record says {expected_key[:16]}…"
         )
-    return tls

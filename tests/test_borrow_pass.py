@@ -4,8 +4,6 @@ connection), each layer's attention merged from both; the outputs are the unborr
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import pytest
 import torch
 
@@ -46,9 +44,23 @@ class InProcessLender:
     def attend_soon(self, layer, upto, q, block):
         msg = attend_request("s" * 8, layer, upto, q, block)
         reply = attend(msg, *self.table.query(self.conn, msg))
-        done = Future()
-        done.set_result(partial_of(reply, q.shape[0], block))
-        return done
+        return Answered(partial_of(reply, q.shape[0], block))
+
+
+class Answered:
+    """A lender's piece, computed before the trip returns (swarm.node.borrow.LentPiece)."""
+
+    def __init__(self, piece):
+        self.piece = piece
+
+    def result(self):
+        return self.piece
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "gemma2", "gpt_oss"])

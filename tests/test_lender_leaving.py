@@ -16,7 +16,7 @@ from swarm.client.client import Client
 from swarm.dht import read_lenders
 from swarm.errors import ProtocolError, ShapeMismatch
 from swarm.lending import LendLeaving
-from swarm.node.borrow_link import Returned, check_notice
+from swarm.node.lender_link import Returned, check_notice
 from swarm.protocol import KvChunk
 from swarm.wire import pack_tensor
 from tests.conftest import reference_greedy
@@ -131,6 +131,28 @@ def test_a_lender_leaving_mid_generation_hands_its_blocks_on_without_a_replay(
 
     try:
         out, recoveries = _generate(client, second_lender_then_leave, first_gone)
+    finally:
+        client.close()
+    assert out == reference_greedy(tiny_reference, PROMPT, NEW)
+    assert recoveries == []
+    assert any("loans handed on to other lenders: 1;" in line for line in first.lines)
+
+
+def test_a_lender_leaving_while_its_borrower_idles_hands_its_blocks_on_without_a_replay(
+    nodes, tiny_model_dir, tiny_reference
+):
+    """No trip of the session reads the notice: the borrower looks for it between steps."""
+    nodes += start_swarm([(0, 6)], model=str(tiny_model_dir), extra=[*exact_flags(ttl=20), *SHORT])
+    first = _cache_node(nodes, tiny_model_dir, grace=120)
+    client = Client(nodes[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
+
+    def leave_and_wait_for_it(_session) -> None:
+        _until_announced(client, _cache_node(nodes, tiny_model_dir, grace=120))
+        first.proc.send_signal(signal.SIGTERM)
+        first.proc.wait(60)  # within its grace only once its blocks have moved
+
+    try:
+        out, recoveries = _generate(client, leave_and_wait_for_it)
     finally:
         client.close()
     assert out == reference_greedy(tiny_reference, PROMPT, NEW)

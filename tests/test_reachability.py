@@ -25,6 +25,8 @@ from swarm.client.client import Client
 from swarm.errors import PeerFailed
 from swarm.protocol import Hop, Ping, Pong
 from swarm.transport import dial_hop
+from swarm.transport_sync import dial_sync
+from swarm.wire import DEFAULT_MAX_FRAME
 from tests.conftest import reference_greedy
 from tests.helpers.flags import exact_flags
 
@@ -120,6 +122,15 @@ async def test_the_relay_sees_only_tls_and_the_node_proves_its_own_key(loopback)
     with trio.fail_after(10):
         assert await conn.receive() == Pong(nonce=42)
     await conn.aclose()
+
+
+def test_a_blocking_dial_reaches_a_relayed_node_through_its_relay(loopback):
+    """As a borrower's compute thread reaches a lender behind a relay (swarm.transport_sync)."""
+    (_, _, relayed), client = loopback
+    conn = dial_sync(record_of(client, relayed.peer).hop(), DEFAULT_MAX_FRAME, timeout=10)
+    conn.send(Ping(nonce=43), timeout=10)
+    assert conn.receive(timeout=10) == Pong(nonce=43)
+    conn.close()
 
 
 # ---- network namespaces -----------------------------------------------------------------------

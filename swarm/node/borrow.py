@@ -13,14 +13,13 @@ log-sum-exp come back; swarm.model.partial_attention), which is the attention ov
 position: a borrowing session's greedy tokens are an unborrowed one's.
 
 The lender, its connection, and the move of what it holds when it leaves:
-swarm/node/borrow_link.py. The pass runs in a compute thread; its lender's round trips go
-through the trio thread (handed over without waiting), the compute thread computing a layer's
-local piece meanwhile, then waiting for the lender's.
+swarm/node/borrow_link.py. The pass runs in a compute thread, which sends a layer's query to
+the lender itself, computes the layer's local piece meanwhile, then waits for the lender's.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -186,12 +185,23 @@ def partial_of(reply: LentPartial, rows: int, block: Block) -> Partial:
     return out[0].view(rows, c.heads, c.head_dim), lse[0]
 
 
+class LentPiece(Protocol):
+    """A query sent to the lender: its piece is `result()`; the connection stays the query's
+    until then, or until the `with` block ends."""
+
+    def result(self) -> Partial: ...
+
+    def __enter__(self) -> LentPiece: ...
+
+    def __exit__(self, *exc) -> None: ...
+
+
 class Lending(Protocol):
     """A session's lender as a pass uses it, from a compute thread (swarm.node.borrow_link)."""
 
     def lend_sync(self, cache: BorrowedCache, n: int) -> None: ...
 
-    def attend_soon(self, layer: int, upto: int, q: torch.Tensor, block: Block) -> Future: ...
+    def attend_soon(self, layer: int, upto: int, q: torch.Tensor, block: Block) -> LentPiece: ...
 
 
 @torch.inference_mode()
@@ -252,19 +262,20 @@ def _attend_layer(block, cache: BorrowedCache, lender: Lending, layer, x, pos, c
     q, k, v, gate = block._attention_inputs(x, cos, sin)  # q [n, heads, hd], k, v [n, kv, hd]
     # the query leaves at once: the lender computes its piece while this thread computes the
     # local one
-    lent = lender.attend_soon(layer, cache.offset, q, block) if cache.offset else None
-    lo = pos - cache.offset
-    k_cache, v_cache = cache.keys[layer], cache.values[layer]
-    k_cache[0, :, lo : lo + n] = k.transpose(0, 1)
-    v_cache[0, :, lo : lo + n] = v.transpose(0, 1)
-    if n == 1:
-        parts = [cache_partial(q, k_cache, v_cache, lo + 1, c.scale, c.attn_softcap)]
-    else:  # each row sees the positions up to its own
-        mask = torch.arange(cache.offset, pos + n) <= torch.arange(pos, pos + n)[:, None]
-        keys, values = k_cache[0, :, : lo + n], v_cache[0, :, : lo + n]
-        parts = [partial_attention(q, keys, values, c.scale, mask, c.attn_softcap)]
-    if lent is not None:
-        parts.append(lent.result())
+    trip = lender.attend_soon(layer, cache.offset, q, block) if cache.offset else nullcontext()
+    with trip as lent:
+        lo = pos - cache.offset
+        k_cache, v_cache = cache.keys[layer], cache.values[layer]
+        k_cache[0, :, lo : lo + n] = k.transpose(0, 1)
+        v_cache[0, :, lo : lo + n] = v.transpose(0, 1)
+        if n == 1:
+            parts = [cache_partial(q, k_cache, v_cache, lo + 1, c.scale, c.attn_softcap)]
+        else:  # each row sees the positions up to its own
+            mask = torch.arange(cache.offset, pos + n) <= torch.arange(pos, pos + n)[:, None]
+            keys, values = k_cache[0, :, : lo + n], v_cache[0, :, : lo + n]
+            parts = [partial_attention(q, keys, values, c.scale, mask, c.attn_softcap)]
+        if lent is not None:
+            parts.append(lent.result())
     if block.sinks is not None:
         parts.append(sink_partial(block.sinks, n, c.head_dim))
     out, _ = merge(parts)
