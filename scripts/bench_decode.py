@@ -7,7 +7,9 @@ One sitting, one table, tokens per second at 1 and 2 threads:
 for: llama.cpp's llama-bench on the same GGUF file (when --llama-bench names its binary),
 transformers in float32, the project's unsplit span code (Span.forward + Head, as a node and
 client run it, default weights and float32) and a 2-node local swarm at the defaults (each node
---threads N). Rows alternate inside each repeat so machine noise hits them alike; medians.
+--threads N). "the same, layer by layer" is the unsplit span with its plain layers on
+blocks.py's path instead of one call of swarm's kernels a step (swarm.model.fast_layers).
+Rows alternate inside each repeat so machine noise hits them alike; medians.
 
     .venv/bin/python scripts/bench_decode.py --llama-bench /path/to/llama-bench [--repeats 3]
 
@@ -36,6 +38,7 @@ import torch
 from bench.timing import session_greedy
 
 from swarm.model.blocks import Span
+from swarm.model.fast_layers import FastLayers
 from swarm.model.head import Head
 from swarm.model.source import default_model_path, open_model
 
@@ -73,6 +76,16 @@ def span_figures(span: Span, head: Head) -> dict[str, float]:
     out["decode"] = decode(*prompt_pass(1)[:2])
     out["@500"] = decode(*prompt_pass(CONTEXT)[:2])
     return out
+
+
+def layered_figures(span: Span, head: Head) -> dict[str, float]:
+    """span_figures with the span's plain layers on blocks.py's layer-by-layer path instead of
+    one call of swarm's kernels a step (swarm.model.fast_layers)."""
+    fast, span.fast = span.fast, FastLayers(span.start)
+    try:
+        return span_figures(span, head)
+    finally:
+        span.fast = fast
 
 
 def transformers_figures(model) -> dict[str, float]:
@@ -146,6 +159,7 @@ def llama_figures(binary: str, threads: int, model: str | None = None) -> dict[s
 
 LLAMA = "llama.cpp, Q4_1"  # the default model's file
 UNSPLIT = "unsplit span, default weights"
+LAYERED = "the same, layer by layer"  # blocks.py's path: swarm.model.fast_layers off
 SWARM = "2-node swarm, default weights"
 NODE = "one node, whole span"
 LLAMA_FILE = "llama.cpp, same file"
@@ -203,6 +217,7 @@ def default_runs(a, threads: list[int]):
     def runs(t: int) -> dict:
         out = {
             UNSPLIT: lambda: span_figures(spans["auto"], heads["auto"]),
+            LAYERED: lambda: layered_figures(spans["auto"], heads["auto"]),
             "unsplit span, float32": lambda: span_figures(spans["float32"], heads["float32"]),
             "transformers, float32": lambda: transformers_figures(reference),
             SWARM: lambda: swarm_figures(clients[t]),
@@ -231,6 +246,7 @@ def model_runs(a, threads: list[int]):
     def runs(t: int) -> dict:
         out = {
             UNSPLIT: lambda: span_figures(span, head),
+            LAYERED: lambda: layered_figures(span, head),
             NODE: lambda: swarm_figures(clients[t]),
         }
         if a.llama_bench:
@@ -255,6 +271,11 @@ def report(rows, threads, a) -> None:
     for t in threads:
         for line in model_ratios(med, t) if a.model else default_ratios(med, t):
             print(line)
+        one_call = [med[(UNSPLIT, t)][c] / med[(LAYERED, t)][c] for c in COLUMNS]
+        print(
+            f"{t} thread(s), one call / layer by layer: "
+            + ", ".join(f"{c} {r:.2f}" for c, r in zip(COLUMNS, one_call))
+        )
 
 
 def figure(tok_s: float) -> str:
