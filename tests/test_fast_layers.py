@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from swarm.model import kernels
 from swarm.model.blocks import Block, Span
 from swarm.model.fast_layers import FastLayers
 from swarm.model.source import open_model
-from tests.helpers.kernels import as_float32, needs_kernels
+from tests.helpers.kernels import ISAS, as_float32, lib_for, needs_kernels
 from tests.helpers.scripts import synthetic_gguf
 
 pytestmark = needs_kernels
@@ -54,10 +55,15 @@ def test_a_plain_span_decodes_without_blocks_layer_by_layer_path(tmp_path, monke
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q4_1"])
-def test_one_call_is_as_faithful_as_blocks_path(tmp_path, qtype):
+@pytest.mark.parametrize("isa", ISAS)
+def test_one_call_is_as_faithful_as_blocks_path(tmp_path, monkeypatch, qtype, isa):
     """Both paths quantize each matmul's input to int8 the same way; against the float32
-    weights they err alike (their roundings of norms and rotary differ in the last bits)."""
+    weights they err alike (their roundings of norms and rotary differ in the last bits). On
+    every instruction set this CPU runs (an AVX2-only machine's path too)."""
+    lib = lib_for(isa)
+    monkeypatch.setattr(kernels, "load", lambda isa_=None: lib)
     span = span_of(tmp_path, qtype)
+    assert span.fast.lib.isa == isa
     fast = steps(span)
     exact = steps(as_float32(span))
     span.fast = FastLayers(0)

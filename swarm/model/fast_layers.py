@@ -61,10 +61,13 @@ def _plain(block) -> bool:
         return False
     if not isinstance(block.qkv, Fused) or type(block.mlp) is not MLP:
         return False
-    mats = (*block.qkv.linears, block.o, *block.mlp.gate_up.linears, block.mlp.down)
-    if not all(isinstance(m, Blocks) for m in mats):
+    if not all(isinstance(m, Blocks) for m in _matrices(block)):
         return False
     return len(block.qkv.linears) <= 3 and len(block.mlp.gate_up.linears) <= 2
+
+
+def _matrices(block) -> tuple:
+    return (*block.qkv.linears, block.o, *block.mlp.gate_up.linears, block.mlp.down)
 
 
 class FastLayers:
@@ -77,13 +80,17 @@ class FastLayers:
 
     @classmethod
     def build(cls, config, start: int, blocks: list) -> FastLayers:
-        """Blocks [start, start + len(blocks)) of a model of `config`."""
-        lib = kernels.load()
+        """Blocks [start, start + len(blocks)) of a model of `config`, on the library their
+        matrices were packed for (each instruction set's packs rows its own way)."""
         ropes = {config.rotary_of(start + i) for i in range(len(blocks))}
-        if lib is None or not blocks or config.kv_shared or len(ropes) != 1:
+        if not blocks or config.kv_shared or len(ropes) != 1:
             return cls(start)
         if not all(_plain(b) for b in blocks):
             return cls(start)
+        libs = {id(m.lib): m.lib for b in blocks for m in _matrices(b)}
+        if len(libs) != 1:
+            return cls(start)
+        (lib,) = libs.values()
         keep: list = []  # the biases and norms the table points at, held while it lives
         table = (_Layer * len(blocks))()
         rot_dim = next(iter(ropes))[1]
