@@ -281,29 +281,28 @@ static void attention_unit(Run *run, int64_t u, int thread) {
                  run->attn + row * L->heads * d + kh * group * d);
 }
 
-/* mats' outputs side by side in y [rows][width], from x [rows][k] */
-static int prepare(Run *run, const SwqMat *mats, int count, const float *x, int64_t k, float *y,
+/* mats' outputs side by side in y [rows][width], from x [rows][k], on the team, biases added */
+static int matmuls(Run *run, const SwqMat *mats, int count, const float *x, int64_t k, float *y,
                    int64_t width) {
-    int64_t col = 0;
+    int64_t col = 0, units = 0;
     run->nmm = count;
     for (int i = 0; i < count; i++) {
         const SwqMat *m = &mats[i];
         if (swq_mm_prepare(run->mm[i], run->acts[i], m->fmt, m->w, m->n, k, x, run->rows, y + col,
                            width, m->terms))
             return -1;
-        col += m->n;
+        col += m->n, units += swq_mm_units(run->mm[i]);
     }
-    return col == width ? 0 : -1;
-}
-
-static void add_biases(const SwqMat *mats, int count, float *y, int64_t rows, int64_t width) {
-    int64_t col = 0;
+    if (col != width) return -1;
+    stage(run, matmul_unit, units);
+    col = 0;
     for (int i = 0; i < count; i++) {
         if (mats[i].bias)
-            for (int64_t r = 0; r < rows; r++)
+            for (int64_t r = 0; r < run->rows; r++)
                 for (int64_t j = 0; j < mats[i].n; j++) y[r * width + col + j] += mats[i].bias[j];
         col += mats[i].n;
     }
+    return 0;
 }
 
 /* q and k of each row turned to its position, k and v into the row's cache slot */
@@ -336,25 +335,16 @@ static int one_layer(Run *run) {
     const int64_t rows = run->rows, hidden = L->hidden, q = L->heads * L->head_dim;
     float *x = run->x;
     for (int64_t r = 0; r < rows; r++) rms_norm(x + r * hidden, L->attn_norm, L->eps, hidden, run->xn + r * hidden);
-    if (prepare(run, L->qkv, L->nqkv, run->xn, hidden, run->qkv, run->qkv_width)) return -1;
-    stage(run, matmul_unit, swq_mm_units(run->mm[0]) + (run->nmm > 1 ? swq_mm_units(run->mm[1]) : 0) +
-                                (run->nmm > 2 ? swq_mm_units(run->mm[2]) : 0));
-    add_biases(L->qkv, L->nqkv, run->qkv, rows, run->qkv_width);
+    if (matmuls(run, L->qkv, L->nqkv, run->xn, hidden, run->qkv, run->qkv_width)) return -1;
     rotate_and_store(run);
     stage(run, attention_unit, rows * L->kv_heads);
-    if (prepare(run, &L->o, 1, run->attn, q, run->tmp, hidden)) return -1;
-    stage(run, matmul_unit, swq_mm_units(run->mm[0]));
-    add_biases(&L->o, 1, run->tmp, rows, hidden);
+    if (matmuls(run, &L->o, 1, run->attn, q, run->tmp, hidden)) return -1;
     for (int64_t i = 0; i < rows * hidden; i++) x[i] += run->tmp[i];
     for (int64_t r = 0; r < rows; r++) rms_norm(x + r * hidden, L->mlp_norm, L->eps, hidden, run->xn + r * hidden);
-    if (prepare(run, L->gu, L->ngu, run->xn, hidden, run->gu, 2 * L->ff)) return -1;
-    stage(run, matmul_unit, swq_mm_units(run->mm[0]) + (run->nmm > 1 ? swq_mm_units(run->mm[1]) : 0));
-    add_biases(L->gu, L->ngu, run->gu, rows, 2 * L->ff);
+    if (matmuls(run, L->gu, L->ngu, run->xn, hidden, run->gu, 2 * L->ff)) return -1;
     for (int64_t r = 0; r < rows; r++)
         activate(L->act, run->gu + r * 2 * L->ff, run->gu + r * 2 * L->ff + L->ff, run->act + r * L->ff, L->ff);
-    if (prepare(run, &L->down, 1, run->act, L->ff, run->tmp, hidden)) return -1;
-    stage(run, matmul_unit, swq_mm_units(run->mm[0]));
-    add_biases(&L->down, 1, run->tmp, rows, hidden);
+    if (matmuls(run, &L->down, 1, run->act, L->ff, run->tmp, hidden)) return -1;
     for (int64_t i = 0; i < rows * hidden; i++) x[i] += run->tmp[i];
     return 0;
 }

@@ -952,23 +952,21 @@ static void *scratch_for(size_t bytes) {
     return scratch;
 }
 
-static size_t acts_bytes(int fmt, int64_t k, int64_t rows, int terms) {
-    const int64_t tr = rows * terms;
-    const size_t qb = ((size_t)(tr * k) + 63) & ~(size_t)63;
-    const size_t db = (size_t)(rows * (k / ACT_GROUP[fmt])) * sizeof(float);
-    return qb + db + (size_t)(tr * (k / 32) + tr * (k / 16)) * sizeof(int16_t) + 64;
-}
-
-/* x [rows][k] into A, its arrays carved from buf (acts_bytes) */
-static void quantize_rows(Acts *A, char *buf, int fmt, int64_t k, const float *x, int64_t rows, int terms) {
+/* The bytes of x [rows][k]'s int8 terms and sums (Acts) in one buffer; where buf is given,
+ * A's arrays carved from it and the rows quantized into them */
+static size_t acts_in(Acts *A, char *buf, int fmt, int64_t k, const float *x, int64_t rows, int terms) {
     const int group = ACT_GROUP[fmt];
     const int64_t tr = rows * terms;
     const size_t qb = ((size_t)(tr * k) + 63) & ~(size_t)63;
     const size_t db = (size_t)(rows * (k / group)) * sizeof(float);
     const size_t sb32 = (size_t)(tr * (k / 32)) * sizeof(int16_t);
-    *A = (Acts){rows, k, group, terms, (int8_t *)buf, (float *)(buf + qb), (int16_t *)(buf + qb + db),
-                (int16_t *)(buf + qb + db + sb32)};
-    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * k, A, r);
+    const size_t sb16 = (size_t)(tr * (k / 16)) * sizeof(int16_t);
+    if (buf) {
+        *A = (Acts){rows, k, group, terms, (int8_t *)buf, (float *)(buf + qb), (int16_t *)(buf + qb + db),
+                    (int16_t *)(buf + qb + db + sb32)};
+        for (int64_t r = 0; r < rows; r++) quantize_row(x + r * k, A, r);
+    }
+    return qb + db + sb32 + sb16 + 64;
 }
 
 /* A matmul prepared for layer.c, whose threads run its units between their other work */
@@ -980,14 +978,14 @@ typedef struct {
 size_t swq_mm_size(void) { return sizeof(Prepared); }
 
 size_t swq_mm_scratch(int fmt, int64_t k, int64_t rows, int terms) {
-    return fmt < 0 || fmt >= FMT_COUNT ? 0 : acts_bytes(fmt, k, rows, terms);
+    return fmt < 0 || fmt >= FMT_COUNT ? 0 : acts_in(NULL, NULL, fmt, k, NULL, rows, terms);
 }
 
 /* m: x [rows][k] quantized into scratch (swq_mm_scratch bytes), outputs to y [rows][ldy] */
 int swq_mm_prepare(Prepared *m, char *scratch, int fmt, const uint8_t *w, int64_t n, int64_t k,
                    const float *x, int64_t rows, float *y, int64_t ldy, int terms) {
     if (swq_packed_bytes(fmt, n, k) < 0 || terms < 1 || terms > 2 || ldy < n) return -1;
-    quantize_rows(&m->A, scratch, fmt, k, x, rows, terms);
+    acts_in(&m->A, scratch, fmt, k, x, rows, terms);
     m->j = (Job){fmt, w, n, k / BLOCK_ELEMS[fmt], (n + ROWS - 1) / ROWS, &m->A, y, ldy,
                  (n + UNIT_ROWS - 1) / UNIT_ROWS, 0};
     return 0;
@@ -1002,23 +1000,22 @@ void swq_mm_unit(Prepared *m, int64_t u) { run_unit(&m->j, u); }
  * format, k not a multiple of its block or terms not 1 or 2; -2 when out of memory. */
 int swq_matmul(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
                float *y, int terms, int threads) {
-    const int64_t groups = (n + ROWS - 1) / ROWS;
     if (swq_packed_bytes(fmt, n, k) < 0 || terms < 1 || terms > 2) return -1;
-    char *buf = scratch_for(acts_bytes(fmt, k, rows, terms));
+    char *buf = scratch_for(acts_in(NULL, NULL, fmt, k, NULL, rows, terms));
     if (!buf) return -2;
-    Acts A;
-    quantize_rows(&A, buf, fmt, k, x, rows, terms);
-    Job j = {fmt, w, n, k / BLOCK_ELEMS[fmt], groups, &A, y, n, (n + UNIT_ROWS - 1) / UNIT_ROWS, 0};
+    Prepared m;
+    swq_mm_prepare(&m, buf, fmt, w, n, k, x, rows, y, n, terms);
+    Job *j = &m.j;
     /* waking the pool (~60 us here) costs more than splitting a small matmul saves: one
      * Q4_K row against 1024x4096 took 88 us on 2 threads, 62 on one (4096x4096: 178 vs 230),
      * and the default model's decode (576-wide matrices) ran at 40 tok/s on 2 threads, 79 on 1 */
     if ((double)rows * (double)n * (double)k < MIN_SPLIT_MACS || threads < 2) {
-        run_units(&j);
+        run_units(j);
     } else if (pthread_mutex_trylock(&call_mu) == 0) {
-        run_job(&j, threads);
+        run_job(j, threads);
         pthread_mutex_unlock(&call_mu);
     } else {
-        run_units(&j); /* the pool is another call's: this thread alone, not after it */
+        run_units(j); /* the pool is another call's: this thread alone, not after it */
     }
     return 0;
 }
