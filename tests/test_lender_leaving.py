@@ -115,49 +115,52 @@ def nodes():
     stop_all(started)
 
 
+def _leaves_without_a_replay(nodes, model_dir, reference, leave) -> None:
+    """A session borrowing from a cache node that leaves (`leave(first, client)` -> the fault
+    and after-callbacks of _generate) once a second one is announced: the reference tokens, no
+    replay, and the leaver's log says it handed its loans on."""
+    nodes += start_swarm([(0, 6)], model=str(model_dir), extra=[*exact_flags(ttl=20), *SHORT])
+    first = _cache_node(nodes, model_dir, grace=120)
+    client = Client(nodes[0].maddrs[:1], model=str(model_dir), wire_dtype="float32")
+    try:
+        out, recoveries = _generate(client, *leave(first, client))
+    finally:
+        client.close()
+    assert out == reference_greedy(reference, PROMPT, NEW)
+    assert recoveries == []
+    assert any("loans handed on to other lenders: 1;" in line for line in first.lines)
+
+
 def test_a_lender_leaving_mid_generation_hands_its_blocks_on_without_a_replay(
     nodes, tiny_model_dir, tiny_reference
 ):
-    nodes += start_swarm([(0, 6)], model=str(tiny_model_dir), extra=[*exact_flags(ttl=20), *SHORT])
-    first = _cache_node(nodes, tiny_model_dir, grace=120)
-    client = Client(nodes[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
+    def leave(first, client):
+        def second_lender_then_leave(_session) -> None:
+            _until_announced(client, _cache_node(nodes, tiny_model_dir, grace=120))
+            first.proc.send_signal(signal.SIGTERM)  # generation goes on at once
 
-    def second_lender_then_leave(_session) -> None:
-        _until_announced(client, _cache_node(nodes, tiny_model_dir, grace=120))
-        first.proc.send_signal(signal.SIGTERM)  # generation goes on at once
+        def first_gone() -> None:  # within its grace only if nothing is left with it
+            first.proc.wait(60)
 
-    def first_gone() -> None:  # within its grace only if nothing is left with it
-        first.proc.wait(60)
+        return second_lender_then_leave, first_gone
 
-    try:
-        out, recoveries = _generate(client, second_lender_then_leave, first_gone)
-    finally:
-        client.close()
-    assert out == reference_greedy(tiny_reference, PROMPT, NEW)
-    assert recoveries == []
-    assert any("loans handed on to other lenders: 1;" in line for line in first.lines)
+    _leaves_without_a_replay(nodes, tiny_model_dir, tiny_reference, leave)
 
 
 def test_a_lender_leaving_while_its_borrower_idles_hands_its_blocks_on_without_a_replay(
     nodes, tiny_model_dir, tiny_reference
 ):
     """No trip of the session reads the notice: the borrower looks for it between steps."""
-    nodes += start_swarm([(0, 6)], model=str(tiny_model_dir), extra=[*exact_flags(ttl=20), *SHORT])
-    first = _cache_node(nodes, tiny_model_dir, grace=120)
-    client = Client(nodes[0].maddrs[:1], model=str(tiny_model_dir), wire_dtype="float32")
 
-    def leave_and_wait_for_it(_session) -> None:
-        _until_announced(client, _cache_node(nodes, tiny_model_dir, grace=120))
-        first.proc.send_signal(signal.SIGTERM)
-        first.proc.wait(60)  # within its grace only once its blocks have moved
+    def leave(first, client):
+        def leave_and_wait_for_it(_session) -> None:
+            _until_announced(client, _cache_node(nodes, tiny_model_dir, grace=120))
+            first.proc.send_signal(signal.SIGTERM)
+            first.proc.wait(60)  # within its grace only once its blocks have moved
 
-    try:
-        out, recoveries = _generate(client, leave_and_wait_for_it)
-    finally:
-        client.close()
-    assert out == reference_greedy(tiny_reference, PROMPT, NEW)
-    assert recoveries == []
-    assert any("loans handed on to other lenders: 1;" in line for line in first.lines)
+        return leave_and_wait_for_it, None
+
+    _leaves_without_a_replay(nodes, tiny_model_dir, tiny_reference, leave)
 
 
 def test_a_lender_leaving_with_nowhere_to_hand_its_blocks_on_replays_to_the_same_tokens(
