@@ -35,6 +35,7 @@ def client_main(a) -> None:
     import torch
 
     from swarm.client.client import Client
+    from swarm.model.sampling import Sampler
 
     # a user's own machine would give its head every core; here N clients share two with the
     # nodes, and idle OpenMP threads spinning between matmuls would take them from everyone
@@ -46,13 +47,16 @@ def client_main(a) -> None:
     else:
         ids = client.encode(f"User {a.index}: tell me a story about the number {a.index}.")
     with client.session(len(ids) + a.new_tokens + 1) as s:
-        token = int(s.feed(ids).argmax())
+        if a.picks:  # a reply's session: the last node picks (greedy), the client loads no head
+            s.sampler = Sampler()
+        step = s.pick if a.picks else (lambda ids: int(s.feed(ids).argmax()))
+        token = step(ids)
         print("ready", flush=True)
         sys.stdin.readline()  # everyone decodes at once
         steps, start, cpu = [], time.time(), time.process_time()
         for _ in range(a.new_tokens):
             t = time.perf_counter()
-            token = int(s.feed([token]).argmax())
+            token = step([token])
             steps.append(time.perf_counter() - t)
         end, cpu = time.time(), time.process_time() - cpu
     print(json.dumps({"start": start, "end": end, "steps": steps, "cpu": cpu}), flush=True)
@@ -60,7 +64,12 @@ def client_main(a) -> None:
 
 
 def run_sessions(
-    peers: str, n: int, new_tokens: int, node_pids: list[int], model: str | None = None
+    peers: str,
+    n: int,
+    new_tokens: int,
+    node_pids: list[int],
+    model: str | None = None,
+    picks: bool = False,
 ) -> dict:
     procs = [
         subprocess.Popen(
@@ -75,6 +84,7 @@ def run_sessions(
                 "--new-tokens",
                 str(new_tokens),
                 *(["--model", model] if model else []),
+                *(["--picks"] if picks else []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -142,6 +152,9 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=None, help="pass to the nodes (default theirs)")
     p.add_argument("--model", help="a GGUF file (default: the default model)")
     p.add_argument("--node-args", default="", help="more options for every node")
+    p.add_argument(
+        "--picks", action="store_true", help="the last node picks each token (as replies do)"
+    )
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--peers", help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -167,7 +180,7 @@ def main() -> None:
             for n in (int(x) for x in a.sessions.split(",")):
                 before = fresh_counters(watcher, {}, 0)
                 pids = [node.pid for node in nodes]
-                result = run_sessions(peers, n, a.new_tokens, pids, a.model)
+                result = run_sessions(peers, n, a.new_tokens, pids, a.model, a.picks)
                 result["batch"] = batch_means(before, fresh_counters(watcher, before, ttl))
                 result.update(nodes=parts, sessions=n, load=os.getloadavg()[0])
                 table.append(result)

@@ -226,7 +226,7 @@ def measure(swarm: LocalSwarm, model: Model, rtt: float, a, runs: dict) -> None:
     shape = Shape(a.rate_mbps, rtt)
     for span in spans(model.layers):
         swarm.node(span, ["--threads", "1"], shape=shape, model=str(model.path))
-    client = Client(swarm.peers, model=str(model.path))
+    client = Client(swarm.peers, model=str(model.path), last_hop_picks=not a.client_picks)
     try:
         workloads = WORKLOADS if model.drafts else {"chat": CHAT}
         decode(client, [1, 2, 3], 4, None)  # routes found and connections warm before timing
@@ -332,6 +332,9 @@ def main() -> None:
     p.add_argument("--rtts", default="0,20,40,80", help="round trips per hop, ms, comma-separated")
     p.add_argument("--rate-mbps", type=float, default=20.0)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--client-picks", action="store_true", help="the client picks from logits, not the last hop"
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--draft-layers", type=int, default=8, help="blocks of the layer-skip draft")
     p.add_argument("--drafts", default="lookup,layers,self,oracle", help="which draft rows")

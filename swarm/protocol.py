@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.address import join_host_port
-from swarm.errors import SwarmError, error_from_code
+from swarm.errors import ProtocolError, SwarmError, error_from_code
 from swarm.lending import AttendLent, Lend, LendLeaving, Lent, LentPartial, Reclaim
 from swarm.schema import (
     AnyTrue,
@@ -69,6 +69,32 @@ class Hop:
 HOP = Row(Hop, 5, "route hop")
 
 
+@dataclass(frozen=True)
+class Picking:
+    """How a route's last hop picks each token after the session's steps (swarm.model.sampling.
+    Sampler: greedy at temperature 0, else a draw fixed by `seed` and the position), so that a
+    Result carries token ids, not the final hidden states the client would turn into them."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature < float("inf") and 0.0 < self.top_p <= 1.0):
+            raise ProtocolError(f"picking: temperature {self.temperature}, top_p {self.top_p}")
+        if not (0 <= self.top_k < 2**31 and 0 <= self.seed < 2**64):
+            raise ProtocolError(f"picking: top_k {self.top_k}, seed {self.seed}")
+
+    @classmethod
+    def of(cls, sampler) -> Picking:
+        s = sampler.sampling
+        return cls(float(s.temperature), float(s.top_p), int(s.top_k), int(sampler.seed))
+
+
+PICKING = Row(Picking, 4, "picking")
+
+
 def _last_hop(parsed: dict[str, Any]) -> int:
     return len(parsed["route"]) - 1
 
@@ -90,6 +116,8 @@ class Open:
     # on the last hop only: once the prompt is in, hand the session and its cache over to this
     # node serving the same blocks (prefill on one node, decode on another; swarm.node.handover)
     handoff: Hop | None = declare(HOP, default=None)
+    # read by the last hop: it picks the tokens (Result.picks) where it holds the model's head
+    picking: Picking | None = declare(PICKING, default=None)
     t: str = tag("open")
 
 
@@ -142,12 +170,17 @@ class Step:
 @dataclass(frozen=True)
 class Result:
     """Last node -> client: hidden state of token end-1 after the final block; for a
-    verification step (`spec`, its round's id), of each of its tokens."""
+    verification step (`spec`, its round's id), of each of its tokens. Or, where the session
+    was opened with `picking` and the node holds the head, `hidden` None and `picks`: the
+    token picked after each of those."""
 
     sid: str = text(64)
     end: int = integer(1)
     hidden: Any = unchecked()
     spec: int | None = integer(1, default=None)
+    picks: tuple[int, ...] | None = declare(
+        ListOf(Integer(0, 2**31 - 1), 1, MAX_VERIFY_TOKENS, "picks"), default=None
+    )
     t: str = tag("result")
 
 

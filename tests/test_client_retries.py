@@ -65,7 +65,7 @@ def session(
         logits=SimpleNamespace(logits=lambda head, out: out),
         observe_step=lambda route, seconds: None,
         prefill_hop=lambda hop, tokens, max_length, exclude: None,  # no prefill nodes
-        remote_session=lambda route, max_length, handoff: RemoteSession(
+        remote_session=lambda route, max_length, handoff, picking=None: RemoteSession(
             route, "f", 1, max_length, None, 1.0, handoff=handoff
         ),
     )

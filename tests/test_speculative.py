@@ -391,6 +391,7 @@ class ModelRoute:
     sent before it), and where it may start is checked as a node checks it."""
 
     round_tokens = MAX_VERIFY_TOKENS  # a model without sliding windows
+    sampler: Sampler | None = None  # the Decoding's
 
     def __init__(self, logits: Memo):
         self.logits = logits
@@ -403,6 +404,10 @@ class ModelRoute:
         self.history += ids
         self.holds = list(self.history)
         return self.logits(self.history)[-1]
+
+    def pick(self, ids: list[int]) -> int:
+        """As a route whose client picks: the Decoding's sampler, given as `sampler`."""
+        return self.sampler(self.feed(ids), len(self.history))
 
     def send_round(self, ids: list[int], pos: int) -> Round:
         assert len(self.history) <= pos <= len(self.holds) and len(ids) <= MAX_VERIFY_TOKENS

@@ -205,10 +205,11 @@ class Client:
     # ---- sessions ----------------------------------------------------------------------------
 
     def remote_session(
-        self, route: list[Hop], max_length: int, handoff: Hop | None = None
+        self, route: list[Hop], max_length: int, handoff: Hop | None = None, picking=None
     ) -> RemoteSession:
         """A session on the nodes of `route`, not opened yet; `handoff`: the node its last hop
-        hands it to once the prompt is in (see prefill_hop)."""
+        hands it to once the prompt is in (see prefill_hop); `picking`: how the last hop
+        picks the tokens (swarm.protocol.Picking), where it does."""
         return RemoteSession(
             route,
             self.fingerprint,
@@ -220,6 +221,7 @@ class Client:
             own_dtype=self.config.wire_dtype,
             handoff=handoff,
             with_ids=bool(self.config.per_layer),
+            picking=picking,
         )
 
     def head(self, route: list[Hop]) -> Head:

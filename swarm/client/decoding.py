@@ -4,8 +4,9 @@
 Exact by construction: every token is the sampler's pick from the served model's logits at its
 position (swarm.client.reply.Sampler, a draw fixed by the seed and the position), and a draft is
 kept only where it equals that pick. A round carries the last decided token and drafts after
-it; the last hop returns every position's hidden state; the client picks token after token and
-stops at the first draft that differs. The rounds behind a rejected one are stale: the next
+it; the last hop returns every position's hidden state, or the token it picks after each (where
+it holds the head: InferenceSession.sampler); the client takes token after token and stops at
+the first draft that differs. The rounds behind a rejected one are stale: the next
 round starts before their positions, which rewinds every hop and drops them where they wait.
 """
 
@@ -90,6 +91,7 @@ class Decoding:
         on the same route with the same drafter left its Tuner, taken once the route is open
         and given back at the reply's end."""
         self.session, self.sampler, self.drafter = session, sampler, drafter
+        session.sampler = sampler  # the route's last node picks with it where it can
         self.tokens = list(ids)
         self.end = len(ids) + max_new_tokens  # positions of the reply's tokens end here
         self.tuner = tuner or Tuner()
@@ -113,12 +115,12 @@ class Decoding:
                 target=warm, args=(list(self.tokens),), name="draft-warm", daemon=True
             )
             self._warming.start()
-        logits = self.session.feed(self.tokens)
+        first = self.session.pick(self.tokens)
         key = self._pool_key()
         if key is not None:
             self.tuner = self.pool.take(key)
         try:
-            yield self._pick(logits, prompt)
+            yield self._pick(first, prompt)
             while len(self.tokens) < self.end:
                 yield from self._next()
         finally:
@@ -133,8 +135,9 @@ class Decoding:
         drafter = getattr(self.drafter, "label", None) or type(self.drafter).__name__
         return (drafter, *(h.peer for h in remote.route))
 
-    def _pick(self, logits, position: int) -> int:
-        token = self.sampler(logits, position)
+    def _pick(self, row, position: int) -> int:
+        """The token at `position`: `row` if the last hop picked it, else from its logits."""
+        token = row if isinstance(row, int) else self.sampler(row, position)
         self.tokens.append(token)
         return token
 
@@ -155,11 +158,11 @@ class Decoding:
         if not self.rounds and not self._send_rounds():
             self.stats.steps += 1
             started = time.perf_counter()
-            logits = self.session.feed(self.tokens[-1:])
+            token = self.session.pick(self.tokens[-1:])
             if not self.stale:  # else it waited behind the stale rounds: not its own time
                 self.tuner.timed(1, time.perf_counter() - started)
             self.stale = False  # they were computed or dropped before it
-            return [self._pick(logits, len(self.tokens))]
+            return [self._pick(token, len(self.tokens))]
         r, sent, alone, kind = self.rounds.popleft()
         try:
             rows = self.session.round_logits(r, self.tuner.rows_read(len(r.ids), kind))

@@ -1,5 +1,7 @@
 """A session through the swarm that survives node failures: token ids in, logits out, by
-single steps (`feed`) or by verification rounds of drafts (`send_round`, speculative decoding)."""
+single steps (`feed`) or by verification rounds of drafts (`send_round`, speculative decoding).
+A reply's session (`sampler` set) asks the route's last node to pick the tokens (`pick`): it
+sends token ids back instead of hidden states, where it holds the model's head."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from swarm.errors import (
     SwarmError,
 )
 from swarm.model.blocks import ring_slots
-from swarm.protocol import MAX_VERIFY_TOKENS, Hop
+from swarm.model.sampling import Sampler
+from swarm.protocol import MAX_VERIFY_TOKENS, Hop, Picking
 
 log = logging.getLogger("swarm.client")
 SHUN_S = 600.0  # how long a node that answered as no honest one would stays out of routes
@@ -93,6 +96,8 @@ class InferenceSession:
         self.excluded: set[str] = set()
         self.recoveries: list[float] = []  # seconds each failure took to recover from
         self.last_hidden: torch.Tensor | None = None  # the final hidden state of the last token
+        # picks a reply's tokens (`pick`), on the route's last node where it holds the head
+        self.sampler: Sampler | None = None
         self._held = 0.0  # the router's token for our session on the current route
         self._route: list[Hop] = []  # as held, whatever hops were handed over since
         self._spec = 0  # the last verification round's id
@@ -130,7 +135,10 @@ class InferenceSession:
                 self.client.release_route(route, self._held)
                 route = self._route = [*route[:-1], prefill]
                 self._held = self.client.router.opened(route)
-        remote = self.client.remote_session(route, self.max_length, handoff)
+        picking = None
+        if self.sampler is not None and self.client.options.last_hop_picks:
+            picking = Picking.of(self.sampler)
+        remote = self.client.remote_session(route, self.max_length, handoff, picking)
         try:
             self.client.loop.run(remote.open)
         except BaseException:
@@ -146,14 +154,25 @@ class InferenceSession:
 
     def feed(self, ids: list[int]) -> torch.Tensor:
         """Append tokens; return logits [vocab] for the next one."""
+        if self.sampler is not None:
+            raise ValueError("a reply's session picks its tokens: use pick(), not feed()")
+        return self._fed(ids)
+
+    def pick(self, ids: list[int]) -> int:
+        """Append tokens; return the token after them, as `sampler` picks it: on the route's
+        last node where it does, else here from the logits."""
+        out = self._fed(ids)
+        return out if isinstance(out, int) else self.sampler(out, len(self.history))
+
+    def _fed(self, ids: list[int]) -> torch.Tensor | int:
         while True:
             try:
-                logits = self._step(ids)
+                out = self._step(ids)
             except SwarmError as exc:
                 self.recover(exc)
                 continue
             self._recovered()
-            return logits
+            return out
 
     def recover(self, exc: SwarmError) -> None:
         """After `exc` in a step or a round: leave the route (the next step or round opens
@@ -191,22 +210,27 @@ class InferenceSession:
         self.client.loop.run(self.remote.send_round, hidden, pos, r.spec, r.ids)
         return r
 
-    def round_logits(self, r: Round, first: int = MAX_VERIFY_TOKENS) -> RoundRows:
+    def round_logits(self, r: Round, first: int = MAX_VERIFY_TOKENS) -> Sequence:
         """Logits [len(r.ids), vocab]: row i for the token after r.ids[i]; the first `first`
-        rows computed at once, the rest when they are read."""
+        rows computed at once, the rest when they are read. Where the last hop picks the
+        tokens, the token after each instead (ints)."""
         started = time.perf_counter()
-        hidden = self.client.loop.run(self.remote.round_result, r.spec, r.pos, len(r.ids))
+        out = self.client.loop.run(self.remote.round_result, r.spec, r.pos, len(r.ids))
         if len(r.ids) == 1:  # as a decode step: the route's cost a token
             self.client.observe_step(self.remote.route, time.perf_counter() - started)
-        self._rows = (r, hidden)
-        return RoundRows(self._head(), hidden, first)
+        if isinstance(out, tuple):
+            self._rows = (r, None)
+            return self._checked(out)
+        self._rows = (r, out)
+        return RoundRows(self._head(), out, first)
 
     def keep(self, r: Round, n: int) -> None:
         """The route's caches hold r.ids[:n] after the history: the tokens the client accepted
         of round `r` (the last whose logits it read)."""
         assert self._rows is not None and self._rows[0] == r and r.pos == len(self.history)
         self.history += r.ids[:n]
-        self.last_hidden = self._rows[1][n - 1 : n]
+        hidden = self._rows[1]
+        self.last_hidden = None if hidden is None else hidden[n - 1 : n]
         self._recovered()
 
     @property
@@ -224,8 +248,18 @@ class InferenceSession:
         them, else their embeddings."""
         return None if self.remote.embeds else self._head().embed_tokens(ids)
 
-    def _step(self, ids: list[int]) -> torch.Tensor:
-        """One try at feeding `ids`; on a new route, the tokens so far go first."""
+    def _checked(self, picks: tuple[int, ...]) -> tuple[int, ...]:
+        """The last hop's picks, each a token of the model's vocabulary (ProtocolError else)."""
+        config, route = self.client.config, self.remote.route
+        if any(t >= config.vocab for t in picks):
+            err = ProtocolError(f"a picked token beyond the vocabulary of {config.name}")
+            err.hop, err.peer = len(route) - 1, route[-1].peer  # type: ignore[attr-defined]
+            raise err
+        return picks
+
+    def _step(self, ids: list[int]) -> torch.Tensor | int:
+        """One try at feeding `ids`: the logits after them, or the token the last hop picked;
+        on a new route, the tokens so far go first."""
         if self.remote is not None and self._sent_to > len(self.history):
             # verification rounds went past the history: only a round may rewind the route
             r = self.send_round(ids, len(self.history))
@@ -236,22 +270,28 @@ class InferenceSession:
         if self.remote is None:
             self._open(len(self.history) + len(ids))
             replay = self.history  # a new route: rebuild its caches from the tokens so far
-        head = self.client.head(self.remote.route)
         hidden = self._activations(replay + ids)
         started = time.perf_counter()
-        out = self.last_hidden = self.client.loop.run(self.remote.step, hidden, replay + ids)
+        out = self.client.loop.run(self.remote.step, hidden, replay + ids)
         if len(replay) + len(ids) == 1:  # a decode step: its time is the route's cost a token
             self.client.observe_step(self.remote.route, time.perf_counter() - started)
         self.history += ids
         self._sent_to = len(self.history)
-        return self.client.logits.logits(head, out)
+        if isinstance(out, tuple):
+            self.last_hidden = None
+            return self._checked(out)[0]
+        self.last_hidden = out
+        return self.client.logits.logits(self._head(), out)
 
     def verify(self, rng: random.Random | None = None) -> Verdict:
         """Recompute the last step on other routes (see swarm.client.verify); nodes found
         computing wrongly go into client.suspects, which every route of the client leaves out,
         and are reported in the DHT, where the health page shows them."""
         if self.remote is None or self.last_hidden is None:
-            raise ValueError("nothing to verify yet: feed the session first")
+            raise ValueError(
+                "nothing to verify yet: feed the session first (a reply whose last hop picked"
+                " its tokens holds no hidden state to check)"
+            )
         route = self.remote.route
         verdict = check_last_step(
             self.client, route, self.history, self.last_hidden, rng, self.excluded

@@ -80,6 +80,13 @@ class ClientOptions:
         metavar="lookup|off|PATH",
         type=speculative_arg,
     )
+    last_hop_picks: bool = option(
+        True,
+        "a reply's route's last node picks each token (greedy or by the seeded sampler) and"
+        " sends the token, not its hidden state, where that node holds the model's head;"
+        " --no-last-hop-picks: the client computes the logits itself (the same tokens)",
+        action=argparse.BooleanOptionalAction,
+    )
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from swarm.protocol import (
     Moved,
     Open,
     Opened,
+    Picking,
     Ping,
     Release,
     Result,
@@ -50,6 +51,7 @@ class RemoteSession:
         own_dtype: str = DEFAULT_WIRE_DTYPE,
         handoff: Hop | None = None,
         with_ids: bool = False,
+        picking: Picking | None = None,
     ):
         self.route = list(route)  # a hop handed over by a leaving node changes here
         self.with_ids = with_ids  # steps carry their tokens' ids (Gemma 4's per-layer inputs)
@@ -71,6 +73,7 @@ class RemoteSession:
         self.handoff = handoff  # where the last hop hands the session once the prompt is in
         self.embeds = False  # the first hop looks token ids up itself: steps carry ids alone
         self._rounds: dict[int, Result] = {}  # verification rounds' results read early
+        self.picking = picking  # asks the last hop to pick the tokens (Result.picks)
 
     async def open(self) -> None:
         first, last = self.route[0], self.route[-1]
@@ -86,6 +89,7 @@ class RemoteSession:
                 max_length=self.max_length,
                 sink_token=token,
                 handoff=self.handoff,
+                picking=self.picking,
             )
         )
         opened = await self._expect(self.first, Opened, 0, timeout=60 + 5 * len(self.route))
@@ -139,8 +143,9 @@ class RemoteSession:
                     return msg
         raise self._failed(hop, f"no {kind.__name__.lower()} within {timeout:.0f} s")
 
-    async def step(self, hidden: torch.Tensor | None, ids=None) -> torch.Tensor:
-        """Activations [1, tokens, hidden] in; the last token's final hidden [1, hidden] out.
+    async def step(self, hidden: torch.Tensor | None, ids=None) -> torch.Tensor | tuple[int]:
+        """Activations [1, tokens, hidden] in; the last token's final hidden [1, hidden] out,
+        or where the last hop picks (`picking`), the token it picked after it, (token,).
         `ids`: the tokens' ids, sent along where the model's layers read them (Gemma 4), and
         alone, `hidden` None, to a first hop that embeds them (`embeds`)."""
         n = self._tokens(hidden, ids)
@@ -175,8 +180,22 @@ class RemoteSession:
         if result is None:
             raise PeerFailed(f"no result within {timeout:.0f} s", hop=None)
         self.position = end
+        if (picks := self._picks(result, 1)) is not None:
+            return picks
         out = unpack_tensor(result.hidden, hidden=self.hidden, max_tokens=1)
         return out[:, -1]
+
+    def _picks(self, result: Result, tokens: int) -> tuple[int, ...] | None:
+        """The tokens `result` carries, one after each of the step's last `tokens` (None: it
+        carries hidden states); ProtocolError, the last hop's, for any other count."""
+        if result.picks is None:
+            return None
+        if self.picking is None or len(result.picks) != tokens:
+            why = f"a result of {len(result.picks)} picked tokens where {tokens} were due"
+            why += "" if self.picking else ", none asked for"
+            hop = len(self.route) - 1
+            raise _with_hop(ProtocolError(why), hop, self.route[hop].peer)
+        return result.picks
 
     def _tokens(self, hidden: torch.Tensor | None, ids) -> int:
         if hidden is not None:
@@ -212,8 +231,9 @@ class RemoteSession:
         await self._send_first(Step(self.sid, DECODE, pos, end, packed, spec=spec, ids=ids))
         self.position = end
 
-    async def round_result(self, spec: int, pos: int, tokens: int) -> torch.Tensor:
-        """Round `spec`'s final hidden states [tokens, hidden]; a stale round's are dropped."""
+    async def round_result(self, spec: int, pos: int, tokens: int) -> torch.Tensor | tuple:
+        """Round `spec`'s final hidden states [tokens, hidden], or where the last hop picks,
+        the token it picked after each; a stale round's are dropped."""
         for old in [r for r in self._rounds if r < spec]:
             del self._rounds[old]
         answer = self._rounds.pop(spec, None)
@@ -225,6 +245,8 @@ class RemoteSession:
                 answer = None
             elif answer is None:
                 raise PeerFailed(f"no result within {timeout:.0f} s", hop=None)
+        if (picks := self._picks(answer, tokens)) is not None:
+            return picks
         return unpack_tensor(answer.hidden, hidden=self.hidden, max_tokens=tokens)[0]
 
     async def _await_result(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from swarm.errors import ProtocolError
 from swarm.model import kernels, qwen35
 from swarm.model.config import ModelConfig
 from swarm.model.deltanet import GatedDeltaNet
@@ -23,6 +22,7 @@ from swarm.model.families import block_tensors
 from swarm.model.fast_layers import FastLayers
 from swarm.model.gemma4 import PerLayerInputs, Tail
 from swarm.model.gemma4_experts import DenseAndExperts
+from swarm.model.head import LazyHead
 from swarm.model.kvcache import KVCache as KVCache
 from swarm.model.kvcache import ring_slots as ring_slots
 from swarm.model.latent import LatentAttention
@@ -309,6 +309,8 @@ class Block:
 class Span:
     """Blocks [start, end) of a model. `forward` runs a contiguous sub-range of them."""
 
+    head: LazyHead | None = None  # the last block's span: the head, for a last hop that picks
+
     def __init__(
         self,
         config: ModelConfig,
@@ -357,7 +359,9 @@ class Span:
         if source.config.per_layer:
             per_layer = PerLayerInputs.load(source, start, end, weights, usable)
         embedding = Embedding.load(source) if start == 0 else None
-        return cls(source.config, start, end, blocks, weights, per_layer, embedding)
+        span = cls(source.config, start, end, blocks, weights, per_layer, embedding)
+        span.head = LazyHead(source, weights) if end == source.config.num_layers else None
+        return span
 
     @property
     def nbytes(self) -> int:
@@ -379,16 +383,8 @@ class Span:
         return max(counts, key=counts.get)
 
     def _per_layer_inputs(self, ids, n: int, start: int, end: int) -> torch.Tensor | None:
-        """Layers [start, end)'s inputs from the token ids [n, end - start, width], or None
-        where the model has none; ProtocolError where a step did not carry every id."""
-        if self.per_layer is None:
-            return None
-        if ids is None or len(ids) != n:
-            raise ProtocolError(
-                f"{self.config.name} needs the token id of each of a step's {n} positions"
-                f" (its layers have per-layer inputs); the step carried {len(ids or ())}"
-            )
-        return self.per_layer(list(ids), start, end)
+        """Layers [start, end)'s inputs from the token ids, or None where the model has none."""
+        return None if self.per_layer is None else self.per_layer(ids, n, start, end)
 
     def allocate_cache(self, start: int, end: int, max_length: int) -> KVCache:
         """A session's cache for blocks [start, end) of this span."""

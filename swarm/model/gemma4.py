@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from swarm.errors import ProtocolError
 from swarm.model.config import ModelConfig
 from swarm.model.linear import Linear
 from swarm.model.norm import rms_norm
@@ -211,9 +212,15 @@ class PerLayerInputs:
         return self.table.data.nbytes + self.projection.nbytes
 
     @torch.inference_mode()
-    def __call__(self, ids: list[int], start: int, end: int) -> torch.Tensor:
-        """Layers [start, end)'s inputs for tokens `ids`: [tokens, end - start, width]."""
-        c, width = self.c, self.c.per_layer
+    def __call__(self, ids, n: int, start: int, end: int) -> torch.Tensor:
+        """Layers [start, end)'s inputs for a step's `n` tokens `ids`: [n, end - start, width];
+        ProtocolError where the step did not carry every id."""
+        if ids is None or len(ids) != n:
+            raise ProtocolError(
+                f"{self.c.name} needs the token id of each of a step's {n} positions"
+                f" (its layers have per-layer inputs); the step carried {len(ids or ())}"
+            )
+        ids, c, width = list(ids), self.c, self.c.per_layer
         cols = slice((start - self.start) * width, (end - self.start) * width)
         main = self.embed.rows(ids).float() * torch.tensor(c.hidden**0.5, dtype=torch.float32)
         projected = self.projection(main).float()[:, cols] * c.hidden**-0.5

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from swarm.model.config import ModelConfig
@@ -84,3 +86,19 @@ class Head:
         if (cap := self.config.final_softcap) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+class LazyHead:
+    """A span's head where the span ends the model: loaded at its first use, once, as a client
+    would load it (the same format for the same weights), for a last hop that picks tokens."""
+
+    def __init__(self, source, weights: str = "auto"):
+        self._source, self._weights = source, "float32" if weights == "float32" else "auto"
+        self._lock = threading.Lock()
+        self._head: Head | None = None
+
+    def get(self) -> Head:
+        with self._lock:
+            if self._head is None:
+                self._head = Head.load(self._source, self._weights)
+            return self._head

@@ -1,18 +1,25 @@
 """The compute a session hands to the lanes (compute.py): one forward pass over a session's
 prompt or step, or one decode pass over several sessions' steps. Each runs in a compute thread,
 never on the trio thread, and checks first that the step comes at its session's cache position.
+On a route's last hop, a session opened with `picking` gets its tokens picked in the same
+thread (`Picked`): the head's rows of a decode pass's sessions go through it as one matmul.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import outcome
 import torch
 
 from swarm.errors import ProtocolError, SwarmError
 from swarm.model.blocks import KVCache, Span
+from swarm.model.head import LazyHead
+from swarm.model.sampling import Sampler
 
 log = logging.getLogger("swarm.node")
 
@@ -40,6 +47,51 @@ def verify_pass(
     return out.unsqueeze(0)
 
 
+class Picked(NamedTuple):
+    """A pass's output [1, n, hidden] and the tokens picked after its last len(picks) rows."""
+
+    hidden: torch.Tensor
+    picks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Picker:
+    """What picks a session's tokens on its last hop: the span's head (loaded at first use, in a
+    compute thread) and the session's sampler."""
+
+    head: LazyHead
+    sampler: Sampler
+
+
+def pick_rows(rows: list[tuple[Picker, torch.Tensor, int]]) -> list[int]:
+    """The token after each final hidden state [hidden] at its position, as its Picker says:
+    rows of one head go through it together (a float32 head, the exact path, a row at a time:
+    a GEMM over several rows may round differently from one row's)."""
+    picks: list[int] = [0] * len(rows)
+    by_head: dict[int, list[int]] = {}
+    for i, (picker, _, _) in enumerate(rows):
+        by_head.setdefault(id(picker.head), []).append(i)
+    for idx in by_head.values():
+        head = rows[idx[0]][0].head.get()
+        hidden = torch.stack([rows[i][1].reshape(-1) for i in idx])
+        if head.weights == "float32":
+            logits = [head.logits_rows(hidden[j : j + 1])[0] for j in range(len(idx))]
+        else:
+            logits = list(head.logits_rows(hidden))
+        for i, row in zip(idx, logits):
+            picker, _, pos = rows[i]
+            picks[i] = picker.sampler(row, pos + 1)
+    return picks
+
+
+def picked(fn: Callable[[], torch.Tensor], picker: Picker, pos: int, last: int) -> Picked:
+    """`fn`'s pass from position `pos`, with the tokens picked after its last `last` rows."""
+    out = fn()
+    n = out.shape[1]
+    rows = [(picker, out[0, i], pos + i) for i in range(n - last, n)]
+    return Picked(out, tuple(pick_rows(rows)))
+
+
 @dataclass(frozen=True)
 class DecodeItem:
     """One session's decode step, as a decode pass takes it."""
@@ -48,6 +100,7 @@ class DecodeItem:
     pos: int
     hidden: torch.Tensor  # [1, 1, hidden]
     ids: tuple[int, ...] | None = None  # its token's, for a model whose layers read it
+    picker: Picker | None = None  # on the last hop, where the session's tokens are picked
 
 
 def decode_pass(span: Span, start: int, end: int, items: list[DecodeItem]) -> list[outcome.Outcome]:
@@ -71,15 +124,35 @@ def decode_pass(span: Span, start: int, end: int, items: list[DecodeItem]) -> li
             out = span.decode(hidden, caches, positions, start, end, ids=ids)
             for row, i in enumerate(ready):
                 outs[i] = outcome.Value(out[row].view(1, 1, -1))
+            _pick_items(items, ready, out, outs)
             return outs
         except Exception:
             log.exception("a decode pass of %d sessions failed; each runs alone", len(ready))
     for i in ready:
         item = items[i]
-        outs[i] = outcome.capture(
+        fn = functools.partial(
             forward_pass, span, item.cache, start, end, item.pos, item.hidden, item.ids
         )
+        if item.picker is not None:
+            fn = functools.partial(picked, fn, item.picker, item.pos, 1)
+        outs[i] = outcome.capture(fn)
     return outs
+
+
+def _pick_items(items: list[DecodeItem], ready: list[int], out, outs) -> None:
+    """The picks of a decode pass's rows whose sessions are picked here, as one matmul."""
+    rows = [(row, i) for row, i in enumerate(ready) if items[i].picker is not None]
+    if not rows:
+        return
+    try:
+        picks = pick_rows([(items[i].picker, out[row], items[i].pos) for row, i in rows])
+    except Exception as exc:  # the pass's hidden states stand; those sessions fail
+        log.exception("picking the tokens of a decode pass failed")
+        for _, i in rows:
+            outs[i] = outcome.Error(exc)
+        return
+    for (row, i), token in zip(rows, picks):
+        outs[i] = outcome.Value(Picked(out[row].view(1, 1, -1), (token,)))
 
 
 def _check_position(cache: KVCache, pos: int) -> None:

@@ -15,8 +15,17 @@ import torch
 import trio
 
 from swarm.errors import ProtocolError, SessionNotFound, SwarmError
+from swarm.model.sampling import Sampler
 from swarm.node.borrow import borrowed_pass
-from swarm.node.passes import DecodeItem, decode_pass, forward_pass, verify_pass
+from swarm.node.passes import (
+    DecodeItem,
+    Picked,
+    Picker,
+    decode_pass,
+    forward_pass,
+    picked,
+    verify_pass,
+)
 from swarm.node.prompt import PromptPieces
 from swarm.node.session_state import Copy, SessionState
 from swarm.node.signal import Signal
@@ -141,18 +150,20 @@ class StepWork:
             if step.spec is not None:  # a verification round: its drafts may be rejected
                 cache.rewind(step.pos)
                 cache.keep_for_rewind(step.pos, hidden.shape[1], MAX_REWIND)
+            picker, n = self._picker(), hidden.shape[1]
             if self.lender is not None:  # aside: each layer waits for the lender's piece
-                done = await compute.aside(self._pass(cache, step.pos, hidden, step.ids), 1)
-            elif hidden.shape[1] == 1:  # joins other sessions' steps through the same blocks
+                fn = self._picking(self._pass(cache, step.pos, hidden, step.ids), step, n)
+                done = await compute.aside(fn, 1)
+            elif n == 1:  # joins other sessions' steps through the same blocks
                 run = functools.partial(decode_pass, span, self.start, self.end)
-                item = DecodeItem(cache, step.pos, hidden, step.ids)
+                item = DecodeItem(cache, step.pos, hidden, step.ids, picker)
                 done = await compute.decode((self.start, self.end), item, run, self.sid)
             else:
                 run_pass = verify_pass if step.spec is not None else forward_pass
                 fn = functools.partial(
                     run_pass, span, cache, self.start, self.end, step.pos, hidden, step.ids
                 )
-                done = await compute.run(DECODE, fn, hidden.shape[1])
+                done = await compute.run(DECODE, self._picking(fn, step, n), n)
         except Exception as exc:
             await self._compute_failed(exc)
             return
@@ -190,7 +201,7 @@ class StepWork:
                 done = await spread_pass(self.ctx, ticket, *args)
             else:
                 fn = self._pass(cache, step.pos, hidden, step.ids)
-                done = await ticket.run(fn, hidden.shape[1])
+                done = await ticket.run(self._picking(fn, step, hidden.shape[1]), hidden.shape[1])
         except Exception as exc:
             await self._compute_failed(exc)
             return
@@ -200,7 +211,7 @@ class StepWork:
         self.ctx.counters.prompt_passes += 1
         self.ctx.counters.prompt_tokens += hidden.shape[1]
         if await self._forward(step, done):
-            out = done.result
+            out = _hidden(done.result)
             self._prompt_computed(done_all=step.pos + out.shape[1] == step.end)
             self.ctx.observer.prompt_pass(
                 self.sid,
@@ -268,7 +279,9 @@ class StepWork:
         """Queue a pass's output for the next hop (or the client); False if the session ended."""
         if self.state.closed:
             return False
-        out = done.result
+        out, picks = done.result, None
+        if isinstance(out, Picked):
+            out, picks = out
         n = out.shape[1]
         self.ctx.counters.steps_done += 1
         self.ctx.counters.tokens_done += n
@@ -287,6 +300,8 @@ class StepWork:
             to, dest, phase, result = self.sink, CLIENTS, DECODE, True
         else:
             to, dest, phase, result, out = self.sink, CLIENTS, DECODE, True, out[:, -1:]
+        if result and picks is not None:  # the tokens, not the hidden states they come from
+            out = out[:, -len(picks) :, :0]
         payload = Payload(
             to,
             dest,
@@ -299,6 +314,28 @@ class StepWork:
             result=result,
             spec=step.spec,
             ids=None if result else step.ids,
+            picks=picks if result else None,
         )
         self.ctx.uplink.send_activations(payload)
         return True
+
+    def _picker(self) -> Picker | None:
+        """Where this node picks the session's tokens: on the route's last hop, for a session
+        opened with `picking`, where the span holds the model's head."""
+        picking, head = self.open_msg.picking, self.ctx.span.head
+        if picking is None or head is None or not self.is_last:
+            return None
+        return Picker(head, Sampler(picking))
+
+    def _picking(self, fn, step: Step, n: int):
+        """`fn`, a pass over the `n` tokens of `step`, then the picks the client reads of it
+        where this node picks the session's tokens: after each token of a verification round,
+        after the last of a step that ends its phase's input, none after a middle piece."""
+        picker = self._picker()
+        if picker is None or step.pos + n != step.end:
+            return fn
+        return functools.partial(picked, fn, picker, step.pos, n if step.spec is not None else 1)
+
+
+def _hidden(result) -> torch.Tensor:
+    return result.hidden if isinstance(result, Picked) else result

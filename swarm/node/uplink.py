@@ -81,6 +81,8 @@ class Payload:
     done: trio.Event | None = None  # set once its last byte is written (or it is dropped)
     spec: int | None = None  # a verification round's id (speculative decoding)
     ids: tuple[int, ...] | None = None  # the tokens' ids, where the next hop's layers read them
+    # a Result's picked tokens (`hidden` then [1, tokens, 0]): the last hop picks them
+    picks: tuple[int, ...] | None = None
 
 
 class Uplink:
@@ -128,7 +130,9 @@ class Uplink:
                 dest=payload.dest,
                 phase=payload.phase,
                 tokens=tokens,
-                bytes_per_token=tensor_nbytes(1, hidden, payload.wire_dtype),
+                bytes_per_token=(
+                    4 if payload.picks is not None else tensor_nbytes(1, hidden, payload.wire_dtype)
+                ),
                 phase_left=max(tokens, payload.end - payload.pos),
             ),
             self.now(),
@@ -389,6 +393,9 @@ class Uplink:
         await self._write(p.stream, frame)
 
     def _frame(self, p: Payload, offset: int, tokens: int) -> bytes:
+        if p.picks is not None:
+            picks = p.picks[offset : offset + tokens]
+            return encode_frame(to_wire(Result(p.sid, p.end, None, p.spec, picks)))
         hidden = pack_tensor(p.hidden[:, offset : offset + tokens], p.wire_dtype)
         if p.part:
             return encode_frame(to_wire(StateChunk(p.sid, p.layer, p.part, p.pos + offset, hidden)))

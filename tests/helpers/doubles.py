@@ -17,6 +17,7 @@ class Doubling:
     config = SimpleNamespace(hidden=HIDDEN, window=lambda layer: None)  # no sliding window
     start, end = 0, 4
     embedding = None  # steps carry activations, as a client of a node without the table sends
+    head = None  # results carry hidden states, as from a node without the model's head
 
     def allocate_cache(self, start: int, end: int, max_length: int) -> KVCache:
         return KVCache(keys=[], values=[])
