@@ -81,8 +81,7 @@ class Payload:
     done: trio.Event | None = None  # set once its last byte is written (or it is dropped)
     spec: int | None = None  # a verification round's id (speculative decoding)
     ids: tuple[int, ...] | None = None  # the tokens' ids, where the next hop's layers read them
-    # a Result's picked tokens (`hidden` then [1, tokens, 0]): the last hop picks them
-    picks: tuple[int, ...] | None = None
+    picks: tuple[int, ...] | None = None  # a Result's tokens, picked here (hidden [1, n, 0])
 
 
 class Uplink:
@@ -104,8 +103,7 @@ class Uplink:
         self._gone = Signal()  # a frame was written or dropped
         self._clock0 = time.monotonic()
         self.bytes_sent = 0
-        # dest -> (nonce, frame, the scheduler's mark after it, the prompt bytes the scheduler
-        # counted in it (0 for a decode frame)), oldest first
+        # dest -> (nonce, frame, the scheduler's mark after it, its prompt bytes), oldest first
         self._acks: dict[str, deque[tuple[int, SentFrame, int, int]]] = {}
         self._ack_nonce = ACK_NONCE_BASE
         self._decode_acked: dict[str, float] = {}  # dest -> when a decode frame last asked
@@ -124,15 +122,14 @@ class Uplink:
 
     def send_activations(self, payload: Payload) -> None:
         tokens, hidden = payload.hidden.shape[1], payload.hidden.shape[2]
+        per_token = 4 if payload.picks is not None else tensor_nbytes(1, hidden, payload.wire_dtype)
         vid = self.scheduler.enqueue(
             Volume(
                 session=payload.sid,
                 dest=payload.dest,
                 phase=payload.phase,
                 tokens=tokens,
-                bytes_per_token=(
-                    4 if payload.picks is not None else tensor_nbytes(1, hidden, payload.wire_dtype)
-                ),
+                bytes_per_token=per_token,
                 phase_left=max(tokens, payload.end - payload.pos),
             ),
             self.now(),
