@@ -21,11 +21,12 @@ def test_a_cost_two_noisy_rounds_suggest_fades_while_rounds_of_one_size_follow()
     tuner = measured()
     tuner.timed(7, 0.136)  # 26 ms more than the next, a round trip's jitter at 40 ms a hop
     tuner.timed(3, 0.110)
-    assert tuner.fitted and tuner.plan(20)[0] == 1  # taken at its word: 6.5 ms a token
+    noisy = tuner.plan(20)[0]
+    assert tuner.fitted and noisy <= 2  # taken at its word: 5-6.5 ms a token
     for _ in range(20):
         tuner.timed(2, 0.103)  # what rounds of that size then cost
     assert tuner.per_token < 0.3 * (0.136 - 0.110) / 4
-    assert tuner.plan(20)[0] >= 2  # longer rounds are tried again, and timed
+    assert tuner.plan(20)[0] > noisy  # longer rounds are tried again, and timed
 
 
 def test_many_rounds_of_several_sizes_find_what_a_token_costs():
@@ -167,3 +168,30 @@ def test_a_drafter_that_costs_what_a_round_saves_is_not_used():
         costly.drafted(3, 0.012)  # a draft model a quarter of the served one's size
     assert free.plan(20)[0] > 0
     assert costly.plan(20) == (0, 1)
+
+
+def long_trip(acceptance: float) -> Tuner:
+    """Measured through 3 hops at 40 ms: a round trip ~100 ms, 1.5 ms a token, rounds sent
+    behind another answered 3 ms after it."""
+    tuner = measured(acceptance)
+    tuner.stages = 3
+    for n in (2, 4, 6) * 10:
+        tuner.timed(n, 0.100 + 0.0015 * (n - 1))
+    for _ in range(5):
+        tuner.spaced(4, 0.003, queued=True)
+    return tuner
+
+
+def test_over_a_long_round_trip_rounds_seldom_read_still_go_in_flight():
+    # a run longer than the rounds in flight costs a whole round trip more; a round behind
+    # them costs 3 ms where it is read, and its stale work is done before the next round comes
+    k, m = long_trip(0.7).plan(20)
+    assert m * (k + 1) >= 12
+
+
+def test_stale_rounds_cost_where_the_round_trip_is_short_enough_to_meet_them():
+    tuner = loopback()
+    tuner.stages = 3
+    assert tuner._stale(1, 0.003) == 0.0
+    assert tuner._stale(4, 0.020) > 0.05
+

@@ -164,20 +164,29 @@ class Tuner:
             self._probe = None  # it failed and was not checked: as if never sent
         a = min(self.acceptance(kind), 0.999)
         step = self.latency if self.step_s is None else self.step_s
-        best, best_rate = (0, 1), 1.0 / max(step, 1e-6)
+        # rounds must beat plain steps by 5% (the model's error), then the best of them
+        best, best_rate = (0, 1), 1.05 / max(step, 1e-6)
         for k in range(1, MAX_DRAFTS + 1):
             yields = (1 - a ** (k + 1)) / (1 - a)  # the accepted run and the pick after it
+            held = a ** (k + 1)  # a round's drafts all accepted: the one behind it is read
+            # what a round behind another adds where it is read: what such rounds were
+            # measured to add (the slowest hop's share of its tokens until then: the hops
+            # working at once)
+            behind = self.behind(k + 1)
+            drafting = (k + 1) * self.draft_s  # before each round leaves, read or not
             for m in range(1, (MAX_IN_FLIGHT if self.fitted else 1) + 1):
-                # round j is valid if every token before it was accepted
-                tokens = yields * sum(a ** ((k + 1) * j) for j in range(m))
-                # the first round pays its tokens at every hop; each behind it what rounds
-                # behind another were measured to add (the slowest hop's share of its tokens
-                # until then: the hops working at once)
-                # (and the drafter's time for every draft, before each round leaves)
-                behind = self.behind(k + 1) + (k + 1) * self.draft_s
-                cost = k * (self.per_token + self.draft_s) + (m - 1) * behind
+                reach = [held**j for j in range(m)]  # round j is read if all before it held
+                tokens = yields * sum(reach)
+                # the first round pays its tokens at every hop; each behind it its drafts, and
+                # `behind` where it is read, and where a rejection ends the cycle before it,
+                # what its stale work delays the next cycle's first round
+                stale = sum(
+                    r * (1 - held) * self._stale(m - 1 - j, behind) for j, r in enumerate(reach)
+                )
+                cost = k * (self.per_token + self.draft_s) + (m - 1) * drafting
+                cost += behind * sum(reach[1:]) + stale
                 rate = tokens / max(self.latency + cost, 1e-6)
-                if rate > best_rate * 1.05:
+                if rate > best_rate:
                     best, best_rate = (k, m), rate
         if best[0] and not self.rounds_pay():
             best = (0, 1)  # measured slower than plain steps: off, and probed as below
@@ -204,6 +213,14 @@ class Tuner:
             self._probe, self._probe_at = "out", produced
             return 2, 1
         return best
+
+    def _stale(self, rounds: int, behind: float) -> float:
+        """What `rounds` gone stale behind a rejected one delay the next cycle's first round:
+        their work at the last hop, `behind` apart, less what the new round's way there covers
+        in the wire's share of a round trip (the hops' work, `behind` each, on shared cores
+        or not, may be theirs to do before it)."""
+        wire = max(0.0, self.latency - self.stages * behind)
+        return max(0.0, rounds * behind - wire * self.stages / (self.stages + 1))
 
     def for_next_reply(self) -> Tuner:
         """A copy for another reply on the same route: what it measured of the route and the
