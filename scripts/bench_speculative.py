@@ -343,13 +343,14 @@ def main() -> None:
         "--synthetic-layers", type=int, default=1, help="8B-shaped blocks a node; 0: none"
     )
     p.add_argument("--files", type=Path, help="keep the 8B-shaped file here (default: a temp dir)")
+    p.add_argument("--models", default="default,8b", help="which models' rows (8b: if layers > 0)")
     a = p.parse_args()
     a.oracle = [float(x) for x in a.oracle.split(",")]
     a.drafts = a.drafts.split(",")
     rtts = [float(x) for x in a.rtts.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        models = [default_model(Path(tmp), a)]
-        if a.synthetic_layers:
+        models = [default_model(Path(tmp), a)] if "default" in a.models else []
+        if a.synthetic_layers and "8b" in a.models:
             from synthetic_gguf import l8b_file
 
             n = 3 * a.synthetic_layers

@@ -195,3 +195,20 @@ def test_stale_rounds_cost_where_the_round_trip_is_short_enough_to_meet_them():
     assert tuner._stale(1, 0.003) == 0.0
     assert tuner._stale(4, 0.020) > 0.05
 
+
+
+def test_until_a_tokens_cost_is_measured_rounds_are_of_two_sizes_and_not_the_longest():
+    tuner = Tuner(0.7)
+    assert tuner.plan(0) == (2, 1)  # nothing timed: not even the round trip
+    tuner.timed(1, 0.100)
+    sizes = {tuner.plan(i)[0] for i in range(1, 5)}
+    assert len(sizes) == 2 and max(sizes) < 15  # 16 rows of an 8B model: 50 ms a link
+
+
+def test_rounds_of_two_sizes_timed_fit_the_cost_a_token():
+    tuner = Tuner(0.7)
+    tuner.timed(1, 0.100)
+    for i in range(6):
+        k = tuner.plan(i)[0]
+        tuner.timed(k + 1, 0.100 + 0.010 * k)
+    assert tuner.fitted and 0.005 < tuner.per_token < 0.011

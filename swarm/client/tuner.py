@@ -14,6 +14,7 @@ from swarm.protocol import MAX_REWIND, MAX_VERIFY_TOKENS
 
 MAX_DRAFTS = MAX_VERIFY_TOKENS - 1  # a round: the decided token and up to this many drafts
 MAX_IN_FLIGHT = 4  # rounds sent ahead of the one whose answer is awaited
+GUESS_TOKEN = 1 / 32  # of a round's latency, a token's cost until measured
 assert MAX_IN_FLIGHT * MAX_VERIFY_TOKENS <= MAX_REWIND  # a rejection rewinds all in flight
 
 
@@ -44,6 +45,7 @@ class Tuner:
         # decayed (weight, tokens, seconds) of the rounds answered behind another: how long
         # after the answer ahead of them theirs came, what a round in flight adds to a cycle
         self._spacing = (0.0, 0.0, 0.0)
+        self._explored = 0  # rounds planned before the cost a token was fitted
         self.off_since = -1  # token count when speculation switched itself off, -1 if on
         # speculation off and tried again: "out" while the probe round's answer is awaited
         # (sent when `_probe_at` tokens were decided), then whether a draft of it was accepted
@@ -166,6 +168,9 @@ class Tuner:
         step = self.latency if self.step_s is None else self.step_s
         # rounds must beat plain steps by 5% (the model's error), then the best of them
         best, best_rate = (0, 1), 1.05 / max(step, 1e-6)
+        # a token's cost unmeasured: a guess (taken as none, every round would carry the most
+        # drafts, and 16 rows of an 8B model cost 50 ms a 20 Mbit/s link)
+        per_token = self.per_token if self.fitted else self.latency * GUESS_TOKEN
         for k in range(1, MAX_DRAFTS + 1):
             yields = (1 - a ** (k + 1)) / (1 - a)  # the accepted run and the pick after it
             held = a ** (k + 1)  # a round's drafts all accepted: the one behind it is read
@@ -183,11 +188,16 @@ class Tuner:
                 stale = sum(
                     r * (1 - held) * self._stale(m - 1 - j, behind) for j, r in enumerate(reach)
                 )
-                cost = k * (self.per_token + self.draft_s) + (m - 1) * drafting
+                cost = k * (per_token + self.draft_s) + (m - 1) * drafting
                 cost += behind * sum(reach[1:]) + stale
                 rate = tokens / max(self.latency + cost, 1e-6)
                 if rate > best_rate:
                     best, best_rate = (k, m), rate
+        if not self.fitted and best[0]:  # rounds of two sizes in turn measure it
+            self._explored += 1
+            k = best[0] if self._explored % 2 else max(1, best[0] // 2)
+            timed = self._fit[0] > 0 or self.step_s is not None
+            best = (k if timed else min(k, 2), 1)  # nothing timed yet: not even the latency
         if best[0] and not self.rounds_pay():
             best = (0, 1)  # measured slower than plain steps: off, and probed as below
         if self._probe is False:
