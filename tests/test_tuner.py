@@ -196,7 +196,6 @@ def test_stale_rounds_cost_where_the_round_trip_is_short_enough_to_meet_them():
     assert tuner._stale(4, 0.020) > 0.05
 
 
-
 def test_until_a_tokens_cost_is_measured_rounds_are_of_two_sizes_and_not_the_longest():
     tuner = Tuner(0.7)
     assert tuner.plan(0) == (2, 1)  # nothing timed: not even the round trip
