@@ -13,6 +13,7 @@ from devtools.launch import stop_all
 from swarm.client.client import Client
 from swarm.client.routing import HANDOFF_MIN_NEW_TOKENS, PREFILL_MIN_TOKENS
 from swarm.errors import NodeBusy, ProtocolError
+from swarm.model.sampling import Sampler
 from swarm.protocol import Error, Open
 from swarm.transport import dial_hop
 from tests.conftest import reference_greedy
@@ -41,6 +42,20 @@ def generate(
             handed()
         while len(out) < new:
             out.append(int(s.feed([out[-1]]).argmax()))
+        return out, s.remote.moves, [h.peer for h in s.remote.route]
+
+
+def picked(
+    client: Client, prompt: list[int], handed=None, new: int = NEW
+) -> tuple[list[int], int, list[str]]:
+    """As `generate`, in a reply's session: the route's last hop picks each token."""
+    with client.session(len(prompt) + new) as s:
+        s.sampler = Sampler()
+        out = [s.pick(prompt)]
+        if handed is not None:
+            handed()
+        while len(out) < new:
+            out.append(s.pick([out[-1]]))
         return out, s.remote.moves, [h.peer for h in s.remote.route]
 
 
@@ -82,6 +97,26 @@ def test_a_p_d_route_gives_the_colocated_tokens_and_the_decode_node_computes_no_
         colocated.close()
         split.close()
         stop_all(nodes)
+
+
+def test_a_p_d_route_whose_last_hops_pick_gives_the_colocated_tokens(
+    dht_peers,  # noqa: F811
+    tiny_model_dir,
+    tiny_reference,
+):
+    decode = start_full_node(tiny_model_dir, dht_peers, "--role", "decode")
+    prefill = start_full_node(tiny_model_dir, dht_peers, "--role", "prefill")
+    client = Client(dht_peers, model=str(tiny_model_dir), wire_dtype="float32")
+    try:
+        out, moves, peers = picked(
+            client, PROMPT, lambda: wait_for_lines(prefill, "handed over to", 1)
+        )
+        assert out == reference_greedy(tiny_reference, PROMPT, NEW)
+        assert (moves, peers) == (1, [decode.peer])
+        assert client._heads == {}  # the prefill node, then the decode node, picked each token
+    finally:
+        client.close()
+        stop_all([decode, prefill])
 
 
 def test_a_short_answer_stays_on_the_prefill_node(
