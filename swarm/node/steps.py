@@ -150,13 +150,13 @@ class StepWork:
             if step.spec is not None:  # a verification round: its drafts may be rejected
                 cache.rewind(step.pos)
                 cache.keep_for_rewind(step.pos, hidden.shape[1], MAX_REWIND)
-            picker, n = self._picker(), hidden.shape[1]
+            n = hidden.shape[1]
             if self.lender is not None:  # aside: each layer waits for the lender's piece
                 fn = self._picking(self._pass(cache, step.pos, hidden, step.ids), step, n)
                 done = await compute.aside(fn, 1)
             elif n == 1:  # joins other sessions' steps through the same blocks
                 run = functools.partial(decode_pass, span, self.start, self.end)
-                item = DecodeItem(cache, step.pos, hidden, step.ids, picker)
+                item = DecodeItem(cache, step.pos, hidden, step.ids, self._picker())
                 done = await compute.decode((self.start, self.end), item, run, self.sid)
             else:
                 run_pass = verify_pass if step.spec is not None else forward_pass
