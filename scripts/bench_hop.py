@@ -13,12 +13,13 @@ client's are the same monotonic clock (one machine), so a token's timeline reads
            for one (the kernel's schedstat; on a busy machine, compare CPU seconds); the rest
            of it the compute thread was blocked (the GIL)
   back     the last hop queueing the result to the client having it
-  client   the result in hand to the next step sent: the LM head, the pick, the embedding
+  client   the result in hand to the next step sent: with --client-head the LM head and the
+           pick; by default the last node picks (a reply's way) and the client only sends the id
 Non-compute per hop = in + wait (the issue's goal: p50 <= 0.5 ms). Unsplit: Span.forward over
 every layer and the head, greedy, in this process at the same threads.
 
     .venv/bin/python scripts/bench_hop.py [--nodes 2] [--threads 1] [--new-tokens 100]
-        [--model FILE]      (a GGUF file, e.g. 16 8B-shaped layers; default: the default model)
+        [--client-head] [--model FILE]      (a GGUF file, e.g. 16 8B-shaped layers; default: the default model)
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ import time
 import torch
 from bench import ROOT
 from bench.local import LocalSwarm
-from bench.proc import cpu_name
+from bench.proc import cpu_name, cpu_seconds
 from bench.table import print_table
 
 from devtools.launch import even_spans
 from swarm.client.client import Client
 from swarm.model.blocks import Span
 from swarm.model.head import Head
+from swarm.model.sampling import Sampler
 from swarm.model.source import open_model
 
 STEP_LOG_NODE = (str(ROOT / "devtools" / "step_log.py"),)
@@ -77,16 +79,21 @@ def read_steps(path: str) -> list[tuple[float, float, float, float, float]]:
     return out
 
 
+def pick(s, ids: list[int]) -> int:
+    return s.pick(ids) if s.sampler is not None else int(s.feed(ids).argmax())
+
+
 def swarm_timeline(a, folder: str) -> tuple[float, list[dict[str, float]]]:
     """TPOT and each token's timeline through a fresh swarm."""
     logs = [os.path.join(folder, f"node{i}.log") for i in range(a.nodes)]
     layers = open_model(a.model).config.num_layers
     with LocalSwarm() as swarm:
+        pids = []
         for span, log in zip(even_spans(layers, a.nodes), logs):
             extra = ["--step-log", log, "--threads", str(a.threads)]
             if a.model:
                 extra += ["--model", a.model]
-            swarm.node(span, extra=extra, program=STEP_LOG_NODE)
+            pids.append(swarm.node(span, extra=extra, program=STEP_LOG_NODE).proc.pid)
         client = Client(swarm.peers, model=a.model)
         stamps: list[tuple[float, float]] = []
         run = client.loop.run
@@ -101,16 +108,25 @@ def swarm_timeline(a, folder: str) -> tuple[float, list[dict[str, float]]]:
         try:
             ids = prompt_ids(20, open_model(a.model).config.vocab)
             with client.session(len(ids) + a.new_tokens + 1, "off") as s:
-                logits = s.feed(ids)
+                if not a.client_head:
+                    s.sampler = Sampler()  # greedy, a reply's way: the last node picks
+                token = pick(s, ids)
                 client.loop.run = stamped
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), [cpu_seconds(p) for p in pids]
+                client_cpu = time.process_time()
                 for _ in range(a.new_tokens):
-                    logits = s.feed([int(logits.argmax())])
+                    token = pick(s, [token])
                 tpot = (time.perf_counter() - started) / a.new_tokens
+                client_cpu = (time.process_time() - client_cpu) / a.new_tokens
+                cpu = [(cpu_seconds(p) - c) / a.new_tokens for p, c in zip(pids, cpu)]
         finally:
             client.loop.run = run
             client.close()
     hops = [read_steps(log)[-len(stamps) :] for log in logs]
+    # a process's CPU beside its compute thread's: frames, TLS, scheduling, the trio loop
+    outside = [c - statistics.mean(step[3] for step in steps) for c, steps in zip(cpu, hops)]
+    cpus = {"client CPU a token": client_cpu}
+    cpus.update({f"node {h} CPU outside compute": x for h, x in enumerate(outside)})
     rows = []
     for i, (sent, back) in enumerate(stamps):
         row, before = {}, sent
@@ -126,7 +142,7 @@ def swarm_timeline(a, folder: str) -> tuple[float, list[dict[str, float]]]:
         if i + 1 < len(stamps):
             row["client"] = stamps[i + 1][0] - back
         rows.append(row)
-    return tpot, rows
+    return tpot, rows, cpus
 
 
 def main() -> None:
@@ -135,11 +151,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--new-tokens", type=int, default=100)
     p.add_argument("--model", help="a GGUF file; default: the default model")
+    p.add_argument(
+        "--client-head",
+        action="store_true",
+        help="the client computes the head and picks (feed()), not the route's last node",
+    )
     a = p.parse_args()
     vocab = open_model(a.model).config.vocab
     unsplit, unsplit_cpu = unsplit_tpot(prompt_ids(20, vocab), a.new_tokens, a.threads, a.model)
     with tempfile.TemporaryDirectory() as folder:
-        tpot, rows = swarm_timeline(a, folder)
+        tpot, rows, cpus = swarm_timeline(a, folder)
     print(f"{cpu_name()}; {a.nodes} nodes x {a.threads} thread(s), {a.new_tokens} tokens")
     print(
         f"unsplit {unsplit * 1e3:.2f} ms a token, swarm {tpot * 1e3:.2f} ms:"
@@ -155,6 +176,7 @@ def main() -> None:
     ]
     print_table(["ms a token", "p50", "mean"], table)
     print("non-compute a hop (in + wait), p50 ms:", ", ".join(f"{x:.3f}" for x in per_hop))
+    print("; ".join(f"{k} {v * 1e3:.2f} ms" for k, v in cpus.items()))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ class Embedding:
             return None
         return cls(source.config, table)
 
-    @torch.inference_mode()
     def __call__(self, ids: list[int]) -> torch.Tensor:
+        # no inference_mode here: a first hop looks rows up on its event loop at every step,
+        # where entering that mode costs more than the look-up (it records no graph anyway:
+        # the table's tensors ask for no gradients)
         return embed_rows(self.table, self.config, ids)

@@ -299,7 +299,8 @@ class StepWork:
         elif step.spec is not None:  # a verification round: the client checks every token
             to, dest, phase, result = self.sink, CLIENTS, DECODE, True
         else:
-            to, dest, phase, result, out = self.sink, CLIENTS, DECODE, True, out[:, -1:]
+            to, dest, phase, result = self.sink, CLIENTS, DECODE, True
+            out = out if n == 1 else out[:, -1:]
         if result and picks is not None:  # the tokens, not the hidden states they come from
             out = out[:, -len(picks) :, :0]
         payload = Payload(

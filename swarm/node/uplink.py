@@ -393,7 +393,7 @@ class Uplink:
         if p.picks is not None:
             picks = p.picks[offset : offset + tokens]
             return encode_frame(to_wire(Result(p.sid, p.end, None, p.spec, picks)))
-        hidden = pack_tensor(p.hidden[:, offset : offset + tokens], p.wire_dtype)
+        hidden = pack_tensor(p.hidden, p.wire_dtype, slice(offset, offset + tokens))
         if p.part:
             return encode_frame(to_wire(StateChunk(p.sid, p.layer, p.part, p.pos + offset, hidden)))
         if p.values is not None:
