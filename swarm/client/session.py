@@ -255,6 +255,12 @@ class RemoteSession:
         """The step's Result (None: none within `timeout`), or a Moved: a hop was handed over
         to another node, whose connection the result then comes on. Awaiting verification
         round `spec`, the results of later rounds are kept for their turn."""
+        # most results come before the heartbeat's first pings are due: until then the last
+        # hop's connection alone is read, without the two tasks a step's wait starts after it
+        # (each task started and cancelled costs the client's loop a step's worth of wake-ups)
+        quick = min(INTERVAL_S, timeout)
+        with trio.move_on_after(quick):
+            return await self._last_hop_answer(end, spec, None)
         answer: Result | Moved | None = None
         try:
             async with trio.open_nursery() as nursery:
@@ -266,27 +272,33 @@ class RemoteSession:
 
                 if self.first is not self.last:
                     nursery.start_soon(self._watch_first, moved)
-                nursery.start_soon(self._heartbeat)
-                with trio.move_on_after(timeout):
-                    while True:
-                        msg = await self._receive(self.last, len(self.route) - 1)
-                        if isinstance(msg, Error):
-                            self._raise_error(msg, len(self.route) - 1)
-                        if isinstance(msg, Moved) and msg.sid == self.sid:
-                            moved(msg)
-                        if not isinstance(msg, Result) or msg.sid != self.sid:
-                            continue
-                        if msg.spec == spec and msg.end == end:
-                            answer = msg
-                            break
-                        if msg.spec is not None and spec is not None and msg.spec > spec:
-                            self._rounds[msg.spec] = msg
+                nursery.start_soon(self._heartbeat, INTERVAL_S - quick)
+                with trio.move_on_after(timeout - quick):
+                    answer = await self._last_hop_answer(end, spec, moved)
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             raise _first_swarm_error(group) from None
         finally:
             self._beats = {}
         return answer
+
+    async def _last_hop_answer(self, end: int, spec: int | None, moved) -> Result | Moved:
+        """The awaited Result (or a Moved of this session) off the last hop's connection;
+        `moved(msg)` is told of a Moved where a nursery waits with this read."""
+        while True:
+            msg = await self._receive(self.last, len(self.route) - 1)
+            if isinstance(msg, Error):
+                self._raise_error(msg, len(self.route) - 1)
+            if isinstance(msg, Moved) and msg.sid == self.sid:
+                if moved is None:
+                    return msg
+                moved(msg)
+            if not isinstance(msg, Result) or msg.sid != self.sid:
+                continue
+            if msg.spec == spec and msg.end == end:
+                return msg
+            if msg.spec is not None and spec is not None and msg.spec > spec:
+                self._rounds[msg.spec] = msg
 
     async def _follow(self, moved: Moved) -> None:
         """Hop `moved.hop` now runs on `moved.to`, its cache moved there: claim the session
@@ -320,19 +332,21 @@ class RemoteSession:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise self._failed(0, f"connection lost: {exc}") from None
 
-    async def _heartbeat(self) -> None:
+    async def _heartbeat(self, first: float) -> None:
         """While a step is out, ping the first and the last hop; a hop silent for the
         heartbeat's timeout is hung (a hop in between is watched by the node before it). The
-        first pings go once the step has been out an interval: most steps are answered sooner,
-        and a ping and its pong would cost every hop they cross work beside its compute."""
+        first pings go once the step has been out an interval (`first` s from now): most steps
+        are answered sooner, and a ping and its pong would cost every hop they cross work
+        beside its compute."""
         ends = {0: self.first, len(self.route) - 1: self.last}
         if self.first is self.last:
             ends = {0: self.first}
         beats = {hop: Heartbeat() for hop in ends}
         self._beats = {id(conn): beats[hop] for hop, conn in ends.items()}
-        nonce = 0
+        nonce, delay = 0, first
         while True:
-            await trio.sleep(INTERVAL_S)
+            await trio.sleep(delay)
+            delay = INTERVAL_S
             for hop, conn in ends.items():
                 now = time.monotonic()
                 beat = beats[hop]
