@@ -19,7 +19,8 @@ Non-compute per hop = in + wait (the issue's goal: p50 <= 0.5 ms). Unsplit: Span
 every layer and the head, greedy, in this process at the same threads.
 
     .venv/bin/python scripts/bench_hop.py [--nodes 2] [--threads 1] [--new-tokens 100]
-        [--client-head] [--model FILE]      (a GGUF file, e.g. 16 8B-shaped layers; default: the default model)
+        [--client-head] [--model FILE]
+    --model: a GGUF file, e.g. 16 8B-shaped layers (default: the default model)
 """
 
 from __future__ import annotations

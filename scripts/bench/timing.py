@@ -54,24 +54,37 @@ def greedy(
     out: TokenTimes | None = None,
 ) -> TokenTimes:
     """The prompt pass then `steps` greedy decode steps, timed. `feed(tokens)` returns the
-    logits of the last token (anything with argmax()). `between(first)`, untimed, runs after the
-    first token and returns the token decoding goes on from; `stop()` ends decoding early; `out`
-    is filled as it goes (a thread's caller reads it even if a step raises)."""
+    logits of the last token (anything with argmax()), or the next token itself.
+    `between(first)`, untimed, runs after the first token and returns the token decoding goes
+    on from; `stop()` ends decoding early; `out` is filled as it goes (a thread's caller reads
+    it even if a step raises)."""
     t = out if out is not None else TokenTimes(clock())
-    t.tokens.append(int(feed(prompt).argmax()))
+    t.tokens.append(_token(feed(prompt)))
     t.times.append(clock())
     token = t.tokens[-1] if between is None else between(t.tokens[-1])
     t.decode_start = clock() if between is not None else t.times[0]
     for _ in range(steps):
         if stop is not None and stop():
             break
-        token = int(feed([token]).argmax())
+        token = _token(feed([token]))
         t.tokens.append(token)
         t.times.append(clock())
     return t
 
 
-def session_greedy(client, prompt: Sequence[int], steps: int, **kw) -> TokenTimes:
-    """`greedy` through a new session of a swarm `Client`, room for every token."""
+def session_greedy(
+    client, prompt: Sequence[int], steps: int, picks: bool = True, **kw
+) -> TokenTimes:
+    """`greedy` through a new session of a swarm `Client`, room for every token; `picks`: a
+    reply's way, the route's last node picking each token, else the client's head (`feed`)."""
+    from swarm.model.sampling import Sampler
+
     with client.session(len(prompt) + steps + 1) as s:
-        return greedy(s.feed, prompt, steps, **kw)
+        if not picks:
+            return greedy(s.feed, prompt, steps, **kw)
+        s.sampler = Sampler()  # greedy
+        return greedy(lambda ids: s.pick(list(ids)), prompt, steps, **kw)
+
+
+def _token(out) -> int:
+    return out if isinstance(out, int) else int(out.argmax())
