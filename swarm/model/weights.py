@@ -62,7 +62,7 @@ class RawTensor:
             scales = blocks[..., :2].copy().view(np.float16).astype(np.float32)
             values = blocks[..., 2:].view(np.int8).astype(np.float32) * scales
             return torch.from_numpy(values.reshape(len(ids), -1))
-        if picked.dtype != np.uint8:  # F32, F16: the file's values
+        if picked.dtype.kind == "f":  # F32, F16, F64: the file's values
             return torch.from_numpy(picked.astype(np.float32))
         return RawTensor(self.name, self.kind, picked).float32()
 
