@@ -42,11 +42,12 @@ def test_unpacked_activations_widen_to_torchs_float32(dtype):
     assert torch.equal(got, x.to(getattr(torch, dtype)).float())
 
 
-def test_native_unpacking_keeps_the_wire_dtype():
+@pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])
+def test_native_unpacking_keeps_the_wire_dtype(dtype):
     x = activations().clamp(-6e4, 6e4)
-    got = unpack_tensor(pack_tensor(x, "float16"), hidden=64, max_tokens=8, native=True)
-    assert got.dtype == torch.float16
-    assert torch.equal(got, x.half())
+    got = unpack_tensor(pack_tensor(x, dtype), hidden=64, max_tokens=8, native=True)
+    assert got.dtype == getattr(torch, dtype)
+    assert torch.equal(got, x.to(getattr(torch, dtype)))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])
