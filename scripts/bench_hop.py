@@ -36,6 +36,7 @@ from bench import ROOT
 from bench.local import LocalSwarm
 from bench.proc import cpu_name, cpu_seconds
 from bench.table import print_table
+from bench.timing import next_token
 
 from devtools.launch import even_spans
 from swarm.client.client import Client
@@ -80,10 +81,6 @@ def read_steps(path: str) -> list[tuple[float, float, float, float, float]]:
     return out
 
 
-def pick(s, ids: list[int]) -> int:
-    return s.pick(ids) if s.sampler is not None else int(s.feed(ids).argmax())
-
-
 def swarm_timeline(a, folder: str) -> tuple[float, list[dict[str, float]]]:
     """TPOT and each token's timeline through a fresh swarm."""
     logs = [os.path.join(folder, f"node{i}.log") for i in range(a.nodes)]
@@ -111,12 +108,12 @@ def swarm_timeline(a, folder: str) -> tuple[float, list[dict[str, float]]]:
             with client.session(len(ids) + a.new_tokens + 1, "off") as s:
                 if not a.client_head:
                     s.sampler = Sampler()  # greedy, a reply's way: the last node picks
-                token = pick(s, ids)
+                token = next_token(s, ids)
                 client.loop.run = stamped
                 started, cpu = time.perf_counter(), [cpu_seconds(p) for p in pids]
                 client_cpu = time.process_time()
                 for _ in range(a.new_tokens):
-                    token = pick(s, [token])
+                    token = next_token(s, [token])
                 tpot = (time.perf_counter() - started) / a.new_tokens
                 client_cpu = (time.process_time() - client_cpu) / a.new_tokens
                 cpu = [(cpu_seconds(p) - c) / a.new_tokens for p, c in zip(pids, cpu)]

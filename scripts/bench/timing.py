@@ -80,10 +80,15 @@ def session_greedy(
     from swarm.model.sampling import Sampler
 
     with client.session(len(prompt) + steps + 1) as s:
-        if not picks:
-            return greedy(s.feed, prompt, steps, **kw)
-        s.sampler = Sampler()  # greedy
-        return greedy(lambda ids: s.pick(list(ids)), prompt, steps, **kw)
+        if picks:
+            s.sampler = Sampler()  # greedy
+        return greedy(lambda ids: next_token(s, list(ids)), prompt, steps, **kw)
+
+
+def next_token(session, ids: list[int]) -> int:
+    """The greedy token after `ids` through a swarm session: picked by the route's last node
+    where the session has a sampler, else the argmax of the client's logits."""
+    return session.pick(ids) if session.sampler is not None else int(session.feed(ids).argmax())
 
 
 def _token(out) -> int:
