@@ -16,6 +16,7 @@ from swarm.client.client import Client
 from swarm.dht import read_lenders
 from swarm.errors import ProtocolError, ShapeMismatch
 from swarm.lending import LendLeaving
+from swarm.node.directory import REFRESH_S
 from swarm.node.lender_link import Returned, check_notice
 from swarm.protocol import KvChunk
 from swarm.wire import pack_tensor
@@ -86,10 +87,14 @@ def _cache_node(nodes, path, grace: float):
 
 
 def _until_announced(client: Client, node) -> None:
+    """Until the client reads `node`'s record, and the serving nodes' next look for a lender
+    would read it too (they read the DHT again at most every REFRESH_S: one that read it just
+    before would pass the new lender by, and its session replay)."""
     deadline = time.monotonic() + 30
     while node.peer not in {r.peer for r in read_lenders(client.dht, client.config.name)}:
         assert time.monotonic() < deadline, "the new cache node was never announced"
         time.sleep(0.5)
+    time.sleep(REFRESH_S + 0.5)
 
 
 def _generate(client: Client, fault, after=None):
@@ -123,6 +128,7 @@ def _leaves_without_a_replay(nodes, model_dir, reference, leave) -> None:
     first = _cache_node(nodes, model_dir, grace=120)
     client = Client(nodes[0].maddrs[:1], model=str(model_dir), wire_dtype="float32")
     try:
+        _until_announced(client, first)
         out, recoveries = _generate(client, *leave(first, client))
     finally:
         client.close()
@@ -180,6 +186,7 @@ def test_a_lender_leaving_with_nowhere_to_hand_its_blocks_on_replays_to_the_same
         _until_announced(client, _cache_node(nodes, tiny_model_dir, grace=3))
 
     try:
+        _until_announced(client, first)  # else the session opens, fails to lend, and replays
         out, recoveries = _generate(client, leave_then_a_new_lender)
     finally:
         client.close()
