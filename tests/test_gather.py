@@ -106,3 +106,11 @@ async def test_two_sessions_a_pass_apart_come_to_share_their_passes():
 
 async def test_without_gathering_two_sessions_a_pass_apart_stay_apart():
     assert await mean_batch_of_two_sessions(gather=False) < 1.4
+
+
+def test_a_session_is_alone_once_the_others_have_not_stepped_for_a_while():
+    forecast = Forecast()
+    stepping(forecast, "b", [0.0])
+    forecast.arrived("a", 0.1)
+    assert not forecast.alone("a", 0.1)
+    assert forecast.alone("a", 10.0)

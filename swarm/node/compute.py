@@ -26,12 +26,9 @@ than for one.) With `gather` the pass whose turn has come may wait a little for 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
-import logging
-import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -43,65 +40,17 @@ import trio
 from swarm.link.estimator import ewma
 from swarm.node.config import PASS_ORDERS, ComputeConfig
 from swarm.node.gather import Forecast
+from swarm.node.lane import Handoff, Job, Lane, ThreadClock, Usage
 from swarm.protocol import DECODE
 
-log = logging.getLogger("swarm.node")
 
-
-SCHEDSTAT = "/proc/thread-self/schedstat"
-
-
-@dataclass(frozen=True)
-class Usage:
-    """What one job's thread got from the OS: seconds on a CPU, and seconds it was ready to run
-    but waited for one (Linux schedstat; 0 where the kernel does not tell). A job's wall time
-    beyond both was spent blocked (the GIL, a lock)."""
-
-    cpu_s: float = 0.0
-    runqueue_s: float = 0.0
-
-
-class _ThreadClock:
-    """The calling thread's CPU time so far (the thread's CPU clock: schedstat's own figure
-    for a running thread lags to the last tick, 4 ms at HZ=250), and its run-queue time from
-    schedstat if it can be read."""
-
-    def __init__(self) -> None:
-        try:
-            self._file = open(SCHEDSTAT, "rb", buffering=0)  # noqa: SIM115 (kept for the thread)
-        except OSError:
-            self._file = None
-
-    def read(self) -> tuple[float, float]:
-        if self._file is not None:
-            try:
-                self._file.seek(0)
-                _, wait_ns, _ = self._file.read().split()
-                return time.thread_time(), int(wait_ns) / 1e9
-            except (OSError, ValueError):
-                self._file = None
-        return time.thread_time(), 0.0
-
-    def run(self, fn: Callable[[], Any]) -> tuple[outcome.Outcome, Usage]:
-        """`fn`'s outcome, and what this thread got from the OS while it ran."""
-        cpu0, wait0 = self.read()
-        result = outcome.capture(fn)
-        cpu1, wait1 = self.read()
-        return result, Usage(cpu1 - cpu0, wait1 - wait0)
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-
-@dataclass(order=True)
-class _Job:
-    priority: int
-    rank: float  # among jobs of one priority: lower first
-    order: int
-    go: trio.Event = field(default_factory=trio.Event, compare=False)  # the lane is ours
-    released: trio.Event = field(default_factory=trio.Event, compare=False)
-    abandoned: bool = field(default=False, compare=False)
+def _pass_of(
+    run_batch: Callable[[list[Any]], list[outcome.Outcome]], items: list[Any]
+) -> list[outcome.Outcome]:
+    outs = run_batch(items)
+    if len(outs) != len(items):
+        raise RuntimeError(f"a pass of {len(items)} steps gave {len(outs)} results")
+    return outs
 
 
 @dataclass(frozen=True)
@@ -111,64 +60,6 @@ class Done:
     result: Any
     elapsed: float
     usage: Usage
-
-
-class Lane:
-    """One worker thread, `nice` steps below the node's priority, running one function at a
-    time."""
-
-    def __init__(self, name: str, nice: int = 0):
-        self.name = name
-        self.nice = nice
-        self.heap: list[_Job] = []
-        self.wake = trio.Event()
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._work.put(None)
-            self._thread = None
-
-    def _loop(self) -> None:
-        if self.nice:
-            try:  # on Linux a thread is a task: this sets this thread's priority only
-                tid = threading.get_native_id()
-                own = os.getpriority(os.PRIO_PROCESS, tid)  # inherited from the node
-                os.setpriority(os.PRIO_PROCESS, tid, min(19, own + self.nice))
-            except (OSError, AttributeError) as exc:
-                log.warning("cannot set nice %d on the %s thread: %s", self.nice, self.name, exc)
-        clock = _ThreadClock()
-        while (item := self._work.get()) is not None:
-            fn, token, deliver = item
-            result, usage = clock.run(fn)
-            try:
-                token.run_sync_soon(deliver, result, usage)
-            except trio.RunFinishedError:
-                pass  # the node stopped while this ran
-        clock.close()
-
-    async def run(self, fn: Callable[[], Any]) -> tuple[outcome.Outcome, Usage]:
-        """Run `fn` in this lane's thread: its outcome, and what the thread got from the OS."""
-        box: list[tuple[outcome.Outcome, Usage]] = []
-        finished = trio.Event()
-
-        def deliver(result: outcome.Outcome, usage: Usage) -> None:
-            box.append((result, usage))
-            finished.set()
-
-        if self._thread is None:
-            raise trio.ClosedResourceError(f"the {self.name} lane has stopped")
-        self._work.put((fn, trio.lowlevel.current_trio_token(), deliver))
-        # once handed over the work runs to its end; waiting for it keeps one job per lane
-        # and keeps a session's cache in its scope until the thread is done with it
-        with trio.CancelScope(shield=True):
-            await finished.wait()
-        return box[0]
 
 
 @dataclass(eq=False)
@@ -184,13 +75,24 @@ class _Rider:
     taken: bool = False  # into another step's pass
 
 
+@dataclass(frozen=True)
+class Early:
+    """A decode step's pass started as the step arrived (ComputeQueue.decode_now)."""
+
+    ticket: Ticket
+    handoff: Handoff
+    forecast: Forecast | None
+    who: Hashable
+    started: float
+
+
 class Ticket:
     """A place in a lane's queue. Its turn comes when the lane is free and no job ranked before
     it waits; then it runs at most one function and releases the lane (or releases it unused).
     A prompt pass takes its ticket early, to keep its place, and names its work only when its
     turn comes, so it takes whatever has arrived by then."""
 
-    def __init__(self, queue: ComputeQueue, lane: Lane, job: _Job, phase: str):
+    def __init__(self, queue: ComputeQueue, lane: Lane, job: Job, phase: str):
         self._queue, self._lane, self._job, self.phase = queue, lane, job, phase
 
     async def turn(self) -> None:
@@ -257,7 +159,7 @@ class ComputeQueue:
         phase the lowest `rank` goes first (see prefill_rank), then the earliest reserved."""
         priority = 0 if phase == DECODE else 1
         lane = self.lanes[min(priority, len(self.lanes) - 1)]
-        job = _Job(priority, rank, next(self._order))
+        job = Job(priority, rank, next(self._order))
         if go is not None:
             job.go = go
         heapq.heappush(lane.heap, job)
@@ -280,7 +182,7 @@ class ComputeQueue:
         mostly waits, so it takes its CPU beside the lane's."""
 
         def timed() -> tuple[outcome.Outcome, Usage]:
-            clock = _ThreadClock()
+            clock = ThreadClock()
             try:
                 return clock.run(fn)
             finally:
@@ -366,26 +268,71 @@ class ComputeQueue:
             rider.taken = True
             rider.ticket.release()  # taken along: its own place in the queue goes unused
         ticket = leader.ticket
-
-        def run() -> list[outcome.Outcome]:
-            outs = run_batch([r.item for r in batch])
-            if len(outs) != len(batch):
-                raise RuntimeError(f"a pass of {len(batch)} steps gave {len(outs)} results")
-            return outs
-
         started = time.perf_counter()
-        ran, usage = await ticket._lane.run(run)
+        ran, usage = await ticket._lane.run(
+            functools.partial(_pass_of, run_batch, [r.item for r in batch])
+        )
         elapsed = time.perf_counter() - started
         ticket.release()
-        outs = ran.unwrap() if isinstance(ran, outcome.Value) else [ran] * len(batch)
-        self.decode_passes += 1
-        self.decode_pass_rows += len(batch)
-        if forecast is not None and isinstance(ran, outcome.Value):
-            forecast.passed(len(batch), elapsed)
-        self._account(DECODE, len(batch), elapsed, ran)
+        outs = self._passed(len(batch), elapsed, ran, forecast)
         for rider, out in zip(batch, outs):
             rider.done = Done(out, elapsed, usage)
             rider.ready.set()
+
+    def decode_now(
+        self,
+        key: Hashable,
+        item: Any,
+        run_batch: Callable[[list[Any]], list[outcome.Outcome]],
+        who: Hashable = None,
+    ) -> Early | None:
+        """Start a decode step's pass at once, from the task that received the step, where the
+        decode lane is idle and no other session steps through these blocks: the pass `decode`
+        would give it, without the turns of the node's tasks on the way to it (a scheduler
+        batch each, its code out of the caches between passes). None: it queues (`decode`),
+        as every step does where several sessions step (steps arriving in one burst, each
+        started as it came, would go one a pass). `finish` gives the pass's Done."""
+        lane = self.lanes[0]
+        if not lane.idle:
+            return None
+        now, forecast = time.monotonic(), None
+        if who is not None:
+            if (forecast := self._forecasts.get(key)) is None:
+                forecast = self._forecasts[key] = Forecast()
+            if not forecast.alone(who, now):
+                return None
+        started = time.perf_counter()
+        handoff = lane.submit(functools.partial(_pass_of, run_batch, [item]))
+        if forecast is not None:
+            forecast.arrived(who, now)
+        job = Job(0, 0.0, next(self._order))
+        job.go.set()  # the lane is this step's from now: the lane's drain takes it as given
+        heapq.heappush(lane.heap, job)
+        lane.wake.set()
+        return Early(Ticket(self, lane, job, DECODE), handoff, forecast, who, started)
+
+    async def finish(self, early: Early) -> Done:
+        """The Done of a pass `decode_now` started (raises what its step raised)."""
+        try:
+            ran, usage = await early.handoff.wait()
+        finally:
+            early.ticket.release()
+            if early.forecast is not None:
+                early.forecast.left(early.who, time.monotonic())
+        elapsed = time.perf_counter() - early.started
+        (out,) = self._passed(1, elapsed, ran, early.forecast)
+        return Done(out.unwrap(), elapsed, usage)
+
+    def _passed(
+        self, rows: int, elapsed: float, ran: outcome.Outcome, forecast: Forecast | None
+    ) -> list[outcome.Outcome]:
+        """Count a decode pass of `rows` steps; the outcome of each."""
+        self.decode_passes += 1
+        self.decode_pass_rows += rows
+        if forecast is not None and isinstance(ran, outcome.Value):
+            forecast.passed(rows, elapsed)
+        self._account(DECODE, rows, elapsed, ran)
+        return ran.unwrap() if isinstance(ran, outcome.Value) else [ran] * rows
 
     @property
     def mean_decode_batch(self) -> float:
@@ -422,8 +369,10 @@ class ComputeQueue:
             job = heapq.heappop(lane.heap)
             if job.abandoned:
                 continue
+            lane.holder = job
             job.go.set()
             await job.released.wait()
+            lane.holder = None
 
     def _account(self, phase: str, tokens: int, elapsed: float, ran: outcome.Outcome) -> None:
         self.busy_seconds += elapsed

@@ -71,6 +71,11 @@ class Forecast:
             stream.away = ewma(stream.away, now - stream.done_at, AWAY_GAIN)
         stream.waiting = True
 
+    def alone(self, who: Hashable, now: float) -> bool:
+        """No session but `who` has stepped here lately."""
+        self._forget(now)
+        return set(self._streams) <= {who}
+
     def left(self, who: Hashable, now: float) -> None:
         """Session `who`'s step is done here (computed, failed or withdrawn)."""
         stream = self._streams.get(who)

@@ -105,6 +105,8 @@ class Session(StepWork):
         self._scope = trio.CancelScope()  # the task's work: cancelled when the session closes
         self.cache: KVCache | None = None  # while the task runs
         self._computing = False
+        self._idling = False
+        self._early = None
         self.prompt_end = 0  # where the prompt it computes last ends
         # a hand-over's steps: held for the replica (sending), from the next owner before the
         # sender released it (receiving); the cache coming through `intake` (receiving)

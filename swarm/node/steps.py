@@ -36,7 +36,7 @@ from swarm.protocol import DECODE, MAX_REWIND, PREFILL, Error, Open, Step
 if TYPE_CHECKING:
     from swarm.model.blocks import KVCache
     from swarm.node.borrow_link import Lender
-    from swarm.node.compute import Done, Ticket
+    from swarm.node.compute import Done, Early, Ticket
     from swarm.node.context import SessionContext
     from swarm.node.handover.cache import CacheIntake
     from swarm.transport import FramedStream
@@ -68,6 +68,8 @@ class StepWork:
     _tickets: list[Ticket]
     _wake: trio.Event
     _computing: bool
+    _idling: bool  # its task waits for something to do
+    _early: tuple[Step, Early] | None  # a decode step whose pass began as it arrived
 
     @property
     def is_last(self) -> bool:
@@ -82,11 +84,38 @@ class StepWork:
     def _queue(self, msg: Step, hidden: torch.Tensor, now: float) -> None:
         if msg.phase == DECODE:
             self.ctx.uplink.observe_decode_arrival(self.sid)
+            self._start_early(msg, hidden)
             self.decodes.append((msg, hidden, now))
         else:
             self.pieces.add(msg, hidden, now)
             self.ctx.observer.prompt_piece(self.sid, now, msg.pos, hidden.shape[1], msg.end)
         self._wake.set()
+
+    def _start_early(self, step: Step, hidden: torch.Tensor) -> None:
+        """A one-token decode step coming to a session whose task waits for work: where the
+        decode lane is idle its pass starts now (compute.decode_now), and the task takes its
+        result when it wakes."""
+        if not self._idling or self.decodes or self.pieces or self._early is not None:
+            return
+        if hidden.shape[1] != 1 or step.spec is not None or self.lender is not None:
+            return
+        if self.cache is None or self.state.closed:
+            return
+        early = self.ctx.compute.decode_now(*self._one_token(self.cache, step, hidden))
+        if early is not None:
+            self._early = (step, early)
+
+    async def _settle_early(self) -> None:
+        """An early pass left as the session ends: its thread is done with the cache before
+        the cache is let go, and the lane is released."""
+        if self._early is None:
+            return
+        _, early = self._early
+        self._early = None
+        try:
+            await self.ctx.compute.finish(early)
+        except Exception:
+            pass  # its step is gone: nothing to tell
 
     def _drop_decodes_from(self, pos: int) -> None:
         stale = [d for d in self.decodes if d[0].pos >= pos]
@@ -109,6 +138,7 @@ class StepWork:
                 self._computing = False
                 self.changed.fire()
         finally:
+            await self._settle_early()
             for ticket in self._tickets:
                 ticket.release()
 
@@ -134,7 +164,11 @@ class StepWork:
         limits = self.ctx.config.limits
         idle, unused = limits.session_idle_s, limits.open_deadline_s
         with trio.move_on_after(self.state.deadline(idle, unused) - time.monotonic()):
-            await self._woken()
+            self._idling = True
+            try:
+                await self._woken()
+            finally:
+                self._idling = False
             return
         if self.state.expired(time.monotonic(), idle, unused):
             if self.state.used:
@@ -145,25 +179,14 @@ class StepWork:
             await self.fail(Error.of(err, self.sid, self.hop))
 
     async def _decode(self, cache: KVCache, step: Step, hidden: torch.Tensor, arrived: float):
-        compute, span = self.ctx.compute, self.ctx.span
+        compute, early = self.ctx.compute, None
+        if self._early is not None:
+            if self._early[0] is step:
+                early, self._early = self._early[1], None
+            else:  # not met (a rewind drops no plain step), but the lane must never stay held
+                await self._settle_early()
         try:
-            if step.spec is not None:  # a verification round: its drafts may be rejected
-                cache.rewind(step.pos)
-                cache.keep_for_rewind(step.pos, hidden.shape[1], MAX_REWIND)
-            n = hidden.shape[1]
-            if self.lender is not None:  # aside: each layer waits for the lender's piece
-                fn = self._picking(self._pass(cache, step.pos, hidden, step.ids), step, n)
-                done = await compute.aside(fn, 1)
-            elif n == 1:  # joins other sessions' steps through the same blocks
-                run = functools.partial(decode_pass, span, self.start, self.end)
-                item = DecodeItem(cache, step.pos, hidden, step.ids, self._picker())
-                done = await compute.decode((self.start, self.end), item, run, self.sid)
-            else:
-                run_pass = verify_pass if step.spec is not None else forward_pass
-                fn = functools.partial(
-                    run_pass, span, cache, self.start, self.end, step.pos, hidden, step.ids
-                )
-                done = await compute.run(DECODE, self._picking(fn, step, n), n)
+            done = await (compute.finish(early) if early else self._compute(cache, step, hidden))
         except Exception as exc:
             await self._compute_failed(exc)
             return
@@ -171,6 +194,29 @@ class StepWork:
             self.ctx.counters.rounds_done += 1
         if await self._forward(step, done):
             self.ctx.observer.decode_step(arrived, time.monotonic(), done.elapsed, done.usage)
+
+    async def _compute(self, cache: KVCache, step: Step, hidden: torch.Tensor) -> Done:
+        compute, span = self.ctx.compute, self.ctx.span
+        if step.spec is not None:  # a verification round: its drafts may be rejected
+            cache.rewind(step.pos)
+            cache.keep_for_rewind(step.pos, hidden.shape[1], MAX_REWIND)
+        n = hidden.shape[1]
+        if self.lender is not None:  # aside: each layer waits for the lender's piece
+            fn = self._picking(self._pass(cache, step.pos, hidden, step.ids), step, n)
+            return await compute.aside(fn, 1)
+        if n == 1:  # joins other sessions' steps through the same blocks
+            return await compute.decode(*self._one_token(cache, step, hidden))
+        run_pass = verify_pass if step.spec is not None else forward_pass
+        args = (span, cache, self.start, self.end, step.pos, hidden, step.ids)
+        fn = functools.partial(run_pass, *args)
+        return await compute.run(DECODE, self._picking(fn, step, n), n)
+
+    def _one_token(self, cache: KVCache, step: Step, hidden: torch.Tensor):
+        """A one-token decode step as a decode pass takes it (ComputeQueue.decode): its
+        blocks, its item, the pass, its session."""
+        run = functools.partial(decode_pass, self.ctx.span, self.start, self.end)
+        item = DecodeItem(cache, step.pos, hidden, step.ids, self._picker())
+        return (self.start, self.end), item, run, self.sid
 
     async def _prompt_pass(self, cache: KVCache) -> None:
         """Wait for the prompt lane, then compute what has arrived by then (up to a pass's
