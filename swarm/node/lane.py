@@ -149,5 +149,6 @@ class Lane:
 
     @property
     def idle(self) -> bool:
-        """No job holds the lane or waits for it."""
-        return not self.heap and (self.holder is None or self.holder.released.is_set())
+        """The lane's thread runs, and no job holds the lane or waits for it."""
+        free = self.holder is None or self.holder.released.is_set()
+        return self._thread is not None and not self.heap and free
