@@ -59,6 +59,18 @@ async def prefilled(ctx, nursery, msg: Open | None = None):
     return session
 
 
+OTHER = "u" * 32
+
+
+async def two_sessions(nursery):
+    """Two prefilled sessions on one node: its blocks, its context, the sessions."""
+    span = Held()
+    ctx = replace(context(nursery), span=span)
+    first = await prefilled(ctx, nursery)
+    second = await prefilled(ctx, nursery, replace(open_msg(), sid=OTHER))
+    return span, ctx, first, second
+
+
 def decode_step(pos: int, sid: str = SID):
     msg, hidden = step(pos, 1, pos + 1, DECODE)
     return replace(msg, sid=sid), hidden
@@ -79,14 +91,10 @@ async def test_a_decode_step_to_a_waiting_session_starts_its_pass_before_its_tas
 
 
 async def test_a_decode_step_finding_the_lane_busy_waits_for_its_turn(nursery):
-    span = Held()
-    ctx = replace(context(nursery), span=span)
-    first = await prefilled(ctx, nursery)
-    other = "u" * 32
-    second = await prefilled(ctx, nursery, replace(open_msg(), sid=other))
+    span, ctx, first, second = await two_sessions(nursery)
     first.take_step(decode_step(4)[0])
     assert span.started.wait(WAIT_S)
-    second.take_step(decode_step(4, other)[0])
+    second.take_step(decode_step(4, OTHER)[0])
     await trio.sleep(0.1)
     assert span.passes == [(4,)]  # one pass a lane: the second waits behind the first
     span.go.set()
@@ -113,17 +121,13 @@ async def test_a_session_closed_during_its_early_pass_keeps_its_cache_until_the_
 async def test_a_decode_step_where_another_session_steps_takes_its_turn_in_the_queue(nursery):
     # steps of several sessions arriving in one burst, each started as it came, would go one
     # a pass: they queue and share passes as before
-    span = Held()
-    ctx = replace(context(nursery), span=span)
-    first = await prefilled(ctx, nursery)
-    other = "u" * 32
-    second = await prefilled(ctx, nursery, replace(open_msg(), sid=other))
+    span, ctx, first, second = await two_sessions(nursery)
     span.go.set()
     first.take_step(decode_step(4)[0])
     await until(lambda: len(ctx.uplink.payloads) == 3 and second._idling)
     span.go.clear()
     span.started.clear()
-    second.take_step(decode_step(4, other)[0])
+    second.take_step(decode_step(4, OTHER)[0])
     assert not span.started.wait(0.2)  # the lane is idle, but the step waits for its turn
     span.go.set()
     await until(lambda: len(ctx.uplink.payloads) == 4)
