@@ -22,7 +22,12 @@ waiting with the same key (up to `max_batch`) into one call; the others get thei
 results without a turn of their own. A step that arrives while a pass runs joins the next
 one. (Decode is memory-bound: reading a layer's weights once for eight rows costs little more
 than for one.) With `gather` the pass whose turn has come may wait a little for steps due soon
-(gather.py: only where that finishes them all sooner)."""
+(gather.py: only where that finishes them all sooner).
+
+A lone session's decode step that finds the decode lane idle needs no turn: the task that read
+it starts its pass at once (`decode_now`, from the session's `take_step`), holding the lane as
+a turn would, and the session's task takes the result (`finish`). The lane threads themselves
+are lane.py's."""
 
 from __future__ import annotations
 
