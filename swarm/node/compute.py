@@ -86,7 +86,7 @@ class Early:
 
     ticket: Ticket
     handoff: Handoff
-    forecast: Forecast | None
+    forecast: Forecast
     who: Hashable
     started: float
 
@@ -217,8 +217,7 @@ class ComputeQueue:
         waiting.append(rider)
         forecast = None
         if who is not None:
-            if (forecast := self._forecasts.get(key)) is None:
-                forecast = self._forecasts[key] = Forecast()
+            forecast = self._forecast(key)
             forecast.arrived(who, time.monotonic())
             if (joined := self._joined.pop(key, None)) is not None:  # a pass holds for steps
                 joined.set()
@@ -289,7 +288,7 @@ class ComputeQueue:
         key: Hashable,
         item: Any,
         run_batch: Callable[[list[Any]], list[outcome.Outcome]],
-        who: Hashable = None,
+        who: Hashable,
     ) -> Early | None:
         """Start a decode step's pass at once, from the task that received the step, where the
         decode lane is idle and no other session steps through these blocks: the pass `decode`
@@ -300,16 +299,12 @@ class ComputeQueue:
         lane = self.lanes[0]
         if not lane.idle:
             return None
-        now, forecast = time.monotonic(), None
-        if who is not None:
-            if (forecast := self._forecasts.get(key)) is None:
-                forecast = self._forecasts[key] = Forecast()
-            if not forecast.alone(who, now):
-                return None
+        now, forecast = time.monotonic(), self._forecast(key)
+        if not forecast.alone(who, now):
+            return None
         started = time.perf_counter()
         handoff = lane.submit(functools.partial(_pass_of, run_batch, [item]))
-        if forecast is not None:
-            forecast.arrived(who, now)
+        forecast.arrived(who, now)
         job = Job(0, 0.0, next(self._order))
         job.go.set()  # the lane is this step's from now: the lane's drain takes it as given
         heapq.heappush(lane.heap, job)
@@ -322,11 +317,16 @@ class ComputeQueue:
             ran, usage = await early.handoff.wait()
         finally:
             early.ticket.release()
-            if early.forecast is not None:
-                early.forecast.left(early.who, time.monotonic())
+            early.forecast.left(early.who, time.monotonic())
         elapsed = time.perf_counter() - early.started
         (out,) = self._passed(1, elapsed, ran, early.forecast)
         return Done(out.unwrap(), elapsed, usage)
+
+    def _forecast(self, key: Hashable) -> Forecast:
+        """The forecast of steps through blocks `key` (made at their first step)."""
+        if (forecast := self._forecasts.get(key)) is None:
+            forecast = self._forecasts[key] = Forecast()
+        return forecast
 
     def _passed(
         self, rows: int, elapsed: float, ran: outcome.Outcome, forecast: Forecast | None
