@@ -1,15 +1,20 @@
 """The client from trio tasks: `await` a session's steps without blocking the caller's loop.
 
 A `Client` runs its network on its own loop thread and its head in the calling thread. From a
-trio program (an HTTP server, say), each step goes to a worker thread, so the program's other
-tasks run meanwhile and many sessions of one Client step at once (their heads' matmuls batch,
-see head_batch.py). Cancelling a step abandons its thread's wait; the session is then closed,
-since its caches no longer match what the caller has seen.
+trio program (an HTTP server, say), a reply's tokens are made on a thread of its own, which
+steps through the client's loop and hands each token to the caller's loop as it comes: the
+caller's loop is on no step's way, so a busy program (many users' requests) delays nobody's
+next step, and a step costs what a synchronous caller's does. Many sessions of one Client step
+at once (their heads' matmuls batch, see head_batch.py). `feed()` runs each step in a worker
+thread. Cancelling a step or a reply leaves the session's caches ahead of what the caller has
+seen: the session is then closed.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import math
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import torch
 import trio
@@ -18,6 +23,12 @@ from swarm.client.client import Client
 from swarm.client.decoding import Decoding
 from swarm.client.options import MAX_NEW_TOKENS, Sampling
 from swarm.client.reply import Sampler
+
+# tokens a reply's thread may make beyond what its caller has taken: past a stop string they
+# are wasted on the swarm, so few; a speculative round's tokens come at once, so not one
+AHEAD = 8
+# how long closing a session waits for its reply's step under way to end before closing anyway
+STOP_WAIT_S = 5.0
 
 
 class AsyncSession:
@@ -28,6 +39,7 @@ class AsyncSession:
     def __init__(self, client: Client, max_length: int, speculative: str | None = None):
         self._session = client.session(max_length, speculative)
         self._broken = False
+        self._ahead: _Ahead | None = None
         self.decoding: Decoding | None = None  # once tokens() began: its stats
 
     async def __aenter__(self) -> AsyncSession:
@@ -38,34 +50,118 @@ class AsyncSession:
 
     async def feed(self, ids: list[int]) -> torch.Tensor:
         """Append tokens; logits [vocab] for the next one."""
-        return await self._in_thread(self._session.feed, ids)
+        self._check()
+        try:
+            return await trio.to_thread.run_sync(self._session.feed, ids, abandon_on_cancel=True)
+        except trio.Cancelled:
+            self._broken = True
+            raise
 
     async def tokens(
         self, ids: list[int], max_new_tokens: int, sampler: Sampler
     ) -> AsyncIterator[int]:
         """The reply's tokens after prompt `ids` (a Decoding: speculative where the session's
-        drafter proposes), each step or round in a worker thread."""
+        drafter proposes), made on the reply's own thread."""
+        self._check()
         session = self._session
         self.decoding = Decoding(
             session, ids, max_new_tokens, sampler, session.drafter, pool=session.client.tuners
         )
-        tokens = iter(self.decoding)
-        while (token := await self._in_thread(next, tokens, None)) is not None:
-            yield token
-
-    async def _in_thread(self, fn, *args):
-        if self._broken:
-            raise RuntimeError("this session was cancelled mid-step; open a new one")
+        self._ahead = ahead = _Ahead(iter(self.decoding))
         try:
-            return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+            while (token := await ahead.next()) is not None:
+                yield token
         except trio.Cancelled:
             self._broken = True
             raise
+        finally:
+            ahead.stop()
+
+    def _check(self) -> None:
+        if self._broken:
+            raise RuntimeError("this session was cancelled mid-step; open a new one")
 
     async def aclose(self) -> None:
         # shielded: a cancelled caller still frees the session's caches on the nodes
         with trio.CancelScope(shield=True):
+            if self._ahead is not None:  # a step under way must not reopen what is closed
+                self._ahead.stop()
+                await trio.to_thread.run_sync(self._ahead.join, STOP_WAIT_S)
             await trio.to_thread.run_sync(self._session.close)
+
+
+class _End:
+    """What a reply's thread hands last: nothing (the reply ended) or what it raised."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.error = error
+
+
+class _Ahead:
+    """A token iterator run on a thread of its own, its items handed to the trio loop that
+    made this, in order. The thread makes at most AHEAD tokens the caller has not taken."""
+
+    def __init__(self, tokens: Iterator[int]):
+        self._credits = threading.Semaphore(AHEAD)
+        self._stopped = threading.Event()
+        self._ended = False
+        self._send, self._receive = trio.open_memory_channel(math.inf)
+        self._trio = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(
+            target=self._run, args=(tokens,), name="swarm-reply", daemon=True
+        )
+        self._thread.start()
+
+    async def next(self) -> int | None:
+        """The next token; None once the reply ended. Raises what making it raised."""
+        if self._ended:
+            return None
+        item = await self._receive.receive()
+        if isinstance(item, _End):
+            self._ended = True
+            if item.error is not None:
+                raise item.error
+            return None
+        self._credits.release()
+        return item
+
+    def stop(self) -> None:
+        """End the thread after the step under way (its tokens are dropped)."""
+        self._stopped.set()
+        self._credits.release()  # a thread waiting for the caller must see it
+        self._receive.close()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _run(self, tokens: Iterator[int]) -> None:
+        end = _End()
+        try:
+            while self._credits.acquire() and not self._stopped.is_set():
+                token = next(tokens, None)
+                if token is None:
+                    break
+                self._hand(token)
+        except BaseException as exc:  # the caller's to raise, in its own task
+            end = _End(exc)
+        finally:
+            try:
+                getattr(tokens, "close", lambda: None)()  # a generator's own cleanup runs here
+            finally:
+                self._hand(end)
+
+    def _hand(self, item: int | _End) -> None:
+        try:
+            self._trio.run_sync_soon(self._put, item)
+        except trio.RunFinishedError:  # the caller's loop is gone: nobody to make tokens for
+            self._stopped.set()
+
+    def _put(self, item: int | _End) -> None:
+        # runs on the caller's loop, where an exception would take the whole loop down
+        try:
+            self._send.send_nowait(item)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
 
 
 async def astream(
