@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from devtools.launch import start_node, stop_all
 from swarm.client.client import Client
 from swarm.node.placement import (
@@ -12,7 +14,9 @@ from swarm.node.placement import (
     blocks_for_memory,
     choose_span,
     coverage,
+    room_for_head,
     settled_span,
+    span_beside_head,
 )
 from tests.helpers.records import LAYERS, rec
 
@@ -92,6 +96,23 @@ def test_memory_decides_how_many_blocks_fit():
     assert blocks_for_memory(block_bytes=100, cache_bytes_per_block=50, budget=10) == 1
 
 
+def test_a_span_ending_the_model_is_no_wider_than_fits_beside_the_head():
+    ok = room_for_head(LAYERS, ending=3)
+    assert ok(0, 4) and ok(4, 8) and ok(9, 12)
+    assert not ok(8, 12)
+    # the thinnest window is the model's end: a node there takes what fits with the head
+    records = [rec("a", 0, 8)]
+    assert span_beside_head(coverage(records, LAYERS), 4, ending=3) == (9, 12)
+    assert span_beside_head(coverage(records, LAYERS), 4, ending=4) == (8, 12)
+    records = [rec("a", 4, 12)]  # elsewhere, every block that fits
+    assert span_beside_head(coverage(records, LAYERS), 4, ending=3) == (0, 4)
+
+
+def test_room_for_the_head_keeps_the_models_own_span_rule():
+    ok = room_for_head(LAYERS, ending=12, span_ok=lambda start, end: start % 2 == 0)
+    assert ok(0, 4) and not ok(1, 5)
+
+
 def test_nodes_without_layers_cover_the_model_and_one_moves_to_a_gap(tiny_model_dir):
     extra = [
         "--num-blocks",
@@ -150,3 +171,34 @@ def test_nodes_started_together_without_layers_cover_the_model(tiny_model_dir):
         assert served == set(range(6)), f"spans {[n.layers for n in nodes]}"
     finally:
         stop_all(nodes)
+
+
+def test_a_nodes_head_bytes_are_known_before_it_loads(tiny_model_dir):
+    from swarm.model.head import LazyHead, head_bytes
+    from swarm.model.source import open_model
+
+    for path, weights in [(tiny_model_dir, "float32"), (None, "auto")]:  # None: the default
+        source = open_model(path)
+        head = LazyHead(source, weights).get()
+        held = head.lm_head.nbytes
+        if head.embed.data is not head.lm_head.__dict__.get("weight"):
+            resident = isinstance(head.embed.data, torch.Tensor)
+            held += head.embed.data.nbytes if resident else 0
+        assert head_bytes(source, weights) == held > 0
+
+
+def test_a_node_fits_fewer_blocks_where_its_span_ends_the_model():
+    from swarm.model.head import head_bytes
+    from swarm.model.source import open_model
+    from swarm.node.config import NodeConfig
+    from swarm.node.measure import blocks_that_fit
+
+    source = open_model(None)  # the default model: a 28 MiB head beside 1.4 MiB blocks
+    said: list[str] = []
+    fit = blocks_that_fit(
+        NodeConfig(start=0, end=30, max_memory_mb=80.0), source, None, said.append
+    )
+    assert 0 < fit.ending < fit.blocks
+    per_block = 80 * 2**20 / fit.blocks
+    assert fit.ending * per_block + head_bytes(source, "auto") <= 80 * 2**20 * 1.001
+    assert f"{fit.ending} beside the last block's head" in said[-1]

@@ -271,7 +271,7 @@ def test_a_node_s_memory_budget_counts_a_state_for_each_session_a_deltanet_block
     def fit(sessions: int) -> int:
         limits = Limits(max_sessions=sessions, max_cache_tokens=16)
         config = NodeConfig(start=0, end=6, limits=limits, max_memory_mb=8.0, weights="float32")
-        return blocks_that_fit(config, source, ("float32",), said.append)
+        return blocks_that_fit(config, source, ("float32",), said.append).blocks
 
     state = State.nbytes(source.config.delta)  # 8.5 KiB a session here
     assert fit(1) > fit(64)

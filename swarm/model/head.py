@@ -12,7 +12,7 @@ from swarm.model.gguf_file import unmap_pages
 from swarm.model.kept_rows import KeptRows
 from swarm.model.linear import Dense, Linear
 from swarm.model.norm import rms_norm
-from swarm.model.weights import RawTensor, make_linear, release_freed_memory
+from swarm.model.weights import RawTensor, held_bytes, make_linear, release_freed_memory
 
 RESCORED = 64  # the quantized head's top candidates whose logits are recomputed exactly
 
@@ -93,7 +93,7 @@ class LazyHead:
     would load it (the same format for the same weights), for a last hop that picks tokens."""
 
     def __init__(self, source, weights: str = "auto"):
-        self._source, self._weights = source, "float32" if weights == "float32" else "auto"
+        self._source, self._weights = source, head_format(weights)
         self._lock = threading.Lock()
         self._head: Head | None = None
 
@@ -102,3 +102,26 @@ class LazyHead:
             if self._head is None:
                 self._head = Head.load(self._source, self._weights)
             return self._head
+
+
+def head_format(weights: str) -> str:
+    """The format a node's head takes for its span's `weights`: a client's, for the same tokens."""
+    return "float32" if weights == "float32" else "auto"
+
+
+def head_bytes(source, weights: str) -> int:
+    """What a LazyHead for a span of `weights` holds once loaded (as Head.load keeps it): its
+    LM head, and its embedding table where that is not left mapped from the file; 0 where the
+    file here cannot give them."""
+    fmt = head_format(weights)
+    try:
+        raw = source.head_raw()
+    except (OSError, KeyError, ValueError):  # MissingShards is an OSError
+        return 0
+    embed, lm_head = raw["embed"], raw["lm_head"]
+    total = held_bytes(lm_head, fmt)
+    if fmt == "float32" and lm_head is embed:
+        return total  # one float32 table serves both
+    if fmt == "float32" or isinstance(embed.data, torch.Tensor):
+        total += embed.shape[0] * embed.shape[1] * (4 if fmt == "float32" else embed.data.itemsize)
+    return total

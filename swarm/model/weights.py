@@ -25,6 +25,7 @@ from swarm.model.linear import (
     native_format,
 )
 from swarm.model.quant import (
+    GROUP,
     INT4_NATIVE,
     Int4Groups,
     gguf_int4,
@@ -147,6 +148,19 @@ def _holding(raw: RawTensor, weights: str, usable=None) -> tuple[str, str | None
     """What `raw` becomes: its format, and its GGUF type where it keeps the file's blocks."""
     fmt = resolve_format(raw, weights, usable)
     return fmt, raw.kind if _blocks_kernels(raw, fmt, usable) is not None else None
+
+
+def held_bytes(raw: RawTensor, weights: str, usable=None) -> int:
+    """The bytes `make_linear(raw, weights, usable)` holds, known before it is made."""
+    fmt, kind = _holding(raw, weights, usable)
+    rows, cols = raw.shape
+    if kind is not None:
+        return raw.data.nbytes  # the file's blocks as they are
+    if fmt == "int4":
+        return rows * cols // 2 + 4 * (rows * cols // GROUP)  # a bfloat16 scale, zero a group
+    if fmt == "int8":
+        return rows * cols + 2 * rows
+    return rows * cols * (4 if fmt == "float32" else 2)
 
 
 def make_linear(

@@ -282,8 +282,8 @@ class NodeConfig:
     )
     max_memory_mb: float | None = option(
         None,
-        "without --layers or --num-blocks: memory for blocks and their KV cache"
-        " (default: 3/4 of the memory free at start)",
+        "without --layers or --num-blocks: memory for blocks and their KV cache, and the head"
+        " where the span ends the model (default: 3/4 of the memory free at start)",
         flag="--max-memory",
         type=non_negative_float,
         metavar="MB",

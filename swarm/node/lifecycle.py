@@ -35,9 +35,16 @@ from swarm.node.config import NodeConfig
 from swarm.node.directory import PeerDirectory
 from swarm.node.handover.send import hand_over_all
 from swarm.node.lend_leave import tell_borrowers, until_handed_on
-from swarm.node.measure import blocks_that_fit, measure_throughput
+from swarm.node.measure import Fit, blocks_that_fit, measure_throughput
 from swarm.node.observer import StepObserver
-from swarm.node.placement import better_span, choose_span, coverage, gaps, settled_span
+from swarm.node.placement import (
+    better_span,
+    coverage,
+    gaps,
+    room_for_head,
+    settled_span,
+    span_beside_head,
+)
 from swarm.node.server import Node
 from swarm.node.status import Status, log_status, may_borrow, status_of
 from swarm.records import CACHE, JOINING, OFFLINE, ONLINE, NodeRecord, format_blocks
@@ -144,6 +151,7 @@ class Lifecycle:
         self.key, self.me = key, key.peer
         # one key for the node's life: a moved node keeps its identity
         self.identity = None if cfg.plaintext else Identity.generate()
+        self.span_ok = source.config.span_ok  # spans this node may take (first_span adds memory)
 
     async def records(self) -> list[NodeRecord]:
         """The model's node records on the DHT now."""
@@ -159,12 +167,15 @@ class Lifecycle:
         cfg, num_layers = self.cfg, self.source.config.num_layers
         if not cfg.automatic_span:
             return cfg.start, cfg.end
-        blocks = cfg.num_blocks or await trio.to_thread.run_sync(
+        fit = Fit(cfg.num_blocks, cfg.num_blocks) if cfg.num_blocks else None
+        fit = fit or await trio.to_thread.run_sync(
             blocks_that_fit, cfg, self.source, self.usable, say
         )
+        self.span_ok = room_for_head(num_layers, fit.ending, self.span_ok)  # moves keep to it
         records = await self.records()
         blocks_now = coverage(records, num_layers)
-        start, end = choose_span(blocks_now, min(blocks, num_layers), self.source.config.span_ok)
+        size = min(fit.blocks, num_layers)
+        start, end = span_beside_head(blocks_now, size, fit.ending, self.source.config.span_ok)
         said = f"{len(records)} other node{'s' if len(records) != 1 else ''} announced"
         thin = format_blocks(gaps(blocks_now))
         said += f"; blocks nobody serves: {thin}" if thin else "; every block is served"
@@ -214,7 +225,9 @@ class Lifecycle:
         reasons: list[Callable[[], Awaitable[Stop | Move]]] = [partial(next_signal, signals)]
         if self.cfg.automatic_span and self.cfg.rebalance_s > 0:
             num_layers, every = self.source.config.num_layers, self.cfg.rebalance_s
-            watch = partial(watch_for_move, self.records, self.me, current, num_layers, every)
+            watch = partial(
+                watch_for_move, self.records, self.me, current, num_layers, every, self.span_ok
+            )
             reasons.append(watch)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(announcer.keep_fresh, report)
@@ -264,9 +277,7 @@ class Lifecycle:
         await trio.sleep(SETTLE_S + random.random())
         records = await self.records()
         num_layers = self.source.config.num_layers
-        again, rival = settled_span(
-            records, self.me, span_range, num_layers, self.source.config.span_ok
-        )
+        again, rival = settled_span(records, self.me, span_range, num_layers, self.span_ok)
         if again != span_range:
             say(
                 f"choosing again: {rival.peer[-8:]} chose {rival.start}:{rival.end} at the same"

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from swarm.model.blocks import KVCache, Span
 from swarm.model.deltanet import State
+from swarm.model.head import head_bytes
 from swarm.model.source import GGUFSource, SafetensorsSource
 from swarm.node.config import NodeConfig
 from swarm.node.placement import blocks_for_memory
@@ -26,12 +28,20 @@ def measure_throughput(span: Span) -> float:
     return min(times[1:])
 
 
+class Fit(NamedTuple):
+    """How many blocks fit a node's memory: anywhere, and in a span ending the model, whose
+    last node also holds the head it picks tokens with."""
+
+    blocks: int
+    ending: int
+
+
 def blocks_that_fit(
     cfg: NodeConfig,
     source: GGUFSource | SafetensorsSource,
     usable: tuple[str, ...],
     say: Callable[[str], None],
-) -> int:
+) -> Fit:
     """Blocks whose weights and KV cache fit --max-memory, or 3/4 of the memory free now."""
     c = source.config
     # the largest kind of block: a mixture's layer holds all its experts, many times a dense one
@@ -47,11 +57,14 @@ def blocks_that_fit(
     else:
         budget = int(available_memory() * 0.75)
     n = blocks_for_memory(block_bytes, cache_bytes, budget)
+    head = head_bytes(source, cfg.weights)
+    ending = blocks_for_memory(block_bytes, cache_bytes, budget - head)
     say(
         f"a block takes {block_bytes / 2**20:.1f} MiB of weights and {cache_bytes / 2**20:.1f}"
-        f" MiB of cache; {budget / 2**20:.0f} MiB allow {n}"
+        f" MiB of cache; {budget / 2**20:.0f} MiB allow {n}, {ending} beside the last block's"
+        f" head ({head / 2**20:.1f} MiB)"
     )
-    return n
+    return Fit(n, ending)
 
 
 def available_memory() -> int:

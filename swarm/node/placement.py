@@ -57,6 +57,30 @@ def choose_span(blocks: tuple[Block, ...], size: int, span_ok=None) -> tuple[int
     return start, start + size
 
 
+def room_for_head(num_layers: int, ending: int, span_ok=None):
+    """`span_ok`, and no span ending the model wider than `ending` blocks: the node serving
+    the last block also holds the head it picks tokens with."""
+
+    def ok(start: int, end: int) -> bool:
+        fits = end < num_layers or end - start <= ending
+        return fits and (span_ok is None or span_ok(start, end))
+
+    return ok
+
+
+def span_beside_head(
+    blocks: tuple[Block, ...], size: int, ending: int, span_ok=None
+) -> tuple[int, int]:
+    """`choose_span` for a node fitting `size` blocks, or `ending` beside the head: where the
+    thinnest window ends the model, its last `ending` blocks (the end stays served)."""
+    start, end = choose_span(blocks, size, span_ok)
+    ok = room_for_head(len(blocks), ending, span_ok)
+    if ok(start, end):
+        return start, end
+    narrower = (max(0, len(blocks) - ending), len(blocks))
+    return narrower if ok(*narrower) else choose_span(blocks, ending, ok)
+
+
 def settled_span(
     records: list[NodeRecord], me: str, chosen: tuple[int, int], num_layers: int, span_ok=None
 ) -> tuple[tuple[int, int], NodeRecord | None]:
