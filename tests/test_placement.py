@@ -177,14 +177,15 @@ def test_a_nodes_head_bytes_are_known_before_it_loads(tiny_model_dir):
     from swarm.model.head import LazyHead, head_bytes
     from swarm.model.source import open_model
 
-    for path, weights in [(tiny_model_dir, "float32"), (None, "auto")]:  # None: the default
-        source = open_model(path)
-        head = LazyHead(source, weights).get()
-        held = head.lm_head.nbytes
-        if head.embed.data is not head.lm_head.__dict__.get("weight"):
-            resident = isinstance(head.embed.data, torch.Tensor)
-            held += head.embed.data.nbytes if resident else 0
-        assert head_bytes(source, weights) == held > 0
+    for path in (tiny_model_dir, None):  # safetensors; None: the default model's GGUF file
+        for weights in ("float32", "auto"):
+            source = open_model(path)
+            head = LazyHead(source, weights).get()
+            held = head.lm_head.nbytes
+            table = head.embed.data  # a file's table mapped, or a tensor in memory
+            if isinstance(table, torch.Tensor) and table is not getattr(head.lm_head, "weight", 0):
+                held += table.nbytes
+            assert head_bytes(source, weights) == held > 0, (path, weights)
 
 
 def test_a_node_fits_fewer_blocks_where_its_span_ends_the_model():

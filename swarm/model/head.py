@@ -114,14 +114,20 @@ def head_bytes(source, weights: str) -> int:
     LM head, and its embedding table where that is not left mapped from the file; 0 where the
     file here cannot give them."""
     fmt = head_format(weights)
+    if hasattr(source, "head_tables"):  # safetensors: tables read whole, so sized unread
+        itemsize, tied = source.head_tables()
+        table = source.config.vocab * source.config.hidden
+        if fmt == "float32":
+            return table * 4 * (1 if tied else 2)
+        return table * (itemsize + 2)  # the table as the file has it; the head in bfloat16
     try:
-        raw = source.head_raw()
+        raw = source.head_raw()  # mapped from a GGUF file, not read
     except (OSError, KeyError, ValueError):  # MissingShards is an OSError
         return 0
     embed, lm_head = raw["embed"], raw["lm_head"]
     total = held_bytes(lm_head, fmt)
     if fmt == "float32" and lm_head is embed:
         return total  # one float32 table serves both
-    if fmt == "float32" or isinstance(embed.data, torch.Tensor):
-        total += embed.shape[0] * embed.shape[1] * (4 if fmt == "float32" else embed.data.itemsize)
+    if fmt == "float32":  # the look-ups' table converted whole
+        total += embed.shape[0] * embed.shape[1] * 4
     return total

@@ -394,6 +394,17 @@ class SafetensorsSource:
         """The embedding table alone, without reading the LM head and norm beside it."""
         return self.raw(f"{self.prefix}embed_tokens.weight")
 
+    def head_tables(self) -> tuple[int, bool]:
+        """The embedding table's bytes an element (from the file's header, nothing read) and
+        whether the LM head is that table."""
+        from safetensors import safe_open
+
+        name = f"{self.prefix}embed_tokens.weight"
+        with safe_open(str(self._where[name]), framework="pt") as st:
+            dtype = st.get_slice(name).get_dtype()
+        tied = self.tie or "lm_head.weight" not in self._where
+        return {"F16": 2, "BF16": 2}.get(dtype, 4), tied
+
     def tokenizer(self):
         from transformers import AutoTokenizer
 
