@@ -13,7 +13,7 @@ from swarm.client.aio import AHEAD, AsyncSession
 from swarm.client.client import Client
 from swarm.client.options import Sampling
 from swarm.client.reply import Sampler
-from swarm.errors import SwarmError
+from swarm.errors import SessionNotFound, SwarmError
 from tests.conftest import reference_greedy
 
 PROMPTS = [[5, 17, 300, 42], [7, 99, 123, 64, 1, 2, 3], [400, 12], [33] * 9]
@@ -148,3 +148,25 @@ def test_a_failed_step_raises_in_the_callers_task(tiny_client):
     with pytest.raises(SwarmError, match="holds 2 tokens"):
         trio.run(main)
     assert reply_threads() == threads
+
+
+def test_a_closed_session_opens_no_route_again(tiny_client):
+    session = tiny_client.session(64)
+    session.feed(PROMPTS[0])
+    session.close()  # as an async reply's close does, maybe while its thread steps
+    before = open_sessions(tiny_client)
+    with pytest.raises(SessionNotFound, match="closed"):
+        session.feed([1])
+    assert session.remote is None
+    assert wait_for_sessions(tiny_client, lambda n: n <= before, timeout=3) <= before
+
+
+def test_a_session_left_mid_reply_takes_no_more_steps(tiny_client):
+    async def main():
+        async with AsyncSession(tiny_client, 500) as s:
+            async for _ in s.tokens(PROMPTS[3], 100, greedy_sampler()):
+                break
+            with pytest.raises(RuntimeError, match="mid-reply"):
+                await s.feed([1])
+
+    trio.run(main)

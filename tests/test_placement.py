@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from devtools.launch import start_node, stop_all
@@ -108,6 +109,12 @@ def test_a_span_ending_the_model_is_no_wider_than_fits_beside_the_head():
     assert span_beside_head(coverage(records, LAYERS), 4, ending=3) == (0, 4)
 
 
+def test_a_node_without_room_for_the_head_serves_away_from_the_models_end():
+    records = [rec("a", 0, 8)]
+    assert span_beside_head(coverage(records, LAYERS), 4, ending=0) == (7, 11)
+    assert not room_for_head(LAYERS, ending=0)(11, 12)
+
+
 def test_room_for_the_head_keeps_the_models_own_span_rule():
     ok = room_for_head(LAYERS, ending=12, span_ok=lambda start, end: start % 2 == 0)
     assert ok(0, 4) and not ok(1, 5)
@@ -173,17 +180,21 @@ def test_nodes_started_together_without_layers_cover_the_model(tiny_model_dir):
         stop_all(nodes)
 
 
-def test_a_nodes_head_bytes_are_known_before_it_loads(tiny_model_dir):
+def test_a_nodes_head_bytes_are_known_before_it_loads(tiny_model_dir, tmp_path):
+    from devtools.hf_to_gguf import write_gguf
     from swarm.model.head import LazyHead, head_bytes
     from swarm.model.source import open_model
 
-    for path in (tiny_model_dir, None):  # safetensors; None: the default model's GGUF file
+    float_gguf = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf")  # its tables F32
+    # safetensors; a GGUF file of float tables; None: the default model's, of Q8_0 ones
+    for path in (tiny_model_dir, float_gguf, None):
         for weights in ("float32", "auto"):
             source = open_model(path)
             head = LazyHead(source, weights).get()
             held = head.lm_head.nbytes
-            table = head.embed.data  # a file's table mapped, or a tensor in memory
-            if isinstance(table, torch.Tensor) and table is not getattr(head.lm_head, "weight", 0):
+            table = head.embed.data  # a quantized file's table stays mapped (uint8 blocks)
+            in_memory = isinstance(table, torch.Tensor) or table.dtype != np.uint8
+            if in_memory and table is not getattr(head.lm_head, "weight", None):
                 held += table.nbytes
             assert head_bytes(source, weights) == held > 0, (path, weights)
 

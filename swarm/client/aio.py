@@ -6,8 +6,8 @@ steps through the client's loop and hands each token to the caller's loop as it 
 caller's loop is on no step's way, so a busy program (many users' requests) delays nobody's
 next step, and a step costs what a synchronous caller's does. Many sessions of one Client step
 at once (their heads' matmuls batch, see head_batch.py). `feed()` runs each step in a worker
-thread. Cancelling a step or a reply leaves the session's caches ahead of what the caller has
-seen: the session is then closed.
+thread. A step cancelled, or a reply left before its end, leaves the session's caches ahead of
+what the caller has seen: the session then takes no more steps, only its close.
 """
 
 from __future__ import annotations
@@ -71,15 +71,14 @@ class AsyncSession:
         try:
             while (token := await ahead.next()) is not None:
                 yield token
-        except trio.Cancelled:
-            self._broken = True
-            raise
         finally:
+            if not ahead.ended:  # left early: its thread ran ahead of what the caller saw
+                self._broken = True
             ahead.stop()
 
     def _check(self) -> None:
-        if self._broken:
-            raise RuntimeError("this session was cancelled mid-step; open a new one")
+        if self._broken or (self._ahead is not None and not self._ahead.ended):
+            raise RuntimeError("this session was left mid-step or mid-reply; open a new one")
 
     async def aclose(self) -> None:
         # shielded: a cancelled caller still frees the session's caches on the nodes
@@ -104,7 +103,7 @@ class _Ahead:
     def __init__(self, tokens: Iterator[int]):
         self._credits = threading.Semaphore(AHEAD)
         self._stopped = threading.Event()
-        self._ended = False
+        self.ended = False  # the thread's last item taken
         self._send, self._receive = trio.open_memory_channel(math.inf)
         self._trio = trio.lowlevel.current_trio_token()
         self._thread = threading.Thread(
@@ -114,11 +113,11 @@ class _Ahead:
 
     async def next(self) -> int | None:
         """The next token; None once the reply ended. Raises what making it raised."""
-        if self._ended:
+        if self.ended:
             return None
         item = await self._receive.receive()
         if isinstance(item, _End):
-            self._ended = True
+            self.ended = True
             if item.error is not None:
                 raise item.error
             return None
@@ -137,7 +136,10 @@ class _Ahead:
     def _run(self, tokens: Iterator[int]) -> None:
         end = _End()
         try:
-            while self._credits.acquire() and not self._stopped.is_set():
+            while not self._stopped.is_set():
+                self._credits.acquire()
+                if self._stopped.is_set():
+                    break
                 token = next(tokens, None)
                 if token is None:
                     break

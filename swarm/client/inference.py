@@ -25,6 +25,7 @@ from swarm.errors import (
     ProtocolError,
     RewindRefused,
     RouteUnavailable,
+    SessionNotFound,
     SpanError,
     SwarmError,
 )
@@ -106,6 +107,9 @@ class InferenceSession:
         self._attempt = 0  # failed tries of the step or round under way
         self._failed_at: float | None = None
         self._too_long: CacheFull | None = None  # a node's refusal of a session this long
+        # set by close(), maybe from another thread than a step's (an async reply's): that
+        # step then opens no route again
+        self.closed = False
 
     def __enter__(self) -> InferenceSession:
         return self
@@ -114,14 +118,21 @@ class InferenceSession:
         self.close()
 
     def close(self) -> None:
-        if self.remote is not None:
+        self.closed = True
+        self._leave()
+
+    def _leave(self) -> None:
+        """Leave the route: the next step, if any, opens another."""
+        remote, self.remote = self.remote, None
+        if remote is not None:
             self.client.release_route(self._route, self._held)
-            self.client.loop.run(self.remote.aclose)
-            self.remote = None
+            self.client.loop.run(remote.aclose)
 
     def _open(self, tokens: int) -> None:
         """Open a session on a new route for a first step of `tokens`: a long prompt may go
         to a prefill node, which hands the session on to the route's last hop (P/D)."""
+        if self.closed:
+            raise SessionNotFound("the session was closed")
         # counted on its nodes at once: load their records do not show yet, which sessions
         # routed at the same moment must see
         route, self._held = self.client.hold_route(self.excluded, self.max_length)
@@ -141,6 +152,8 @@ class InferenceSession:
         remote = self.client.remote_session(route, self.max_length, handoff, picking)
         try:
             self.client.loop.run(remote.open)
+            if self.closed:  # meanwhile, from another thread: nobody will close this one
+                raise SessionNotFound("the session was closed while it opened")
         except BaseException:
             self.client.release_route(route, self._held)
             self.client.loop.run(remote.aclose)
@@ -179,7 +192,7 @@ class InferenceSession:
         another and replays the history there), or raise `exc` where another route cannot
         help or the retries are spent; a node's `CacheFull` if no route is left without the
         nodes refusing a session this long."""
-        give_up = self._attempt == self.client.options.max_retries
+        give_up = self._attempt == self.client.options.max_retries or self.closed
         if isinstance(exc, RouteUnavailable) and self._too_long is not None:
             # the nodes left out allow shorter sessions: the caller's fix is a shorter one
             exc, give_up = self._too_long, True
@@ -300,7 +313,7 @@ class InferenceSession:
             log.warning("nodes computing wrongly, left out: %s", ", ".join(verdict.suspects))
             self.client.suspects |= verdict.suspects
             self.client.reports.publish(self.client.dht, self.client.config.name, verdict.outvoted)
-            self.close()  # the next step routes anew, replaying
+            self._leave()  # the next step routes anew, replaying
         return verdict
 
     def _reroute(self, exc: SwarmError, attempt: int) -> None:
@@ -308,7 +321,7 @@ class InferenceSession:
         and back off before the next try."""
         self._blame(exc)
         log.warning("route failed (%s); rerouting, attempt %d", exc, attempt + 1)
-        self.close()
+        self._leave()
         time.sleep(min(0.25 * 2**attempt, 4.0))
 
     def _blame(self, exc: SwarmError) -> None:

@@ -12,7 +12,7 @@ from swarm.model.gguf_file import unmap_pages
 from swarm.model.kept_rows import KeptRows
 from swarm.model.linear import Dense, Linear
 from swarm.model.norm import rms_norm
-from swarm.model.weights import RawTensor, held_bytes, make_linear, release_freed_memory
+from swarm.model.weights import RawTensor, make_linear, release_freed_memory
 
 RESCORED = 64  # the quantized head's top candidates whose logits are recomputed exactly
 
@@ -110,24 +110,9 @@ def head_format(weights: str) -> str:
 
 
 def head_bytes(source, weights: str) -> int:
-    """What a LazyHead for a span of `weights` holds once loaded (as Head.load keeps it): its
-    LM head, and its embedding table where that is not left mapped from the file; 0 where the
-    file here cannot give them."""
-    fmt = head_format(weights)
-    if hasattr(source, "head_tables"):  # safetensors: tables read whole, so sized unread
-        itemsize, tied = source.head_tables()
-        table = source.config.vocab * source.config.hidden
-        if fmt == "float32":
-            return table * 4 * (1 if tied else 2)
-        return table * (itemsize + 2)  # the table as the file has it; the head in bfloat16
+    """What a LazyHead for a span of `weights` holds once loaded (the source's `head_nbytes`,
+    nothing read); 0 where the files here cannot tell."""
     try:
-        raw = source.head_raw()  # mapped from a GGUF file, not read
+        return source.head_nbytes(head_format(weights))
     except (OSError, KeyError, ValueError):  # MissingShards is an OSError
         return 0
-    embed, lm_head = raw["embed"], raw["lm_head"]
-    total = held_bytes(lm_head, fmt)
-    if fmt == "float32" and lm_head is embed:
-        return total  # one float32 table serves both
-    if fmt == "float32":  # the look-ups' table converted whole
-        total += embed.shape[0] * embed.shape[1] * 4
-    return total

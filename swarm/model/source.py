@@ -27,7 +27,7 @@ from swarm.model.families import (
     file_name,
 )
 from swarm.model.gguf_shards import SHARD_NAME, GGUFShards, model_stem
-from swarm.model.weights import RawTensor
+from swarm.model.weights import RawTensor, held_bytes
 
 log = logging.getLogger("swarm.model")
 
@@ -284,6 +284,27 @@ class GGUFSource:
         lm_head = self._mapped("output.weight") if "output.weight" in self._tensors else embed
         return {"embed": embed, "norm": self.raw("output_norm.weight"), "lm_head": lm_head}
 
+    def head_nbytes(self, fmt: str) -> int:
+        """What Head.load keeps of this file's head in `fmt` ("auto" or "float32"): the LM head
+        as make_linear holds it, and a float embedding table, which the loader reads whole;
+        from the header and mapped tensors, nothing read."""
+        self.file.need({"token_embd.weight"}, "the client's head")
+        if not self._known(("output.weight",)):
+            raise self._cannot_tell("an LM head of its own (output.weight)")
+
+        def mapped(name: str) -> RawTensor:
+            return RawTensor(name, self._tensors[name].kind, self.file.mapped(name))
+
+        embed = mapped("token_embd.weight")
+        tied = "output.weight" not in self._tensors
+        if fmt == "float32":
+            rows, cols = embed.shape
+            return rows * cols * 4 * (1 if tied else 2)  # tied: one float32 table serves both
+        total = held_bytes(embed if tied else mapped("output.weight"), fmt)
+        if not embed.kind.startswith(("Q", "IQ")):
+            total += self._tensors["token_embd.weight"].nbytes
+        return total
+
     def embed_raw(self) -> RawTensor:
         """The embedding table alone, mapped (a node serving block 0 looks its rows up): only
         its own shard is needed."""
@@ -394,16 +415,20 @@ class SafetensorsSource:
         """The embedding table alone, without reading the LM head and norm beside it."""
         return self.raw(f"{self.prefix}embed_tokens.weight")
 
-    def head_tables(self) -> tuple[int, bool]:
-        """The embedding table's bytes an element (from the file's header, nothing read) and
-        whether the LM head is that table."""
+    def head_nbytes(self, fmt: str) -> int:
+        """What Head.load keeps of this model's head in `fmt` ("auto" or "float32"): the
+        embedding table in its own dtype and the LM head in bfloat16; sized from the config and
+        the file's header, nothing read."""
         from safetensors import safe_open
 
         name = f"{self.prefix}embed_tokens.weight"
         with safe_open(str(self._where[name]), framework="pt") as st:
-            dtype = st.get_slice(name).get_dtype()
+            itemsize = {"F16": 2, "BF16": 2}.get(st.get_slice(name).get_dtype(), 4)
         tied = self.tie or "lm_head.weight" not in self._where
-        return {"F16": 2, "BF16": 2}.get(dtype, 4), tied
+        table = self.config.vocab * self.config.hidden
+        if fmt == "float32":
+            return table * 4 * (1 if tied else 2)  # tied: one float32 table serves both
+        return table * (itemsize + 2)
 
     def tokenizer(self):
         from transformers import AutoTokenizer

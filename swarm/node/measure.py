@@ -58,7 +58,7 @@ def blocks_that_fit(
         budget = int(available_memory() * 0.75)
     n = blocks_for_memory(block_bytes, cache_bytes, budget)
     head = head_bytes(source, cfg.weights)
-    ending = blocks_for_memory(block_bytes, cache_bytes, budget - head)
+    ending = blocks_for_memory(block_bytes, cache_bytes, budget - head, least=0)
     say(
         f"a block takes {block_bytes / 2**20:.1f} MiB of weights and {cache_bytes / 2**20:.1f}"
         f" MiB of cache; {budget / 2**20:.0f} MiB allow {n}, {ending} beside the last block's"

@@ -72,13 +72,16 @@ def span_beside_head(
     blocks: tuple[Block, ...], size: int, ending: int, span_ok=None
 ) -> tuple[int, int]:
     """`choose_span` for a node fitting `size` blocks, or `ending` beside the head: where the
-    thinnest window ends the model, its last `ending` blocks (the end stays served)."""
+    thinnest window ends the model, its last `ending` blocks (the end stays served); where
+    not even one fits beside the head, the thinnest window elsewhere."""
     start, end = choose_span(blocks, size, span_ok)
     ok = room_for_head(len(blocks), ending, span_ok)
     if ok(start, end):
         return start, end
     narrower = (max(0, len(blocks) - ending), len(blocks))
-    return narrower if ok(*narrower) else choose_span(blocks, ending, ok)
+    if ending > 0 and ok(*narrower):
+        return narrower
+    return choose_span(blocks, min(size, max(1, len(blocks) - 1)), ok)
 
 
 def settled_span(
@@ -122,6 +125,9 @@ def _redundant(r: NodeRecord, records: list[NodeRecord], num_layers: int) -> boo
     return all(without[b].nodes > 0 for b in range(r.start, min(r.end, num_layers)))
 
 
-def blocks_for_memory(block_bytes: int, cache_bytes_per_block: int, budget: int) -> int:
-    """How many blocks fit `budget` bytes, each with its weights and its share of the cache."""
-    return max(1, budget // max(1, block_bytes + cache_bytes_per_block))
+def blocks_for_memory(
+    block_bytes: int, cache_bytes_per_block: int, budget: int, least: int = 1
+) -> int:
+    """How many blocks fit `budget` bytes, each with its weights and its share of the cache
+    (at least `least`)."""
+    return max(least, budget // max(1, block_bytes + cache_bytes_per_block))
