@@ -150,10 +150,10 @@ def test_a_failed_step_raises_in_the_callers_task(tiny_client):
     assert reply_threads() == threads
 
 
-def test_a_closed_session_opens_no_route_again(tiny_client):
+def test_a_session_closed_for_good_opens_no_route_again(tiny_client):
     session = tiny_client.session(64)
     session.feed(PROMPTS[0])
-    session.close()  # as an async reply's close does, maybe while its thread steps
+    session.close(final=True)  # as an async reply's close does, maybe while its thread steps
     before = open_sessions(tiny_client)
     with pytest.raises(SessionNotFound, match="closed"):
         session.feed([1])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
+from functools import partial
 
 import torch
 import trio
@@ -86,7 +87,7 @@ class AsyncSession:
             if self._ahead is not None:  # a step under way must not reopen what is closed
                 self._ahead.stop()
                 await trio.to_thread.run_sync(self._ahead.join, STOP_WAIT_S)
-            await trio.to_thread.run_sync(self._session.close)
+            await trio.to_thread.run_sync(partial(self._session.close, final=True))
 
 
 class _End:

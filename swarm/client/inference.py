@@ -107,8 +107,8 @@ class InferenceSession:
         self._attempt = 0  # failed tries of the step or round under way
         self._failed_at: float | None = None
         self._too_long: CacheFull | None = None  # a node's refusal of a session this long
-        # set by close(), maybe from another thread than a step's (an async reply's): that
-        # step then opens no route again
+        # set by close(final=True), maybe from another thread than a step's (an async
+        # reply's): that step then opens no route again
         self.closed = False
 
     def __enter__(self) -> InferenceSession:
@@ -117,8 +117,10 @@ class InferenceSession:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
-        self.closed = True
+    def close(self, final: bool = False) -> None:
+        """Leave the route: a next step opens another and replays the history there; or
+        (`final`) for good, a step under way on another thread included."""
+        self.closed = self.closed or final
         self._leave()
 
     def _leave(self) -> None:
