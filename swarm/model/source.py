@@ -277,9 +277,7 @@ class GGUFSource:
     def head_raw(self) -> dict[str, RawTensor]:
         """Embeddings and LM head mapped from the file: a client looks up a few rows of them
         a token (a 262k-row table is 170 MB at Q8_0) and keeps them for its whole life."""
-        self.file.need({"token_embd.weight", "output_norm.weight"}, "the client's head")
-        if not self._known(("output.weight",)):
-            raise self._cannot_tell("an LM head of its own (output.weight)")
+        self._need_head()
         embed = self._mapped("token_embd.weight")
         lm_head = self._mapped("output.weight") if "output.weight" in self._tensors else embed
         return {"embed": embed, "norm": self.raw("output_norm.weight"), "lm_head": lm_head}
@@ -288,9 +286,7 @@ class GGUFSource:
         """What Head.load keeps of this file's head in `fmt` ("auto" or "float32"): the LM head
         as make_linear holds it, and a float embedding table, which the loader reads whole;
         from the header and mapped tensors, nothing read."""
-        self.file.need({"token_embd.weight"}, "the client's head")
-        if not self._known(("output.weight",)):
-            raise self._cannot_tell("an LM head of its own (output.weight)")
+        self._need_head()
 
         def mapped(name: str) -> RawTensor:
             return RawTensor(name, self._tensors[name].kind, self.file.mapped(name))
@@ -304,6 +300,13 @@ class GGUFSource:
         if not embed.kind.startswith(("Q", "IQ")):
             total += self._tensors["token_embd.weight"].nbytes
         return total
+
+    def _need_head(self) -> None:
+        """MissingShards where the shards here lack the head's tensors or cannot tell whether
+        the model has an LM head of its own."""
+        self.file.need({"token_embd.weight", "output_norm.weight"}, "the client's head")
+        if not self._known(("output.weight",)):
+            raise self._cannot_tell("an LM head of its own (output.weight)")
 
     def embed_raw(self) -> RawTensor:
         """The embedding table alone, mapped (a node serving block 0 looks its rows up): only

@@ -167,15 +167,16 @@ class Lifecycle:
         cfg, num_layers = self.cfg, self.source.config.num_layers
         if not cfg.automatic_span:
             return cfg.start, cfg.end
-        fit = Fit(cfg.num_blocks, cfg.num_blocks) if cfg.num_blocks else None
-        fit = fit or await trio.to_thread.run_sync(
-            blocks_that_fit, cfg, self.source, self.usable, say
-        )
-        self.span_ok = room_for_head(num_layers, fit.ending, self.span_ok)  # moves keep to it
+        if cfg.num_blocks:
+            fit = Fit(cfg.num_blocks, cfg.num_blocks)
+        else:
+            fit = await trio.to_thread.run_sync(blocks_that_fit, cfg, self.source, self.usable, say)
+        family_ok = self.source.config.span_ok
+        self.span_ok = room_for_head(num_layers, fit.ending, family_ok)  # moves keep to it
         records = await self.records()
         blocks_now = coverage(records, num_layers)
         size = min(fit.blocks, num_layers)
-        start, end = span_beside_head(blocks_now, size, fit.ending, self.source.config.span_ok)
+        start, end = span_beside_head(blocks_now, size, fit.ending, family_ok)
         said = f"{len(records)} other node{'s' if len(records) != 1 else ''} announced"
         thin = format_blocks(gaps(blocks_now))
         said += f"; blocks nobody serves: {thin}" if thin else "; every block is served"
